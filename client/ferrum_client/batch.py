@@ -1,0 +1,156 @@
+"""Builds columnar BatchItems one item at a time, and reads BatchResults back per item."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ferrum_client.pb import executor_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """Per-item sampling; the defaults are greedy with token selection on the executor."""
+
+    full_logits: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int = 0
+    repetition_penalty: float = 0.0
+    num_logprobs: int = 0
+    token_mask: bytes = b""
+
+    def to_pb(self) -> pb.SamplingParams:
+        return pb.SamplingParams(
+            logits_return_policy=(
+                pb.LOGITS_RETURN_POLICY_FULL_LOGITS if self.full_logits
+                else pb.LOGITS_RETURN_POLICY_SELECTED_TOKEN
+            ),
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
+            num_logprobs=self.num_logprobs,
+            token_mask=self.token_mask,
+        )
+
+
+GREEDY = SamplingOptions()
+
+
+class BatchBuilder:
+    """Accumulates items column by column; sampling columns are sent only if some item
+    deviates from greedy."""
+
+    def __init__(self) -> None:
+        self.items = pb.BatchItems()
+        self._sampling: list[SamplingOptions] = []
+
+    def __len__(self) -> int:
+        return len(self.items.kinds)
+
+    def add_prefill_chunk(
+        self,
+        request_id: str,
+        cache_id: str,
+        tokens: Sequence[int],
+        position: int,
+        total_prompt_tokens: int,
+        *,
+        maximum_sequence_tokens: int = 0,
+        sampling: SamplingOptions = GREEDY,
+    ) -> int:
+        """Add tokens [position, position + len(tokens)) of a prompt; cache_id "" opens one."""
+        return self._add(pb.ITEM_KIND_PREFILL_CHUNK, request_id, cache_id, tokens, position,
+                         total_prompt_tokens, maximum_sequence_tokens, sampling)
+
+    def add_decode(
+        self, request_id: str, cache_id: str, token: int, position: int,
+        *, sampling: SamplingOptions = GREEDY,
+    ) -> int:
+        """Add one decode step feeding `token` at `position` (the cache's committed length)."""
+        return self._add(pb.ITEM_KIND_DECODE, request_id, cache_id, [token], position, 0, 0,
+                         sampling)
+
+    def _add(
+        self, kind: pb.ItemKind.ValueType, request_id: str, cache_id: str,
+        tokens: Sequence[int], position: int, total: int, max_tokens: int,
+        sampling: SamplingOptions,
+    ) -> int:
+        items = self.items
+        items.kinds.append(kind)
+        items.request_ids.append(request_id)
+        items.cache_ids.append(cache_id)
+        items.num_tokens.append(len(tokens))
+        items.token_ids.extend(tokens)
+        items.positions.append(position)
+        items.total_prompt_tokens.append(total)
+        items.maximum_sequence_tokens.append(max_tokens)
+        self._sampling.append(sampling)
+        return len(items.kinds) - 1
+
+    def build(self) -> pb.BatchItems:
+        items = pb.BatchItems()
+        items.CopyFrom(self.items)
+        if any(s != GREEDY for s in self._sampling):
+            columns = items.sampling
+            for s in self._sampling:
+                params = s.to_pb()
+                columns.logits_return_policies.append(params.logits_return_policy)
+                columns.temperatures.append(s.temperature)
+                columns.top_ks.append(s.top_k)
+                columns.top_ps.append(s.top_p)
+                columns.seeds.append(s.seed)
+                columns.repetition_penalties.append(s.repetition_penalty)
+                columns.num_logprobs.append(s.num_logprobs)
+                columns.token_masks.append(s.token_mask)
+        return items
+
+
+@dataclass(frozen=True, slots=True)
+class ItemView:
+    """One item's result, read out of the columnar BatchResults."""
+
+    status: int
+    cache_id: str
+    committed_tokens: int
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+    logits: bytes
+    deferral: pb.ExecutionDeferral | None
+
+    @property
+    def deferred(self) -> bool:
+        return self.status == pb.ITEM_STATUS_DEFERRED
+
+    @property
+    def has_token(self) -> bool:
+        return self.status == pb.ITEM_STATUS_TOKEN
+
+
+def item_views(results: pb.BatchResults) -> list[ItemView]:
+    """Split columnar results into per-item views (input order)."""
+    deferrals = {d.item_index: d for d in results.deferrals}
+    views: list[ItemView] = []
+    top_start = 0
+    for i, status in enumerate(results.statuses):
+        num_top = results.num_top_logprobs[i] if results.num_top_logprobs else 0
+        views.append(
+            ItemView(
+                status=status,
+                cache_id=results.cache_ids[i],
+                committed_tokens=results.committed_tokens[i],
+                token_id=results.token_ids[i],
+                logprob=results.token_logprobs[i],
+                top_token_ids=list(results.top_token_ids[top_start : top_start + num_top]),
+                top_logprobs=list(results.top_logprobs[top_start : top_start + num_top]),
+                logits=results.logits[i] if results.logits else b"",
+                deferral=deferrals.get(i),
+            )
+        )
+        top_start += num_top
+    return views

@@ -1,0 +1,90 @@
+"""Typed exceptions for executor status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ExecutorError(Exception):
+    """An executor call failed; `code` is the gRPC status code."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgumentError(ExecutorError):
+    """The request is malformed; do not retry."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFoundError(ExecutorError):
+    """Unknown or released cache id."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class StaleExecutorError(ExecutorError):
+    """The executor restarted since the caller last synced (FAILED_PRECONDITION)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PositionMismatchError(ExecutorError):
+    """The caller's view of a sequence is out of step (ABORTED): re-read and retry the step."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class UnavailableError(ExecutorError):
+    """Warming up, draining or unreachable: retry elsewhere or later."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ResourceExhaustedError(ExecutorError):
+    """A size or concurrency limit was hit."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class InternalError(ExecutorError):
+    """A fault after work may have been submitted: never replay automatically."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE: dict[grpc.StatusCode, type[ExecutorError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        NotFoundError,
+        StaleExecutorError,
+        PositionMismatchError,
+        UnavailableError,
+        ResourceExhaustedError,
+        InternalError,
+    )
+}
+
+
+def from_status(code: grpc.StatusCode, message: str) -> ExecutorError:
+    cls = _BY_CODE.get(code, ExecutorError)
+    return cls(message, code) if cls is ExecutorError else cls(message)
+
+
+def from_rpc_error(error: grpc.RpcError) -> ExecutorError:
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    return from_status(code, details or "")
+
+
+def from_step_error(code: int, message: str) -> ExecutorError:
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return from_status(status, message)
+    return ExecutorError(message)

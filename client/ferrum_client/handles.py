@@ -1,0 +1,259 @@
+"""Typed remote handles to one executor: `ExecutorClient` (blocking) and
+`AsyncExecutorClient` (asyncio). Both mirror the executor operations one to one, take and
+return the generated protobuf messages, and raise `ferrum_client.errors` exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ferrum_client.channel import CHANNEL_OPTIONS
+from ferrum_client.errors import from_rpc_error, from_step_error
+from ferrum_client.pb import executor_pb2 as pb
+from ferrum_client.pb import executor_pb2_grpc as pb_grpc
+
+R = TypeVar("R")
+
+
+class ExecutorClient:
+    """Blocking handle. Use as a context manager or call close()."""
+
+    def __init__(self, target: str, *, timeout_s: float | None = 60.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        options = list(CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.secure_channel(target, credentials, options) if credentials
+            else grpc.insecure_channel(target, options)
+        )
+        self._stub = pb_grpc.ExecutorServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> ExecutorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    def health(self, service: str = "") -> int:
+        """grpc.health.v1 status (1 = SERVING, 2 = NOT_SERVING)."""
+        try:
+            return int(self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                          timeout=self.timeout_s).status)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    def get_info(self) -> pb.GetInfoResponse:
+        return self._call("GetInfo", pb.GetInfoRequest())  # type: ignore[no-any-return]
+
+    def get_capabilities(self) -> pb.GetCapabilitiesResponse:
+        return self._call("GetCapabilities", pb.GetCapabilitiesRequest())  # type: ignore[no-any-return]
+
+    def get_status(self) -> pb.GetStatusResponse:
+        return self._call("GetStatus", pb.GetStatusRequest())  # type: ignore[no-any-return]
+
+    def get_metrics(self) -> pb.GetMetricsResponse:
+        return self._call("GetMetrics", pb.GetMetricsRequest())  # type: ignore[no-any-return]
+
+    def get_kv_slot_capacity(self) -> pb.GetKvSlotCapacityResponse:
+        return self._call("GetKvSlotCapacity", pb.GetKvSlotCapacityRequest())  # type: ignore[no-any-return]
+
+    def warmup(self, request: pb.WarmupRequest | None = None) -> pb.WarmupResponse:
+        return self._call("Warmup", request or pb.WarmupRequest())  # type: ignore[no-any-return]
+
+    def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        return self._call("Prefill", request)  # type: ignore[no-any-return]
+
+    def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+        return self._call("Decode", request)  # type: ignore[no-any-return]
+
+    def batch_prefill(self, request: pb.BatchPrefillRequest) -> pb.BatchPrefillResponse:
+        return self._call("BatchPrefill", request)  # type: ignore[no-any-return]
+
+    def batch_decode(self, request: pb.BatchDecodeRequest) -> pb.BatchDecodeResponse:
+        return self._call("BatchDecode", request)  # type: ignore[no-any-return]
+
+    def unified_batch(self, request: pb.UnifiedBatchRequest) -> pb.UnifiedBatchResponse:
+        return self._call("UnifiedBatch", request)  # type: ignore[no-any-return]
+
+    def forward_verify(self, request: pb.ForwardVerifyRequest) -> pb.ForwardVerifyResponse:
+        return self._call("ForwardVerify", request)  # type: ignore[no-any-return]
+
+    def truncate_kv(self, request: pb.TruncateKvRequest) -> pb.TruncateKvResponse:
+        return self._call("TruncateKv", request)  # type: ignore[no-any-return]
+
+    def reserve_kv_slots(self, request: pb.ReserveKvSlotsRequest) -> pb.ReserveKvSlotsResponse:
+        return self._call("ReserveKvSlots", request)  # type: ignore[no-any-return]
+
+    def release_cache(self, request: pb.ReleaseCacheRequest) -> pb.ReleaseCacheResponse:
+        return self._call("ReleaseCache", request)  # type: ignore[no-any-return]
+
+    def complete_cache(self, request: pb.CompleteCacheRequest) -> pb.CompleteCacheResponse:
+        return self._call("CompleteCache", request)  # type: ignore[no-any-return]
+
+
+class AsyncExecutorClient:
+    """asyncio handle, same operations as ExecutorClient, plus the step stream."""
+
+    def __init__(self, target: str, *, timeout_s: float | None = 60.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        options = list(CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials, options) if credentials
+            else grpc.aio.insecure_channel(target, options)
+        )
+        self._stub = pb_grpc.ExecutorServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.timeout_s = timeout_s
+
+    async def __aenter__(self) -> AsyncExecutorClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method: str, request: Any) -> Any:
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    async def health(self, service: str = "") -> int:
+        try:
+            response = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return int(response.status)
+
+    async def get_info(self) -> pb.GetInfoResponse:
+        return await self._call("GetInfo", pb.GetInfoRequest())  # type: ignore[no-any-return]
+
+    async def get_capabilities(self) -> pb.GetCapabilitiesResponse:
+        return await self._call("GetCapabilities", pb.GetCapabilitiesRequest())  # type: ignore[no-any-return]
+
+    async def get_status(self) -> pb.GetStatusResponse:
+        return await self._call("GetStatus", pb.GetStatusRequest())  # type: ignore[no-any-return]
+
+    async def get_metrics(self) -> pb.GetMetricsResponse:
+        return await self._call("GetMetrics", pb.GetMetricsRequest())  # type: ignore[no-any-return]
+
+    async def get_kv_slot_capacity(self) -> pb.GetKvSlotCapacityResponse:
+        return await self._call("GetKvSlotCapacity", pb.GetKvSlotCapacityRequest())  # type: ignore[no-any-return]
+
+    async def warmup(self, request: pb.WarmupRequest | None = None) -> pb.WarmupResponse:
+        return await self._call("Warmup", request or pb.WarmupRequest())  # type: ignore[no-any-return]
+
+    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        return await self._call("Prefill", request)  # type: ignore[no-any-return]
+
+    async def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+        return await self._call("Decode", request)  # type: ignore[no-any-return]
+
+    async def batch_prefill(self, request: pb.BatchPrefillRequest) -> pb.BatchPrefillResponse:
+        return await self._call("BatchPrefill", request)  # type: ignore[no-any-return]
+
+    async def batch_decode(self, request: pb.BatchDecodeRequest) -> pb.BatchDecodeResponse:
+        return await self._call("BatchDecode", request)  # type: ignore[no-any-return]
+
+    async def unified_batch(self, request: pb.UnifiedBatchRequest) -> pb.UnifiedBatchResponse:
+        return await self._call("UnifiedBatch", request)  # type: ignore[no-any-return]
+
+    async def forward_verify(self, request: pb.ForwardVerifyRequest) -> pb.ForwardVerifyResponse:
+        return await self._call("ForwardVerify", request)  # type: ignore[no-any-return]
+
+    async def truncate_kv(self, request: pb.TruncateKvRequest) -> pb.TruncateKvResponse:
+        return await self._call("TruncateKv", request)  # type: ignore[no-any-return]
+
+    async def reserve_kv_slots(self, request: pb.ReserveKvSlotsRequest
+                               ) -> pb.ReserveKvSlotsResponse:
+        return await self._call("ReserveKvSlots", request)  # type: ignore[no-any-return]
+
+    async def release_cache(self, request: pb.ReleaseCacheRequest) -> pb.ReleaseCacheResponse:
+        return await self._call("ReleaseCache", request)  # type: ignore[no-any-return]
+
+    async def complete_cache(self, request: pb.CompleteCacheRequest
+                             ) -> pb.CompleteCacheResponse:
+        return await self._call("CompleteCache", request)  # type: ignore[no-any-return]
+
+    def step_stream(self) -> StepStream:
+        """Open the hot-path stream; use `async with client.step_stream() as stream`."""
+        return StepStream(self._stub)
+
+
+class StepStream:
+    """Pipelined unified steps over one bidirectional stream.
+
+    `submit` sends a step at once and returns a future for its result, so the next step can be
+    queued while the executor runs this one. Results arrive in submission order.
+    """
+
+    def __init__(self, stub: pb_grpc.ExecutorServiceStub) -> None:
+        self._stub = stub
+        self._outbox: asyncio.Queue[pb.StepStreamRequest | None] = asyncio.Queue()
+        self._waiting: dict[int, asyncio.Future[pb.UnifiedBatchResponse]] = {}
+        self._next_step_id = 1
+        self._reader: asyncio.Task[None] | None = None
+        self._call: Any = None
+
+    async def __aenter__(self) -> StepStream:
+        self._call = self._stub.StepStream(self._requests())
+        self._reader = asyncio.ensure_future(self._read())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._outbox.put(None)
+        if self._reader is not None:
+            await self._reader
+
+    async def _requests(self) -> AsyncIterator[pb.StepStreamRequest]:
+        while (request := await self._outbox.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        try:
+            async for response in self._call:
+                future = self._waiting.pop(response.step_id)
+                if response.HasField("error"):
+                    future.set_exception(
+                        from_step_error(response.error.code, response.error.message)
+                    )
+                else:
+                    future.set_result(response.result)
+        except grpc.RpcError as error:
+            failure = from_rpc_error(error)
+            for future in self._waiting.values():
+                future.set_exception(failure)
+            self._waiting.clear()
+
+    def submit(self, request: pb.UnifiedBatchRequest) -> asyncio.Future[pb.UnifiedBatchResponse]:
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        future: asyncio.Future[pb.UnifiedBatchResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._waiting[step_id] = future
+        self._outbox.put_nowait(pb.StepStreamRequest(step_id=step_id, batch=request))
+        return future
+
+    async def run(self, request: pb.UnifiedBatchRequest) -> pb.UnifiedBatchResponse:
+        return await self.submit(request)

@@ -1,0 +1,245 @@
+"""Paged attention over a block-structured KV pool: the torch reference path (CPU and CUDA).
+
+Pool layout for one layer: ``kv_layer [2, num_blocks, block_size, num_kv_heads, head_dim]`` with
+index 0 holding K and 1 holding V. Token position ``p`` of an item lives in block
+``block_tables[i, p // block_size]`` at offset ``p % block_size``.
+
+A unified batch flattens every item's query rows into one token dimension ``T``. Single-token
+items (decodes) are gathered and attended in one batched call; multi-token items (prefill chunks,
+possibly on top of cached history) are attended one at a time with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """How the flat token dimension T of a unified batch splits into B items.
+
+    The four leading fields are the contract with the engine; the ``init=False`` fields are
+    derived once in ``__post_init__`` so every layer of a forward pass reuses them.
+    """
+
+    query_start: list[int]  # host, len B+1, cumulative q-token offsets into T
+    context_lens: list[int]  # host, len B: KV length per item AFTER this step's tokens are written
+    block_tables: torch.Tensor  # [B, max_blocks] int64 on the model device, unused entries 0
+    slot_mapping: torch.Tensor  # [T] int64: flat slot (block * block_size + offset) per new token
+
+    # Items with exactly one query row, attended together in one batched call.
+    decode_items: tuple[int, ...] = field(init=False)
+    # Items with more than one query row, attended one by one.
+    prefill_items: tuple[int, ...] = field(init=False)
+    # [D] int64 on the model device: query row of each decode item.
+    decode_rows: torch.Tensor = field(init=False)
+    # [D] int64 on the model device: KV length of each decode item.
+    decode_context_lens: torch.Tensor = field(init=False)
+    # [D, max_blocks] int64 on the model device: block-table rows of the decode items.
+    decode_block_tables: torch.Tensor = field(init=False)
+    max_decode_context: int = field(init=False)
+    max_context: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        qs, cl = self.query_start, self.context_lens
+        num_items = len(cl)
+        if len(qs) != num_items + 1:
+            raise ValueError(
+                f"query_start must have len(context_lens) + 1 = {num_items + 1} entries, "
+                f"got {len(qs)}"
+            )
+        if qs and qs[0] != 0:
+            raise ValueError(f"query_start must begin at 0, got {qs[0]}")
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != num_items:
+            raise ValueError(
+                f"block_tables must be [B={num_items}, max_blocks], "
+                f"got {tuple(self.block_tables.shape)}"
+            )
+        total = qs[-1] if qs else 0
+        if self.slot_mapping.shape != (total,):
+            raise ValueError(
+                f"slot_mapping must be [T={total}], got {tuple(self.slot_mapping.shape)}"
+            )
+        decodes: list[int] = []
+        prefills: list[int] = []
+        for i in range(num_items):
+            n = qs[i + 1] - qs[i]
+            if n < 1:
+                raise ValueError(f"item {i} has {n} query rows; every item needs at least one")
+            if cl[i] < n:
+                raise ValueError(
+                    f"item {i}: context_len {cl[i]} is smaller than its {n} new tokens"
+                )
+            (decodes if n == 1 else prefills).append(i)
+
+        device = self.block_tables.device
+        decode_idx = torch.tensor(decodes, dtype=torch.int64)
+        set_ = object.__setattr__  # frozen dataclass: derived fields are set once, here
+        set_(self, "decode_items", tuple(decodes))
+        set_(self, "prefill_items", tuple(prefills))
+        set_(
+            self,
+            "decode_rows",
+            torch.tensor([qs[i] for i in decodes], dtype=torch.int64).to(device),
+        )
+        set_(
+            self,
+            "decode_context_lens",
+            torch.tensor([cl[i] for i in decodes], dtype=torch.int64).to(device),
+        )
+        set_(self, "decode_block_tables", self.block_tables[decode_idx.to(device)])
+        set_(self, "max_decode_context", max((cl[i] for i in decodes), default=0))
+        set_(self, "max_context", max(cl, default=0))
+
+    @classmethod
+    def build(
+        cls,
+        query_start: list[int],
+        context_lens: list[int],
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> AttentionMetadata:
+        """Same as the constructor; kept as the named entry point the engine calls."""
+        return cls(
+            query_start=list(query_start),
+            context_lens=list(context_lens),
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+        )
+
+    @property
+    def num_items(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start[-1] if self.query_start else 0
+
+
+def write_kv(
+    kv_layer: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter this step's K/V rows into their pool slots, in place.
+
+    kv_layer:     [2, num_blocks, block_size, num_kv_heads, head_dim] (must be contiguous)
+    key, value:   [T, num_kv_heads, head_dim]
+    slot_mapping: [T] int64, every entry a valid slot (no padding sentinel)
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+    # A view (not a copy) so the scatter lands in the engine's pool.
+    flat = kv_layer.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
+
+
+def _gather_blocks(
+    kv_layer: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """kv_layer [2, NB, BS, Hkv, D], block_ids [..., nb] -> [2, ..., nb * BS, Hkv, D] in dtype."""
+    gathered = kv_layer[:, block_ids]  # [2, ..., nb, BS, Hkv, D]
+    shape = gathered.shape
+    flat = gathered.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    # Cast only the gathered copy: the pool may be stored narrower than the compute dtype.
+    return flat.to(dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each item's query rows over its own paged KV history.
+
+    query:    [T, num_heads, head_dim]
+    kv_layer: [2, num_blocks, block_size, num_kv_heads, head_dim], already holding this step's K/V
+    returns   [T, num_heads, head_dim] in query's dtype
+    """
+    num_tokens, num_heads = query.shape[0], query.shape[1]
+    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if num_tokens != meta.num_tokens:
+        raise ValueError(f"query has {num_tokens} rows but metadata describes {meta.num_tokens}")
+    needed_blocks = math.ceil(meta.max_context / block_size)
+    if needed_blocks > meta.block_tables.shape[1]:
+        raise ValueError(
+            f"block_tables has {meta.block_tables.shape[1]} columns but a context of "
+            f"{meta.max_context} needs {needed_blocks} blocks of {block_size}"
+        )
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if meta.decode_items:
+        out[meta.decode_rows] = _decode_attention(query, kv_layer, meta, scale, group)
+    for i in meta.prefill_items:
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        out[start:end] = _chunk_attention(
+            query[start:end], kv_layer, meta.block_tables[i], meta.context_lens[i], scale, group
+        )
+    return out
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    """All single-token items in one padded, masked SDPA call -> [D, num_heads, head_dim]."""
+    block_size, num_kv_heads, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
+    num_decodes = len(meta.decode_items)
+    nb = math.ceil(meta.max_decode_context / block_size)
+    keys_values = _gather_blocks(
+        kv, meta.decode_block_tables[:, :nb], query.dtype
+    )  # [2, D, S, Hkv, Dh]
+    k = keys_values[0].transpose(1, 2)  # [D, Hkv, S, Dh]
+    v = keys_values[1].transpose(1, 2)  # [D, Hkv, S, Dh]
+    # The G query heads sharing one KV head become G "query rows" of that KV head, so GQA needs
+    # no K/V repetition and every head sees the same per-item length mask.
+    q = query[meta.decode_rows].reshape(
+        num_decodes, num_kv_heads, group, head_dim
+    )  # [D, Hkv, G, Dh]
+    positions = torch.arange(k.shape[2], device=kv.device)  # [S]
+    mask = positions[None, :] < meta.decode_context_lens[:, None]  # [D, S]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(num_decodes, num_kv_heads * group, head_dim)  # [D, H, Dh]
+
+
+def _chunk_attention(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    """One item's n query rows over its first context_len cached positions -> [n, H, Dh]."""
+    n, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv.shape[2], kv.shape[3]
+    nb = math.ceil(context_len / block_size)
+    keys_values = _gather_blocks(kv, block_table[:nb], query.dtype)[
+        :, :context_len
+    ]  # [2, ctx, Hkv, Dh]
+    k = keys_values[0].transpose(0, 1)  # [Hkv, ctx, Dh]
+    v = keys_values[1].transpose(0, 1)  # [Hkv, ctx, Dh]
+    # Row r = j * G + g holds query token j, head g of its KV group.
+    q = query.reshape(n, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)  # [Hkv, n, G, Dh]
+    q = q.reshape(num_kv_heads, n * group, head_dim)  # [Hkv, n*G, Dh]
+    # Token j sits at absolute position context_len - n + j and sees positions up to it.
+    last_visible = torch.arange(context_len - n, context_len, device=kv.device)  # [n]
+    positions = torch.arange(context_len, device=kv.device)  # [ctx]
+    mask = positions[None, :] <= last_visible[:, None]  # [n, ctx]
+    mask = mask.repeat_interleave(group, dim=0)  # [n*G, ctx]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [Hkv, n*G, Dh]
+    o = o.view(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3)  # [n, Hkv, G, Dh]
+    return o.reshape(n, num_heads, head_dim)

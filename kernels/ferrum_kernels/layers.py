@@ -1,0 +1,43 @@
+"""Small elementwise building blocks shared by the model code (torch reference path).
+
+Each function reproduces the Hugging Face Llama-family numerics (dtype casts included), so a model
+built from them matches ``transformers`` to floating-point noise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: statistics in float32, weight applied in the input dtype."""
+    input_dtype = x.dtype
+    xf = x.to(torch.float32)
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    # HF casts back to the input dtype *before* scaling by the weight; keeping that order matters
+    # for bit-level agreement in bf16/fp16.
+    return weight * (xf * torch.rsqrt(variance + eps)).to(input_dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style ("rotate_half") rotary embedding.
+
+    x:   [T, heads, head_dim]
+    cos: [T, head_dim // 2] in x's dtype (the frequency table is duplicated across both halves in
+         the HF formulation, so only one half is stored)
+    sin: [T, head_dim // 2]
+    """
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]  # [T, heads, head_dim/2]
+    x2 = x[..., half:]  # [T, heads, head_dim/2]
+    c = cos.unsqueeze(1)  # [T, 1, head_dim/2]
+    s = sin.unsqueeze(1)  # [T, 1, head_dim/2]
+    # Same products and sums as x * cos + rotate_half(x) * sin, so results are bit-identical.
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # [T, heads, head_dim]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused [.., 2 * I] gate/up projection output -> [.., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

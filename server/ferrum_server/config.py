@@ -1,0 +1,63 @@
+"""Frozen configuration, built once at start-up from the CLI and passed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the engine needs: model source, placement and KV sizing."""
+
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    # Explicit KV pool size in bytes; 0 = size from free device memory (CUDA) or a default (CPU).
+    kv_cache_bytes: int = 0
+    # Fraction of free device memory the KV pool may take after warmup (CUDA only).
+    gpu_memory_utilization: float = 0.9
+    max_batch_tokens: int = 4096
+    max_batch_size: int = 256
+    # 0 = the model's max_position_embeddings.
+    max_sequence_length: int = 0
+    max_num_logprobs: int = 20
+    seed: int = 0
+    # CPU intra-op threads for torch; 0 = leave torch's default.
+    torch_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block size must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_bytes < 0:
+            raise ValueError("KV cache bytes must be >= 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("GPU memory utilisation must be in (0, 1]")
+        if self.max_batch_tokens < 1 or self.max_batch_size < 1:
+            raise ValueError("max batch tokens and max batch size must be >= 1")
+        if self.max_sequence_length < 0 or self.max_num_logprobs < 0:
+            raise ValueError("max sequence length and max logprobs must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Network settings of the gRPC server."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    grace_s: float = 30.0
+    # Bytes; derived from the batch limits when 0.
+    max_message_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grace_s < 0:
+            raise ValueError("grace period must be >= 0")

@@ -1,0 +1,289 @@
+"""Protobuf <-> domain conversion. Pure functions; the only module besides the servicer that
+imports the generated code."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import TypeVar
+
+from ferrum_client.pb import executor_pb2 as pb
+
+from ferrum_server.domain import (
+    GREEDY,
+    CapacityDeferral,
+    DeferralMode,
+    ItemKind,
+    ItemResult,
+    ItemStatus,
+    OutputPolicy,
+    Sampling,
+    Step,
+    StepItem,
+    StepOutcome,
+    Timings,
+)
+from ferrum_server.errors import InvalidArgument
+from ferrum_server.kv.epochs import Epochs, SourceKey
+from ferrum_server.kv.manager import Sequence
+
+V = TypeVar("V")
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def _column(name: str, values: Seq[V], count: int, default: V) -> Seq[V]:
+    if not values:
+        return [default] * count
+    if len(values) != count:
+        raise InvalidArgument(f"column {name} has {len(values)} entries for {count} items")
+    return values
+
+
+def _policy(value: int) -> OutputPolicy:
+    if value in (pb.LOGITS_RETURN_POLICY_UNSPECIFIED, pb.LOGITS_RETURN_POLICY_SELECTED_TOKEN):
+        return OutputPolicy.TOKEN
+    if value == pb.LOGITS_RETURN_POLICY_FULL_LOGITS:
+        return OutputPolicy.LOGITS
+    raise InvalidArgument(f"unknown logits return policy {value}")
+
+
+def sampling_from_pb(params: pb.SamplingParams) -> Sampling:
+    return Sampling(
+        policy=_policy(params.logits_return_policy),
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p or 1.0,
+        seed=params.seed,
+        repetition_penalty=params.repetition_penalty or 1.0,
+        num_logprobs=params.num_logprobs,
+        token_mask=params.token_mask,
+    )
+
+
+def _sampling_columns(columns: pb.SamplingColumns, count: int) -> list[Sampling]:
+    if not columns.ByteSize():
+        return [GREEDY] * count
+    policies = _column("logits_return_policies", columns.logits_return_policies, count, 0)
+    temperatures = _column("temperatures", columns.temperatures, count, 0.0)
+    top_ks = _column("top_ks", columns.top_ks, count, 0)
+    top_ps = _column("top_ps", columns.top_ps, count, 0.0)
+    seeds = _column("seeds", columns.seeds, count, 0)
+    penalties = _column("repetition_penalties", columns.repetition_penalties, count, 0.0)
+    logprobs = _column("num_logprobs", columns.num_logprobs, count, 0)
+    masks = _column("token_masks", columns.token_masks, count, b"")
+    return [
+        Sampling(
+            policy=_policy(policies[i]),
+            temperature=temperatures[i],
+            top_k=top_ks[i],
+            top_p=top_ps[i] or 1.0,
+            seed=seeds[i],
+            repetition_penalty=penalties[i] or 1.0,
+            num_logprobs=logprobs[i],
+            token_mask=masks[i],
+        )
+        for i in range(count)
+    ]
+
+
+def step_from_pb(
+    items: pb.BatchItems, mode: DeferralMode, instance_id: int, only: ItemKind | None = None
+) -> Step:
+    count = len(items.kinds)
+    kinds = items.kinds
+    for i, kind in enumerate(kinds):
+        if kind not in (ItemKind.PREFILL_CHUNK, ItemKind.DECODE):
+            raise InvalidArgument(f"item {i}: unknown item kind {kind}")
+        if only is not None and kind != only:
+            raise InvalidArgument(f"item {i}: this call takes only {only.name} items")
+    request_ids = _column("request_ids", items.request_ids, count, "")
+    cache_ids = _column("cache_ids", items.cache_ids, count, "")
+    num_tokens = _column("num_tokens", items.num_tokens, count, 0)
+    positions = _column("positions", items.positions, count, 0)
+    totals = _column("total_prompt_tokens", items.total_prompt_tokens, count, 0)
+    max_tokens = _column("maximum_sequence_tokens", items.maximum_sequence_tokens, count, 0)
+    flat = list(items.token_ids)
+    if sum(num_tokens) != len(flat):
+        raise InvalidArgument(
+            f"num_tokens adds up to {sum(num_tokens)} but token_ids has {len(flat)} entries"
+        )
+    samplings = _sampling_columns(items.sampling, count)
+    step_items: list[StepItem] = []
+    start = 0
+    for i in range(count):
+        end = start + num_tokens[i]
+        step_items.append(
+            StepItem(
+                kind=ItemKind(kinds[i]),
+                request_id=request_ids[i],
+                cache_id=cache_ids[i],
+                token_ids=flat[start:end],
+                position=positions[i],
+                total_prompt_tokens=totals[i],
+                max_sequence_tokens=max_tokens[i],
+                sampling=samplings[i],
+            )
+        )
+        start = end
+    return Step(step_items, mode, instance_id)
+
+
+def prefill_step_from_pb(request: pb.PrefillRequest) -> Step:
+    tokens = list(request.input_tokens)
+    if not tokens:
+        raise InvalidArgument("input_tokens is empty")
+    if request.HasField("chunk"):
+        chunk = request.chunk
+        if chunk.tokens_to_process == 0:
+            raise InvalidArgument("chunk.tokens_to_process must be > 0")
+        if chunk.total_prompt_tokens != len(tokens):
+            raise InvalidArgument(
+                f"chunk.total_prompt_tokens {chunk.total_prompt_tokens} != "
+                f"{len(tokens)} input tokens"
+            )
+        begin, count = chunk.tokens_processed, chunk.tokens_to_process
+        if begin + count > len(tokens):
+            raise InvalidArgument(
+                f"chunk [{begin}, {begin + count}) lies outside the prompt of {len(tokens)} tokens"
+            )
+    else:
+        begin, count = 0, len(tokens)
+    item = StepItem(
+        kind=ItemKind.PREFILL_CHUNK,
+        request_id=request.request_id,
+        cache_id=request.cache_id,
+        token_ids=tokens[begin : begin + count],
+        position=begin,
+        total_prompt_tokens=len(tokens),
+        max_sequence_tokens=request.maximum_sequence_tokens,
+        sampling=sampling_from_pb(request.sampling),
+    )
+    return Step([item], DeferralMode.ALL_OR_NOTHING, request.executor_instance_id)
+
+
+def decode_step_from_pb(request: pb.DecodeRequest) -> Step:
+    if not request.cache_id:
+        raise InvalidArgument("cache_id is required")
+    item = StepItem(
+        kind=ItemKind.DECODE,
+        request_id=request.request_id,
+        cache_id=request.cache_id,
+        token_ids=[request.input_token],
+        position=request.position,
+        sampling=sampling_from_pb(request.sampling),
+    )
+    return Step([item], DeferralMode.ALL_OR_NOTHING, request.executor_instance_id)
+
+
+def verify_step_from_pb(request: pb.ForwardVerifyRequest) -> Step:
+    if not request.cache_id:
+        raise InvalidArgument("cache_id is required")
+    item = StepItem(
+        kind=ItemKind.VERIFY,
+        request_id=request.request_id,
+        cache_id=request.cache_id,
+        token_ids=list(request.token_ids),
+        position=request.position,
+        sampling=sampling_from_pb(request.sampling),
+    )
+    return Step([item], DeferralMode.ALL_OR_NOTHING, request.executor_instance_id)
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+def epochs_to_pb(epochs: Epochs) -> pb.AdmissionEpochs:
+    return pb.AdmissionEpochs(
+        coordinator_id=epochs.coordinator_id,
+        release_epoch=epochs.release_epoch,
+        capacity_epoch=epochs.capacity_epoch,
+    )
+
+
+def sources_to_pb(observed: Seq[tuple[SourceKey, int]]) -> list[pb.CapacityAvailabilityEpoch]:
+    return [
+        pb.CapacityAvailabilityEpoch(source=int(source), domain=domain, epoch=generation)
+        for (source, domain), generation in observed
+    ]
+
+
+def deferral_to_pb(deferral: CapacityDeferral) -> pb.ExecutionDeferral:
+    s = deferral.shortfall
+    shortfall = pb.CapacityShortfall(
+        domain=0,
+        kind=s.kind,  # type: ignore[arg-type]
+        requested=s.requested,
+        available=s.available,
+        current_total=s.current_total,
+        maximum_total=s.maximum_total,
+        unit=s.unit,  # type: ignore[arg-type]
+    )
+    epochs = epochs_to_pb(deferral.epochs)
+    return pb.ExecutionDeferral(
+        item_index=deferral.item_index,
+        request_id=deferral.request_id,
+        capacity=pb.ExecutionCapacityDeferral(
+            observed=epochs,
+            wait_condition=pb.CapacityWaitCondition(
+                coordinator_id=epochs.coordinator_id, observed=sources_to_pb(deferral.observed)
+            ),
+            stage=deferral.stage,  # type: ignore[arg-type]
+            evidence=pb.ExecutionCapacityEvidence(
+                logical=pb.LogicalCapacityEvidence(shortfalls=[shortfall])
+            ),
+            narrower_prefill_tokens=deferral.narrower_prefill_tokens,
+        ),
+    )
+
+
+def timings_to_pb(timings: Timings) -> pb.StepTimings:
+    return pb.StepTimings(
+        queue_ns=timings.queue_ns,
+        forward_ns=timings.forward_ns,
+        sample_ns=timings.sample_ns,
+        total_ns=timings.total_ns,
+    )
+
+
+def results_to_pb(results: Seq[ItemResult]) -> pb.BatchResults:
+    out = pb.BatchResults()
+    out.statuses.extend(int(r.status) for r in results)  # type: ignore[misc]
+    out.cache_ids.extend(r.cache_id for r in results)
+    out.committed_tokens.extend(r.committed_tokens for r in results)
+    out.token_ids.extend(r.token_ids[0] if r.token_ids else 0 for r in results)
+    out.token_logprobs.extend(r.logprobs[0] if r.logprobs else 0.0 for r in results)
+    out.num_top_logprobs.extend(len(r.top_ids[0]) if r.top_ids else 0 for r in results)
+    for r in results:
+        if r.top_ids:
+            out.top_token_ids.extend(r.top_ids[0])
+            out.top_logprobs.extend(r.top_logprobs[0])
+    out.logits.extend(r.logits for r in results)
+    out.deferrals.extend(deferral_to_pb(r.deferral) for r in results if r.deferral is not None)
+    return out
+
+
+def kv_ref(seq: Sequence, block_size: int) -> pb.KvCacheRef:
+    return pb.KvCacheRef(
+        cache_id=seq.cache_id,
+        num_tokens=seq.num_tokens,
+        block_size=block_size,
+        block_ids=seq.block_ids,
+    )
+
+
+def sampling_output_to_pb(result: ItemResult) -> pb.SamplingOutput:
+    if result.status == ItemStatus.LOGITS:
+        return pb.SamplingOutput(full_logits=result.logits)
+    return pb.SamplingOutput(
+        token=pb.SelectedToken(
+            token_id=result.token_ids[0],
+            logprob=result.logprobs[0],
+            top_token_ids=result.top_ids[0],
+            top_logprobs=result.top_logprobs[0],
+        )
+    )
+
+
+def single_deferral(outcome: StepOutcome) -> pb.ExecutionDeferral | None:
+    deferral = outcome.results[0].deferral
+    return deferral_to_pb(deferral) if deferral is not None else None

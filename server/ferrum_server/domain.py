@@ -1,0 +1,140 @@
+"""Transport-neutral request and result types of the engine.
+
+The servicer converts protobuf to these and back; the engine and the validator never see
+protobuf. Enum values match the proto enums so conversion is a cast.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ferrum_server.kv.epochs import Epochs, SourceKey
+
+
+class ItemKind(enum.IntEnum):
+    PREFILL_CHUNK = 1
+    DECODE = 2
+    # ForwardVerify: N+1 tokens of one sequence with an output at every position (internal).
+    VERIFY = 3
+
+
+class OutputPolicy(enum.IntEnum):
+    TOKEN = 1
+    LOGITS = 2
+
+
+class ItemStatus(enum.IntEnum):
+    INTERMEDIATE = 1
+    TOKEN = 2
+    LOGITS = 3
+    DEFERRED = 4
+
+
+class DeferralMode(enum.Enum):
+    """How a step treats items that cannot get KV blocks."""
+
+    PER_ITEM = "per_item"  # UnifiedBatch: defer those items, run the rest
+    ALL_OR_NOTHING = "all_or_nothing"  # Batch*/single calls: run everything or nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    policy: OutputPolicy = OutputPolicy.TOKEN
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    num_logprobs: int = 0
+    token_mask: bytes = b""
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True, slots=True)
+class StepItem:
+    kind: ItemKind
+    request_id: str
+    cache_id: str  # "" opens a new cache (prefill chunk at position 0 only)
+    token_ids: list[int]
+    position: int
+    total_prompt_tokens: int = 0  # prefill chunks only
+    max_sequence_tokens: int = 0  # 0 = model maximum
+    sampling: Sampling = GREEDY
+
+    @property
+    def end(self) -> int:
+        return self.position + len(self.token_ids)
+
+    @property
+    def is_final(self) -> bool:
+        return self.kind != ItemKind.PREFILL_CHUNK or self.end == self.total_prompt_tokens
+
+    @property
+    def num_outputs(self) -> int:
+        if self.kind == ItemKind.VERIFY:
+            return len(self.token_ids)
+        return 1 if self.is_final else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    items: list[StepItem]
+    mode: DeferralMode = DeferralMode.PER_ITEM
+    executor_instance_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    kind: int  # proto ShortfallKind
+    unit: int  # proto CapacityUnit
+    requested: int
+    available: int
+    current_total: int
+    maximum_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityDeferral:
+    """Evidence that an item was not submitted for lack of capacity."""
+
+    item_index: int
+    request_id: str
+    stage: int  # proto ExecutionCapacityStage
+    shortfall: Shortfall
+    epochs: Epochs
+    observed: list[tuple[SourceKey, int]]
+    narrower_prefill_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ItemResult:
+    status: ItemStatus
+    cache_id: str
+    committed_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    logits: bytes = b""
+    deferral: CapacityDeferral | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    queue_ns: int = 0
+    forward_ns: int = 0
+    sample_ns: int = 0
+    total_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    results: list[ItemResult]
+    timings: Timings

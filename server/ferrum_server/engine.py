@@ -1,0 +1,407 @@
+"""The single owner of torch state: model, KV pool, sampling.
+
+Every method that touches state runs on one worker thread, in submission order, so the KV
+manager needs no locks and a step always sees the state its predecessors left. RPC handlers
+await `Engine.call`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from ferrum_server.config import EngineConfig
+from ferrum_server.domain import (
+    CapacityDeferral,
+    DeferralMode,
+    ItemKind,
+    ItemResult,
+    ItemStatus,
+    OutputPolicy,
+    Shortfall,
+    Step,
+    StepItem,
+    StepOutcome,
+    Timings,
+)
+from ferrum_server.errors import ExecutionFailed, InvalidArgument
+from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, SourceKey
+from ferrum_server.kv.manager import KvManager, ReleaseResult, Sequence
+from ferrum_server.models import LlamaForCausalLM, ModelConfig, load_model
+from ferrum_server.runner import ForwardOutput, ModelRunner
+from ferrum_server.validate import Limits, check_instance, validate_step
+
+T = TypeVar("T")
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_DEFAULT_KV_BYTES = 256 * 1024**2
+
+# proto enum values (kept numeric so the engine stays protobuf-free)
+STAGE_SEQUENCE_EXTENSION = 1
+STAGE_STEP_ADMISSION = 2
+SHORTFALL_IMMEDIATE = 1
+SHORTFALL_SEQUENCE_CEILING = 4
+UNIT_BLOCKS = 1
+UNIT_SEQUENCES = 2
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_time_ns: int = 0
+    decode_time_ns: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    items: int = 0
+    current_batch_size: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.instance_id = secrets.randbits(63) | 1
+        self.device = torch.device(config.device)
+        self.dtype = _TORCH_DTYPES[config.dtype]
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.model, self.model_config = load_model(
+            config.model, dtype=self.dtype, device=self.device
+        )
+        mc = self.model_config
+        self.max_sequence_length = config.max_sequence_length or mc.max_position_embeddings
+        if self.max_sequence_length > mc.max_position_embeddings:
+            raise ValueError(
+                f"max sequence length {self.max_sequence_length} exceeds the model's "
+                f"{mc.max_position_embeddings} positions"
+            )
+        self.block_bytes = mc.kv_bytes_per_token(self.dtype) * config.block_size
+        num_blocks = self._plan_num_blocks()
+        self.kv_cache = torch.zeros(
+            (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.kv = KvManager(num_blocks, config.block_size, config.max_batch_size, self.instance_id)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, config.block_size, mc.vocab_size, self.device
+        )
+        self.limits = Limits(
+            vocab_size=mc.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_size=config.max_batch_size,
+            max_num_logprobs=config.max_num_logprobs,
+            instance_id=self.instance_id,
+        )
+        self.stats = EngineStats()
+        self.warmed_up = False
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-engine")
+
+    def _plan_num_blocks(self) -> int:
+        budget = self.config.kv_cache_bytes
+        if budget == 0:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_utilization)
+            else:
+                budget = _CPU_DEFAULT_KV_BYTES
+        num_blocks = budget // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV budget of {budget} bytes holds no block of {self.block_bytes} bytes"
+            )
+        return int(num_blocks)
+
+    @property
+    def model_info(self) -> ModelConfig:
+        return self.model_config
+
+    # -- threading ------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run fn(*args) on the engine thread, after everything submitted before it."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, fn, *args)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def execute(self, step: Step, submitted_ns: int = 0) -> StepOutcome:
+        started = time.perf_counter_ns()
+        sequences = validate_step(step, self.kv, self.limits)
+        deferrals = self._reserve(step, sequences)
+        runnable = [i for i in range(len(step.items)) if i not in deferrals]
+        results: list[ItemResult | None] = [None] * len(step.items)
+        for index, deferral in deferrals.items():
+            seq = sequences[index]
+            results[index] = ItemResult(
+                status=ItemStatus.DEFERRED,
+                cache_id=step.items[index].cache_id,
+                committed_tokens=seq.num_tokens if seq else 0,
+                deferral=deferral,
+            )
+        forward = ForwardOutput(None, [], {}, 0, 0)
+        if runnable:
+            run_items = [step.items[i] for i in runnable]
+            run_seqs = [sequences[i] for i in runnable]
+            assert all(seq is not None for seq in run_seqs)
+            opened = [seq for i, seq in zip(runnable, run_seqs, strict=True)
+                      if not step.items[i].cache_id]
+            try:
+                forward = self.runner.run(run_items, run_seqs)  # type: ignore[arg-type]
+            except Exception as exc:
+                for seq in opened:
+                    if seq is not None:
+                        self.kv.release(seq.cache_id)
+                raise ExecutionFailed("the forward pass failed") from exc
+            self._commit(run_items, run_seqs, runnable, forward, results)  # type: ignore[arg-type]
+            self._count(run_items, forward)
+        finished = time.perf_counter_ns()
+        timings = Timings(
+            queue_ns=max(0, started - submitted_ns) if submitted_ns else 0,
+            forward_ns=forward.forward_ns,
+            sample_ns=forward.sample_ns,
+            total_ns=finished - started,
+        )
+        return StepOutcome(results=[r for r in results if r is not None], timings=timings)
+
+    def _reserve(
+        self, step: Step, sequences: list[Sequence | None]
+    ) -> dict[int, CapacityDeferral]:
+        """Take the blocks every runnable item needs; return deferrals for the others."""
+        kv = self.kv
+        free_blocks = kv.pool.num_free
+        free_slots = kv.num_free_sequence_slots
+        plan: list[tuple[int, int]] = []  # (item index, blocks needed)
+        deferrals: dict[int, CapacityDeferral] = {}
+        for index, (item, seq) in enumerate(zip(step.items, sequences, strict=True)):
+            needed = kv.blocks_needed(seq, item.end)
+            opens = seq is None
+            if opens and free_slots < 1:
+                deferrals[index] = self._deferral(
+                    index, item, STAGE_STEP_ADMISSION, SHORTFALL_SEQUENCE_CEILING, UNIT_SEQUENCES,
+                    1, 0, kv.max_sequences, {SEQUENCE_SLOTS}, seq, free_blocks,
+                )
+            elif needed > free_blocks:
+                stage = STAGE_STEP_ADMISSION if opens else STAGE_SEQUENCE_EXTENSION
+                deferrals[index] = self._deferral(
+                    index, item, stage, SHORTFALL_IMMEDIATE, UNIT_BLOCKS, needed, free_blocks,
+                    kv.pool.num_blocks, {KV_BLOCKS}, seq, free_blocks,
+                )
+            else:
+                plan.append((index, needed))
+                free_blocks -= needed
+                free_slots -= int(opens)
+        if deferrals and step.mode == DeferralMode.ALL_OR_NOTHING:
+            first = min(deferrals)
+            return {i: deferrals[first] for i in range(len(step.items))}
+        for index, _ in plan:
+            item = step.items[index]
+            seq = sequences[index]
+            if seq is None:
+                max_tokens = item.max_sequence_tokens or self.max_sequence_length
+                seq = kv.open(item.request_id, max_tokens)
+                sequences[index] = seq
+            kv.grow(seq, item.end)
+        return deferrals
+
+    def _deferral(
+        self, index: int, item: StepItem, stage: int, kind: int, unit: int, requested: int,
+        available: int, total: int, sources: set[SourceKey], seq: Sequence | None,
+        free_blocks: int,
+    ) -> CapacityDeferral:
+        narrower = 0
+        count = len(item.token_ids)
+        if item.kind == ItemKind.PREFILL_CHUNK and unit == UNIT_BLOCKS and count > 1:
+            held = len(seq.block_ids) if seq else 0
+            fits = (held + free_blocks) * self.kv.block_size - item.position
+            if fits >= 1:
+                narrower = min(fits, count - -(-count // 4))
+        return CapacityDeferral(
+            item_index=index,
+            request_id=item.request_id,
+            stage=stage,
+            shortfall=Shortfall(kind, unit, requested, available, total, total),
+            epochs=self.kv.clock.snapshot(),
+            observed=self.kv.clock.observed(sources),
+            narrower_prefill_tokens=max(0, narrower),
+        )
+
+    def _commit(
+        self,
+        items: list[StepItem],
+        sequences: list[Sequence],
+        indices: list[int],
+        forward: ForwardOutput,
+        results: list[ItemResult | None],
+    ) -> None:
+        sampled = forward.sampled
+        token_ids: list[int] = sampled.token_ids.tolist() if sampled is not None else []
+        logprobs: list[float] = sampled.logprobs.tolist() if sampled is not None else []
+        top_ids: list[list[int]] = sampled.top_ids.tolist() if sampled is not None else []
+        top_lps: list[list[float]] = sampled.top_logprobs.tolist() if sampled is not None else []
+        position_of_row = {row: k for k, row in enumerate(forward.token_rows)}
+        row = 0
+        for index, item, seq in zip(indices, items, sequences, strict=True):
+            self.kv.commit(seq, item.token_ids)
+            result = ItemResult(
+                status=ItemStatus.INTERMEDIATE, cache_id=seq.cache_id,
+                committed_tokens=seq.num_tokens,
+            )
+            if item.num_outputs:
+                if item.sampling.policy == OutputPolicy.LOGITS:
+                    result.status = ItemStatus.LOGITS
+                    result.logits = b"".join(
+                        forward.logits_rows[r] for r in range(row, row + item.num_outputs)
+                    )
+                else:
+                    result.status = ItemStatus.TOKEN
+                    for r in range(row, row + item.num_outputs):
+                        k = position_of_row[r]
+                        result.token_ids.append(token_ids[k])
+                        result.logprobs.append(logprobs[k])
+                        num_top = item.sampling.num_logprobs
+                        result.top_ids.append(top_ids[k][:num_top])
+                        result.top_logprobs.append(top_lps[k][:num_top])
+                row += item.num_outputs
+            results[index] = result
+
+    def _count(self, items: list[StepItem], forward: ForwardOutput) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.items += len(items)
+        elapsed = forward.forward_ns + forward.sample_ns
+        prefill = sum(len(i.token_ids) for i in items if i.kind != ItemKind.DECODE)
+        stats.prefill_tokens += prefill
+        stats.decode_tokens += sum(1 for i in items if i.kind == ItemKind.DECODE)
+        if prefill:
+            stats.prefill_steps += 1
+            stats.prefill_time_ns += elapsed
+        else:
+            stats.decode_steps += 1
+            stats.decode_time_ns += elapsed
+
+    # -- cache operations -----------------------------------------------------------------
+
+    def release(self, cache_id: str, instance_id: int = 0) -> ReleaseResult:
+        check_instance(instance_id, self.limits)
+        return self.kv.release(cache_id)
+
+    def complete(self, request_id: str, cache_id: str, instance_id: int = 0) -> ReleaseResult:
+        check_instance(instance_id, self.limits)
+        if not cache_id:
+            raise InvalidArgument("cache_id is required")
+        seq = self.kv.sequences.get(cache_id)
+        if seq is not None and request_id and seq.request_id != request_id:
+            raise InvalidArgument(f"cache {cache_id!r} belongs to another request")
+        return self.kv.release(cache_id)
+
+    def truncate(self, cache_id: str, new_length: int, instance_id: int = 0) -> tuple[Sequence,
+                                                                                         int]:
+        check_instance(instance_id, self.limits)
+        seq = self.kv.lookup(cache_id)
+        if new_length > seq.num_tokens:
+            raise InvalidArgument(
+                f"cannot truncate cache {cache_id!r} of {seq.num_tokens} tokens to {new_length}"
+            )
+        return seq, self.kv.truncate(seq, new_length)
+
+    def warmup(self, num_tokens: int = 0) -> tuple[int, float]:
+        """Run one real forward of num_tokens prompt tokens through a scratch cache."""
+        count = min(num_tokens or self.config.max_batch_tokens, self.max_sequence_length,
+                    self.kv.pool.num_blocks * self.kv.block_size)
+        generator = torch.Generator().manual_seed(self.config.seed)
+        tokens = torch.randint(0, self.model_config.vocab_size, (count,), generator=generator)
+        item = StepItem(ItemKind.PREFILL_CHUNK, "warmup", "", tokens.tolist(), 0, count)
+        started = time.perf_counter()
+        outcome = self.execute(Step([item], DeferralMode.ALL_OR_NOTHING))
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        result = outcome.results[0]
+        if result.status == ItemStatus.DEFERRED:
+            raise RuntimeError("warmup could not get KV blocks")
+        self.kv.release(result.cache_id)
+        self.warmed_up = True
+        return count, elapsed_ms
+
+    def reserve_slots(
+        self, requests: list[tuple[str, str, int, int]], instance_id: int = 0
+    ) -> SlotReservation | CapacityDeferral:
+        """Make (cache_id, request_id, target_len, admission_len) writable, all or nothing.
+
+        An empty cache_id opens a new cache. admission_len is a fit check only: it must fit in
+        the pool's free blocks but is never allocated.
+        """
+        check_instance(instance_id, self.limits)
+        kv = self.kv
+        seen: set[str] = set()
+        sequences: list[Sequence | None] = []
+        for index, (cache_id, request_id, target, admission) in enumerate(requests):
+            if target == 0 or target > self.max_sequence_length:
+                raise InvalidArgument(
+                    f"item {index}: target_len {target} outside [1, {self.max_sequence_length}]"
+                )
+            if admission > self.max_sequence_length:
+                raise InvalidArgument(f"item {index}: admission_target_len {admission} too long")
+            seq = None
+            if cache_id:
+                if cache_id in seen:
+                    raise InvalidArgument(f"item {index}: cache {cache_id!r} appears twice")
+                seen.add(cache_id)
+                seq = kv.lookup(cache_id)
+                if request_id and seq.request_id != request_id:
+                    raise InvalidArgument(f"item {index}: cache belongs to another request")
+                if target < seq.num_tokens:
+                    raise InvalidArgument(f"item {index}: target_len below committed length")
+            sequences.append(seq)
+        free_before = kv.pool.num_free
+        free, slots = free_before, kv.num_free_sequence_slots
+        for index, ((_, request_id, target, admission), seq) in enumerate(
+            zip(requests, sequences, strict=True)
+        ):
+            item = StepItem(ItemKind.DECODE, request_id, "", [0], max(0, target - 1))
+            if seq is None and slots < 1:
+                return self._deferral(index, item, STAGE_STEP_ADMISSION,
+                                      SHORTFALL_SEQUENCE_CEILING, UNIT_SEQUENCES, 1, 0,
+                                      kv.max_sequences, {SEQUENCE_SLOTS}, None, free)
+            needed = kv.blocks_needed(seq, target)
+            fit = max(needed, kv.blocks_needed(seq, max(admission, target)))
+            if fit > free:
+                return self._deferral(index, item, STAGE_SEQUENCE_EXTENSION, SHORTFALL_IMMEDIATE,
+                                      UNIT_BLOCKS, fit, free, kv.pool.num_blocks, {KV_BLOCKS},
+                                      seq, free)
+            free -= needed
+            slots -= int(seq is None)
+        allocations: list[tuple[str, int, int]] = []
+        for (_, request_id, target, _), seq in zip(requests, sequences, strict=True):
+            if seq is None:
+                seq = kv.open(request_id, self.max_sequence_length)
+            before = len(seq.block_ids)
+            kv.grow(seq, target)
+            allocations.append((seq.cache_id, before, len(seq.block_ids)))
+        return SlotReservation(
+            block_size=kv.block_size,
+            total_blocks=kv.pool.num_blocks,
+            free_blocks_before=free_before,
+            free_blocks_after=kv.pool.num_free,
+            allocations=allocations,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SlotReservation:
+    block_size: int
+    total_blocks: int
+    free_blocks_before: int
+    free_blocks_after: int
+    allocations: list[tuple[str, int, int]]  # (cache id, blocks before, blocks after)

@@ -1,0 +1,64 @@
+"""Domain errors and the one place that maps them to gRPC status codes.
+
+Handlers raise these; the servicer turns them into status codes with short, fixed-shape
+messages. Anything else becomes INTERNAL with a generic text (details go to the log only).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ExecutorError(Exception):
+    """Base class: a request the executor refuses, with the status code it maps to."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ExecutorError):
+    """Malformed regardless of state: bad token id, empty chunk, NaN temperature, ..."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ExecutorError):
+    """Unknown or retired cache id, unknown request id."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(ExecutorError):
+    """An id is already in use with a different meaning."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class StaleInstance(ExecutorError):
+    """The caller believes in an executor instance that is not this one (restart)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PositionMismatch(ExecutorError):
+    """The scheduler's view of a sequence is out of step with the executor's: re-read, retry."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class Unavailable(ExecutorError):
+    """Warming up or draining: retry on another executor."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ExecutionFailed(ExecutorError):
+    """A fault after work may have been submitted: never replay automatically."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+INTERNAL_MESSAGE = "internal error"

@@ -1,0 +1,206 @@
+"""Builds the descriptive responses (info, capabilities, status, metrics, capacity)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from ferrum_client.pb import executor_pb2 as pb
+
+from ferrum_server import __version__, convert
+from ferrum_server.engine import Engine, SlotReservation
+
+_DTYPES = {
+    torch.float32: pb.DATA_TYPE_FP32,
+    torch.bfloat16: pb.DATA_TYPE_BF16,
+    torch.float16: pb.DATA_TYPE_FP16,
+}
+
+
+def _device(engine: Engine) -> pb.Device:
+    if engine.device.type == "cuda":
+        return pb.Device(kind=pb.DEVICE_KIND_CUDA, ordinal=engine.device.index or 0)
+    return pb.Device(kind=pb.DEVICE_KIND_CPU)
+
+
+def model_info(engine: Engine) -> pb.ModelInfo:
+    mc = engine.model_config
+    return pb.ModelInfo(
+        model_id=engine.config.model,
+        model_type=mc.model_type,
+        num_parameters=mc.num_parameters,
+        hidden_size=mc.hidden_size,
+        num_layers=mc.num_layers,
+        num_heads=mc.num_heads,
+        num_kv_heads=mc.num_kv_heads,
+        vocab_size=mc.vocab_size,
+        max_sequence_length=engine.max_sequence_length,
+        dtype=_DTYPES[engine.dtype],
+        device=_device(engine),
+        head_dim=mc.head_dim,
+        eos_token_ids=list(mc.eos_token_ids),
+        metadata={"architecture": json.dumps(mc.architecture)},
+    )
+
+
+def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
+    mc = engine.model_config
+    attention = [pb.ATTENTION_TYPE_PAGED]
+    attention.append(
+        pb.ATTENTION_TYPE_GROUPED_QUERY if mc.num_kv_heads < mc.num_heads
+        else pb.ATTENTION_TYPE_MULTI_HEAD
+    )
+    kv_per_token = mc.kv_bytes_per_token(engine.dtype)
+    return pb.ExecutorCapabilities(
+        max_batch_size=engine.config.max_batch_size,
+        max_sequence_length=engine.max_sequence_length,
+        attention_mechanisms=attention,
+        supports_dynamic_batching=True,
+        supports_continuous_batching=True,
+        supports_speculative_decoding=True,
+        supported_dtypes=list(_DTYPES.values()),
+        supported_devices=[pb.Device(kind=pb.DEVICE_KIND_CPU),
+                           pb.Device(kind=pb.DEVICE_KIND_CUDA)],
+        memory_requirements=pb.MemoryRequirements(
+            parameter_memory=mc.num_parameters * engine.dtype.itemsize,
+            kv_cache_memory_per_token=kv_per_token // max(1, mc.num_layers),
+            typed_sequence_state=pb.TypedSequenceStateMemory(kv_bytes_per_token=kv_per_token),
+        ),
+        supports_native_unified_decode=True,
+        execution_resource_authority=pb.EXECUTION_RESOURCE_AUTHORITY_PLAN_RUNTIME,
+        supports_server_sampling=True,
+        max_num_logprobs=engine.config.max_num_logprobs,
+        admission_limits=pb.AdmissionLimits(
+            maximum_active_sequences=engine.config.max_batch_size,
+            maximum_scheduled_tokens=engine.config.max_batch_tokens,
+        ),
+        block_size=engine.config.block_size,
+    )
+
+
+def executor_config(engine: Engine) -> pb.ExecutorConfig:
+    cfg = engine.config
+    return pb.ExecutorConfig(
+        model_info=model_info(engine),
+        device=_device(engine),
+        dtype=_DTYPES[engine.dtype],
+        max_batch_size=cfg.max_batch_size,
+        max_sequence_length=engine.max_sequence_length,
+        attention_config=pb.ExecutorAttentionConfig(
+            attention_type=pb.ATTENTION_TYPE_PAGED,
+            enable_paged_attention=True,
+            block_size=cfg.block_size,
+        ),
+        memory_config=pb.ExecutorMemoryConfig(
+            enable_memory_pooling=True,
+            memory_pool_size=engine.kv_cache.numel() * engine.kv_cache.element_size(),
+            max_memory_usage=cfg.gpu_memory_utilization * 100,
+        ),
+        optimization_config=pb.OptimizationConfig(),
+        executor_options={"max_batch_tokens": json.dumps(cfg.max_batch_tokens)},
+    )
+
+
+def info_response(engine: Engine) -> pb.GetInfoResponse:
+    return pb.GetInfoResponse(
+        model_info=model_info(engine),
+        capabilities=capabilities(engine),
+        config=executor_config(engine),
+        executor_instance_id=engine.instance_id,
+        executor_type=pb.EXECUTOR_TYPE_CONTINUOUS_BATCH,
+        server_version=__version__,
+    )
+
+
+def kv_snapshot(engine: Engine) -> pb.KvSlotCapacitySnapshot:
+    pool = engine.kv.pool
+    return pb.KvSlotCapacitySnapshot(
+        block_size=engine.kv.block_size,
+        total_blocks=pool.num_blocks,
+        free_blocks=pool.num_free,
+        used_blocks=pool.num_used,
+    )
+
+
+def _memory(engine: Engine) -> pb.ExecutorMemoryUsage:
+    weights = engine.model_config.num_parameters * engine.dtype.itemsize
+    pool_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
+    used = weights + engine.kv.pool.num_used * engine.block_bytes
+    allocated = weights + pool_bytes
+    peak = allocated
+    if engine.device.type == "cuda":
+        peak = int(torch.cuda.max_memory_allocated(engine.device))
+    return pb.ExecutorMemoryUsage(
+        allocated_bytes=allocated,
+        used_bytes=used,
+        peak_bytes=peak,
+        utilization_percent=100.0 * used / allocated,
+    )
+
+
+def status_response(engine: Engine, accepting: bool) -> pb.GetStatusResponse:
+    stats = engine.stats
+    if not engine.warmed_up:
+        state = pb.EXECUTOR_STATE_INITIALIZING
+    elif not accepting:
+        state = pb.EXECUTOR_STATE_SHUTDOWN
+    else:
+        state = pb.EXECUTOR_STATE_READY
+    status = pb.ExecutorStatus(
+        state=state,
+        is_ready=accepting,
+        current_batch_size=stats.current_batch_size,
+        prefill_operations=stats.prefill_steps,
+        decode_operations=stats.decode_steps,
+        avg_prefill_time_ms=stats.prefill_time_ns / 1e6 / max(1, stats.prefill_steps),
+        avg_decode_time_ms=stats.decode_time_ns / 1e6 / max(1, stats.decode_steps),
+        memory_usage=_memory(engine),
+        active_sequences=len(engine.kv.sequences),
+        steps_executed=stats.steps,
+        prefill_tokens=stats.prefill_tokens,
+        decode_tokens=stats.decode_tokens,
+    )
+    return pb.GetStatusResponse(status=status, kv_capacity=kv_snapshot(engine))
+
+
+def metrics(engine: Engine) -> pb.ExecutorMetrics:
+    stats = engine.stats
+    busy_s = (stats.prefill_time_ns + stats.decode_time_ns) / 1e9
+    memory = _memory(engine)
+    return pb.ExecutorMetrics(
+        total_operations=stats.steps,
+        prefill_operations=stats.prefill_steps,
+        decode_operations=stats.decode_steps,
+        avg_prefill_latency=stats.prefill_time_ns / 1e6 / max(1, stats.prefill_steps),
+        avg_decode_latency=stats.decode_time_ns / 1e6 / max(1, stats.decode_steps),
+        throughput_tps=(stats.prefill_tokens + stats.decode_tokens) / busy_s if busy_s else 0.0,
+        memory_efficiency=memory.used_bytes / max(1, memory.allocated_bytes),
+        batch_utilization=stats.items / max(1, stats.steps) / engine.config.max_batch_size,
+    )
+
+
+def reserve_kv_slots(engine: Engine, request: pb.ReserveKvSlotsRequest
+                     ) -> pb.ReserveKvSlotsResponse:
+    count = len(request.target_lens)
+    cache_ids = convert._column("cache_ids", request.cache_ids, count, "")
+    request_ids = convert._column("request_ids", request.request_ids, count, "")
+    admission = convert._column("admission_target_lens", request.admission_target_lens, count, 0)
+    outcome = engine.reserve_slots(
+        [(cache_ids[i], request_ids[i], request.target_lens[i], admission[i])
+         for i in range(count)],
+        request.executor_instance_id,
+    )
+    if not isinstance(outcome, SlotReservation):
+        return pb.ReserveKvSlotsResponse(deferred=convert.deferral_to_pb(outcome))
+    return pb.ReserveKvSlotsResponse(
+        reserved=pb.KvSlotReservation(
+            block_size=outcome.block_size,
+            total_blocks=outcome.total_blocks,
+            free_blocks_before=outcome.free_blocks_before,
+            free_blocks_after=outcome.free_blocks_after,
+            cache_ids=[a[0] for a in outcome.allocations],
+            blocks_before=[a[1] for a in outcome.allocations],
+            blocks_after=[a[2] for a in outcome.allocations],
+            new_blocks=[a[2] - a[1] for a in outcome.allocations],
+        )
+    )

@@ -1,0 +1,287 @@
+"""Model hyper-parameters parsed from (and written back to) a Hugging Face ``config.json``.
+
+Only the dense Llama family is supported: Llama (1-3.x), Mistral without sliding window, Qwen2
+(q/k/v bias) and Qwen3 (per-head q/k RMSNorm). Anything else is rejected up front with a
+message naming the offending field, rather than producing silently wrong logits later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# HF architecture class name -> model_type, for the families this executor can run.
+_ARCH_TO_MODEL_TYPE: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPE_TO_ARCH: dict[str, str] = {v: k for k, v in _ARCH_TO_MODEL_TYPE.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama-3 ("llama3") frequency-dependent RoPE scaling, the only scaling type supported."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> RopeScaling | None:
+        """Parse a ``rope_scaling`` / ``rope_parameters`` dict; ``None`` for plain RoPE."""
+        rope_type = d.get("rope_type", d.get("type"))
+        if rope_type in (None, "default"):
+            return None
+        if rope_type != "llama3":
+            raise ValueError(
+                f"unsupported rope scaling type {rope_type!r}: only 'llama3' (or no scaling) "
+                "is supported"
+            )
+        try:
+            return cls(
+                rope_type="llama3",
+                factor=float(d["factor"]),
+                low_freq_factor=float(d["low_freq_factor"]),
+                high_freq_factor=float(d["high_freq_factor"]),
+                original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            raise ValueError(f"llama3 rope scaling is missing the {e.args[0]!r} field") from e
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "rope_type": self.rope_type,
+            "factor": self.factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str  # HF class name, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in _ARCH_TO_MODEL_TYPE:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: "
+                f"{sorted(_ARCH_TO_MODEL_TYPE)}"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def model_type(self) -> str:
+        return _ARCH_TO_MODEL_TYPE[self.architecture]
+
+    @property
+    def o_proj_bias(self) -> bool:
+        # Qwen2 puts bias on q/k/v only; Llama/Qwen3's attention_bias also covers o_proj.
+        return self.attention_bias and self.model_type != "qwen2"
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> ModelConfig:
+        """Parse a HF ``config.json`` dict (transformers 4.x or 5.x field layout)."""
+        architecture = _resolve_architecture(d)
+        model_type = _ARCH_TO_MODEL_TYPE[architecture]
+
+        def req(key: str) -> Any:
+            if key not in d:
+                raise ValueError(f"config.json for {architecture} is missing required {key!r}")
+            return d[key]
+
+        hidden_act = d.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is supported")
+        if d.get("mlp_bias", False):
+            raise ValueError("mlp_bias=true is not supported")
+
+        hidden_size = int(req("hidden_size"))
+        num_heads = int(req("num_attention_heads"))
+        num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
+        head_dim = int(d.get("head_dim") or hidden_size // num_heads)
+        max_pos = int(req("max_position_embeddings"))
+
+        rope_theta, rope_scaling = _parse_rope(d)
+        _check_sliding_window(d, model_type, max_pos)
+
+        eos = d.get("eos_token_id")
+        eos_ids: tuple[int, ...]
+        if eos is None:
+            eos_ids = ()
+        elif isinstance(eos, list):
+            eos_ids = tuple(int(x) for x in eos)
+        else:
+            eos_ids = (int(eos),)
+        bos = d.get("bos_token_id")
+
+        return cls(
+            architecture=architecture,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden_size,
+            intermediate_size=int(req("intermediate_size")),
+            num_layers=int(req("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2 hard-codes bias on q/k/v; the others read the (rare) attention_bias flag.
+            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A ``config.json`` dict that transformers (4.45+ and 5.x) loads as the same model."""
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": _eos_to_hf(self.eos_token_ids),
+            "torch_dtype": "float32",
+        }
+        if self.model_type in ("llama", "qwen3"):
+            d["attention_bias"] = self.attention_bias
+        if self.model_type in ("qwen2", "qwen3"):
+            d["use_sliding_window"] = False
+        if self.model_type == "mistral":
+            d["sliding_window"] = None
+        return d
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of KV cache one token occupies across all layers (K and V)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q_out, kv_out = self.num_heads * d, self.num_kv_heads * d
+        attn = h * (q_out + 2 * kv_out) + q_out * h
+        if self.attention_bias:
+            attn += q_out + 2 * kv_out
+        if self.o_proj_bias:
+            attn += h
+        if self.qk_norm:
+            attn += 2 * d
+        per_layer = attn + 3 * h * i + 2 * h  # + two RMSNorm weights
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return embed + self.num_layers * per_layer + h + head
+
+
+def _resolve_architecture(d: Mapping[str, Any]) -> str:
+    archs = d.get("architectures") or []
+    model_type = d.get("model_type")
+    if archs:
+        arch = str(archs[0])
+        if arch not in _ARCH_TO_MODEL_TYPE:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {sorted(_ARCH_TO_MODEL_TYPE)}"
+            )
+        return arch
+    if model_type in _MODEL_TYPE_TO_ARCH:
+        return _MODEL_TYPE_TO_ARCH[str(model_type)]
+    raise ValueError(
+        f"unsupported model_type {model_type!r} (no 'architectures' given); supported: "
+        f"{sorted(_MODEL_TYPE_TO_ARCH)}"
+    )
+
+
+def _parse_rope(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    # transformers 5 folds theta and scaling into one "rope_parameters" dict; 4.x keeps them apart.
+    params = d.get("rope_parameters")
+    if (
+        isinstance(params, Mapping)
+        and "rope_theta" in params
+        and not isinstance(params.get("rope_theta"), Mapping)
+    ):
+        theta = float(params["rope_theta"])
+        scaling = RopeScaling.from_hf(params)
+        _check_partial_rotary(params)
+    else:
+        theta = float(d.get("rope_theta", 10000.0))
+        raw = d.get("rope_scaling")
+        scaling = RopeScaling.from_hf(raw) if isinstance(raw, Mapping) else None
+        if isinstance(raw, Mapping):
+            _check_partial_rotary(raw)
+    _check_partial_rotary(d)
+    return theta, scaling
+
+
+def _check_partial_rotary(d: Mapping[str, Any]) -> None:
+    factor = d.get("partial_rotary_factor", 1.0)
+    if factor not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={factor} is not supported (only 1.0)")
+
+
+def _check_sliding_window(d: Mapping[str, Any], model_type: str, max_pos: int) -> None:
+    window = d.get("sliding_window")
+    if model_type == "mistral":
+        if window is not None and int(window) < max_pos:
+            raise ValueError(
+                f"Mistral sliding_window={window} < max_position_embeddings={max_pos}: "
+                "sliding-window attention is not supported yet"
+            )
+    elif (
+        model_type in ("qwen2", "qwen3")
+        and d.get("use_sliding_window", False)
+        and (window is None or int(window) < max_pos)
+    ):
+        raise ValueError(
+            f"{model_type} use_sliding_window=true with sliding_window={window} < "
+            f"max_position_embeddings={max_pos}: sliding-window attention is not supported yet"
+        )
+
+
+def _eos_to_hf(eos: tuple[int, ...]) -> int | list[int] | None:
+    if not eos:
+        return None
+    return eos[0] if len(eos) == 1 else list(eos)

@@ -1,0 +1,294 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Every projection runs once over the flat token dimension T of a unified batch; only attention
+looks at the per-item split carried by ``AttentionMetadata``. q/k/v and gate/up are fused into one
+GEMM each; ``weight_map`` records how the fused tensors map onto HF checkpoint names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
+from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
+from torch import nn
+
+from ferrum_server.models.config import ModelConfig, RopeScaling
+
+
+@dataclass(frozen=True, slots=True)
+class WeightEntry:
+    """One parameter of ours and the HF tensors concatenated (along dim 0) to fill it."""
+
+    name: str
+    hf_names: tuple[str, ...]
+    split_sizes: tuple[int, ...]  # rows each HF tensor contributes, same order as hf_names
+
+
+def weight_map(config: ModelConfig) -> list[WeightEntry]:
+    """Our parameter names in a fixed order, with the HF names that back each one."""
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    entries = [WeightEntry("embed_tokens.weight", ("model.embed_tokens.weight",), (0,))]
+    for i in range(config.num_layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        attn = hf + "self_attn."
+        entries.append(
+            WeightEntry(ours + "input_layernorm.weight", (hf + "input_layernorm.weight",), (0,))
+        )
+        qkv = tuple(attn + p for p in ("q_proj", "k_proj", "v_proj"))
+        entries.append(
+            WeightEntry(
+                ours + "qkv_proj.weight",
+                tuple(n + ".weight" for n in qkv),
+                (q_out, kv_out, kv_out),
+            )
+        )
+        if config.attention_bias:
+            entries.append(
+                WeightEntry(
+                    ours + "qkv_proj.bias", tuple(n + ".bias" for n in qkv), (q_out, kv_out, kv_out)
+                )
+            )
+        entries.append(WeightEntry(ours + "o_proj.weight", (attn + "o_proj.weight",), (0,)))
+        if config.o_proj_bias:
+            entries.append(WeightEntry(ours + "o_proj.bias", (attn + "o_proj.bias",), (0,)))
+        if config.qk_norm:
+            entries.append(WeightEntry(ours + "q_norm.weight", (attn + "q_norm.weight",), (0,)))
+            entries.append(WeightEntry(ours + "k_norm.weight", (attn + "k_norm.weight",), (0,)))
+        entries.append(
+            WeightEntry(
+                ours + "post_attention_layernorm.weight",
+                (hf + "post_attention_layernorm.weight",),
+                (0,),
+            )
+        )
+        entries.append(
+            WeightEntry(
+                ours + "gate_up_proj.weight",
+                (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                (inter, inter),
+            )
+        )
+        entries.append(WeightEntry(ours + "down_proj.weight", (hf + "mlp.down_proj.weight",), (0,)))
+    entries.append(WeightEntry("norm.weight", ("model.norm.weight",), (0,)))
+    if not config.tie_word_embeddings:
+        entries.append(WeightEntry("lm_head.weight", ("lm_head.weight",), (0,)))
+    return entries
+
+
+def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the model needs, with its expected shape."""
+    model = LlamaForCausalLM(config, device=torch.device("meta"))
+    params = dict(model.named_parameters())
+    shapes: dict[str, tuple[int, ...]] = {}
+    for entry in weight_map(config):
+        full = tuple(params[entry.name].shape)
+        if len(entry.hf_names) == 1:
+            shapes[entry.hf_names[0]] = full
+        else:
+            for hf_name, rows in zip(entry.hf_names, entry.split_sizes, strict=True):
+                shapes[hf_name] = (rows, *full[1:])
+    return shapes
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, computed exactly as transformers does."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)  # [D/2]
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, and the band between them is
+    # interpolated smoothly; the op order mirrors transformers so the floats agree.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | None
+    ) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.scale = d**-0.5
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
+        self.qkv_proj = nn.Linear(
+            h,
+            (config.num_heads + 2 * config.num_kv_heads) * d,
+            bias=config.attention_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = nn.Linear(
+            config.num_heads * d, h, bias=config.o_proj_bias, dtype=dtype, device=device
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
+        self.gate_up_proj = nn.Linear(
+            h, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, h, bias=False, dtype=dtype, device=device
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim/2]
+        sin: torch.Tensor,  # [T, head_dim/2]
+        kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        residual = hidden
+        hidden = residual + self._attention(self.input_layernorm(hidden), cos, sin, kv_layer, meta)
+        residual = hidden
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2I]
+        mlp_out: torch.Tensor = self.down_proj(silu_and_mul(gate_up))  # [T, hidden]
+        return residual + mlp_out
+
+    def _attention(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) * D]
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        q = q.reshape(t, h, d)  # [T, H, D]
+        k = k.reshape(t, hkv, d)  # [T, Hkv, D]
+        v = v.reshape(t, hkv, d)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        # Written before attending so each new token sees its own K/V.
+        write_kv(kv_layer, k, v, meta.slot_mapping)
+        o = paged_attention(q, kv_layer, meta, self.scale)  # [T, H, D]
+        out: torch.Tensor = self.o_proj(o.reshape(t, h * d))  # [T, hidden]
+        return out
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype=dtype, device=device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
+            )
+        # Half-width tables (the HF table repeats them across both halves). Kept in float32:
+        # they are cast to the activation dtype at use, as transformers does.
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.reset_rope_cache(device)
+
+    def reset_rope_cache(self, device: torch.device | None = None) -> None:
+        """(Re)compute the RoPE tables, e.g. after materialising a meta-device model."""
+        if device is None:
+            device = self.embed_tokens.weight.device
+        inv_freq = rope_inv_freq(self.config)  # [D/2], always on CPU so every device agrees
+        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2]
+        self.rope_cos = freqs.cos().to(device)
+        self.rope_sin = freqs.sin().to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for every query row of the batch."""
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos = self.rope_cos[positions].to(hidden.dtype)  # [T, D/2]
+        sin = self.rope_sin[positions].to(hidden.dtype)  # [T, D/2]
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, kv_cache[i], meta)
+        return self.norm(hidden)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, get_tensor: Callable[[str], torch.Tensor]) -> None:
+        """Fill every parameter from HF-named tensors (names/shapes validated by the caller)."""
+        params = dict(self.named_parameters())
+        for entry in weight_map(self.config):
+            param = params[entry.name]
+            if len(entry.hf_names) == 1:
+                param.copy_(get_tensor(entry.hf_names[0]))
+                continue
+            offset = 0
+            for hf_name, rows in zip(entry.hf_names, entry.split_sizes, strict=True):
+                param[offset : offset + rows].copy_(get_tensor(hf_name))
+                offset += rows
+
+    @torch.no_grad()
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters under HF names (fused tensors split back), as views of our weights."""
+        params = dict(self.named_parameters())
+        out: dict[str, torch.Tensor] = {}
+        for entry in weight_map(self.config):
+            param = params[entry.name].detach()
+            if len(entry.hf_names) == 1:
+                out[entry.hf_names[0]] = param
+                continue
+            parts = torch.split(param, list(entry.split_sizes), dim=0)
+            out.update(zip(entry.hf_names, parts, strict=True))
+        return out

@@ -1,0 +1,146 @@
+"""Turns a validated, capacity-checked batch into one forward pass and sampled outputs.
+
+All items are flattened into one token dimension T; only attention sees the per-item split.
+Only rows that produce output (final chunks, decodes, verify positions) go through the LM head.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors, sample
+
+from ferrum_server.domain import ItemKind, OutputPolicy, StepItem
+from ferrum_server.kv.manager import Sequence
+from ferrum_server.models import LlamaForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    """Per output row (in item order): either sampled tokens or raw logits."""
+
+    sampled: SampleOutput | None  # rows of TOKEN-policy outputs
+    token_rows: list[int]  # output row index -> position in `sampled`
+    logits_rows: dict[int, bytes]  # output row index -> float32 logits bytes
+    forward_ns: int
+    sample_ns: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, items: list[StepItem], sequences: list[Sequence]) -> ForwardOutput:
+        """Run one forward over `items` whose sequences already hold blocks for the new tokens."""
+        started = time.perf_counter_ns()
+        counts = [len(item.token_ids) for item in items]
+        query_start = [0]
+        for count in counts:
+            query_start.append(query_start[-1] + count)
+        context_lens = [item.end for item in items]
+        flat_tokens = [token for item in items for token in item.token_ids]
+
+        device = self.device
+        input_ids = torch.tensor(flat_tokens, dtype=torch.int64, device=device)  # [T]
+        counts_t = torch.tensor(counts, dtype=torch.int64, device=device)  # [B]
+        starts_t = torch.tensor(query_start[:-1], dtype=torch.int64, device=device)  # [B]
+        offsets_t = torch.tensor([item.position for item in items], dtype=torch.int64,
+                                 device=device)  # [B]
+        item_of_token = torch.repeat_interleave(
+            torch.arange(len(items), device=device), counts_t
+        )  # [T]
+        positions = (
+            torch.arange(len(flat_tokens), device=device) - starts_t[item_of_token]
+            + offsets_t[item_of_token]
+        )  # [T]
+        width = max(len(seq.block_ids) for seq in sequences)
+        table_rows = [seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in sequences]
+        block_tables = torch.tensor(table_rows, dtype=torch.int64, device=device)  # [B, width]
+        block_of_token = block_tables[item_of_token, positions // self.block_size]  # [T]
+        slot_mapping = block_of_token * self.block_size + positions % self.block_size  # [T]
+        meta = AttentionMetadata.build(query_start, context_lens, block_tables, slot_mapping)
+
+        output_rows: list[int] = []  # flat token rows that go through the LM head
+        for index, item in enumerate(items):
+            if item.kind == ItemKind.VERIFY:
+                output_rows.extend(range(query_start[index], query_start[index + 1]))
+            elif item.is_final:
+                output_rows.append(query_start[index + 1] - 1)
+
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        if not output_rows:
+            return ForwardOutput(None, [], {}, time.perf_counter_ns() - started, 0)
+        rows_t = torch.tensor(output_rows, dtype=torch.int64, device=device)
+        logits = self.model.compute_logits(hidden[rows_t])  # [R, vocab] float32
+        forwarded = time.perf_counter_ns()
+        sampled, token_rows, logits_rows = self._select(items, sequences, logits)
+        finished = time.perf_counter_ns()
+        return ForwardOutput(
+            sampled, token_rows, logits_rows, forwarded - started, finished - forwarded
+        )
+
+    def _select(
+        self, items: list[StepItem], sequences: list[Sequence], logits: torch.Tensor
+    ) -> tuple[SampleOutput | None, list[int], dict[int, bytes]]:
+        token_rows: list[int] = []
+        logits_rows: dict[int, bytes] = {}
+        row_items: list[tuple[StepItem, Sequence, int]] = []  # (item, seq, position sampled)
+        row = 0
+        for item, seq in zip(items, sequences, strict=True):
+            for k in range(item.num_outputs):
+                # The token chosen at this row sits at position end - num_outputs + k + 1.
+                position = item.end - item.num_outputs + k + 1
+                if item.sampling.policy == OutputPolicy.LOGITS:
+                    logits_rows[row] = logits[row].to("cpu").numpy().astype("<f4").tobytes()
+                else:
+                    token_rows.append(row)
+                    row_items.append((item, seq, position))
+                row += 1
+        if not token_rows:
+            return None, token_rows, logits_rows
+        selected = logits if len(token_rows) == row else logits[token_rows]
+        params = [item.sampling for item, _, _ in row_items]
+        penalised = any(p.repetition_penalty not in (0.0, 1.0) for p in params)
+        masked = any(p.token_mask for p in params)
+        tensors = build_sampling_tensors(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p or 1.0 for p in params],
+            seeds=[p.seed for p in params],
+            offsets=[position for _, _, position in row_items],
+            repetition_penalty=[p.repetition_penalty or 1.0 for p in params],
+            penalty_ids=_penalty_context(row_items) if penalised else None,
+            token_mask_bits=[p.token_mask or None for p in params] if masked else None,
+            num_logprobs=max(p.num_logprobs for p in params),
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        return sample(selected, tensors), token_rows, logits_rows
+
+
+def _penalty_context(row_items: list[tuple[StepItem, Sequence, int]]) -> list[list[int]]:
+    """HF convention: the penalty covers every context token up to the sampled position."""
+    context: list[list[int]] = []
+    for item, seq, position in row_items:
+        if item.sampling.repetition_penalty in (0.0, 1.0):
+            context.append([])
+            continue
+        # seq.token_ids holds tokens before item.position; the item's own tokens follow.
+        upto = position - item.position
+        context.append(seq.token_ids + item.token_ids[:upto])
+    return context
