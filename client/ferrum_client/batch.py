@@ -24,7 +24,8 @@ class SamplingOptions:
     def to_pb(self) -> pb.SamplingParams:
         return pb.SamplingParams(
             logits_return_policy=(
-                pb.LOGITS_RETURN_POLICY_FULL_LOGITS if self.full_logits
+                pb.LOGITS_RETURN_POLICY_FULL_LOGITS
+                if self.full_logits
                 else pb.LOGITS_RETURN_POLICY_SELECTED_TOKEN
             ),
             temperature=self.temperature,
@@ -63,20 +64,40 @@ class BatchBuilder:
         sampling: SamplingOptions = GREEDY,
     ) -> int:
         """Add tokens [position, position + len(tokens)) of a prompt; cache_id "" opens one."""
-        return self._add(pb.ITEM_KIND_PREFILL_CHUNK, request_id, cache_id, tokens, position,
-                         total_prompt_tokens, maximum_sequence_tokens, sampling)
+        return self._add(
+            pb.ITEM_KIND_PREFILL_CHUNK,
+            request_id,
+            cache_id,
+            tokens,
+            position,
+            total_prompt_tokens,
+            maximum_sequence_tokens,
+            sampling,
+        )
 
     def add_decode(
-        self, request_id: str, cache_id: str, token: int, position: int,
-        *, sampling: SamplingOptions = GREEDY,
+        self,
+        request_id: str,
+        cache_id: str,
+        token: int,
+        position: int,
+        *,
+        sampling: SamplingOptions = GREEDY,
     ) -> int:
         """Add one decode step feeding `token` at `position` (the cache's committed length)."""
-        return self._add(pb.ITEM_KIND_DECODE, request_id, cache_id, [token], position, 0, 0,
-                         sampling)
+        return self._add(
+            pb.ITEM_KIND_DECODE, request_id, cache_id, [token], position, 0, 0, sampling
+        )
 
     def _add(
-        self, kind: pb.ItemKind.ValueType, request_id: str, cache_id: str,
-        tokens: Sequence[int], position: int, total: int, max_tokens: int,
+        self,
+        kind: pb.ItemKind.ValueType,
+        request_id: str,
+        cache_id: str,
+        tokens: Sequence[int],
+        position: int,
+        total: int,
+        max_tokens: int,
         sampling: SamplingOptions,
     ) -> int:
         items = self.items

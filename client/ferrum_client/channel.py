@@ -9,14 +9,23 @@ MAX_MESSAGE_BYTES = 256 * 1024**2
 
 # Retry only what is safe: UNAVAILABLE on read-only methods. Execution and release calls are
 # never retried by the channel (a retried step could run twice); schedulers decide.
-_READ_ONLY = ("GetInfo", "GetCapabilities", "GetStatus", "GetMetrics", "GetKvSlotCapacity",
-              "GetCapacitySnapshot", "ListReleaseSources")
+_READ_ONLY = (
+    "GetInfo",
+    "GetCapabilities",
+    "GetStatus",
+    "GetMetrics",
+    "GetKvSlotCapacity",
+    "GetCapacitySnapshot",
+    "ListReleaseSources",
+)
 SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": "ferrum.executor.v1.ExecutorService", "method": m}
-                         for m in _READ_ONLY],
+                "name": [
+                    {"service": "ferrum.executor.v1.ExecutorService", "method": m}
+                    for m in _READ_ONLY
+                ],
                 "retryPolicy": {
                     "maxAttempts": 4,
                     "initialBackoff": "0.05s",

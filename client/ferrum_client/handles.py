@@ -23,11 +23,17 @@ R = TypeVar("R")
 class ExecutorClient:
     """Blocking handle. Use as a context manager or call close()."""
 
-    def __init__(self, target: str, *, timeout_s: float | None = 60.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float | None = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         options = list(CHANNEL_OPTIONS)
         self._channel = (
-            grpc.secure_channel(target, credentials, options) if credentials
+            grpc.secure_channel(target, credentials, options)
+            if credentials
             else grpc.insecure_channel(target, options)
         )
         self._stub = pb_grpc.ExecutorServiceStub(self._channel)
@@ -52,8 +58,11 @@ class ExecutorClient:
     def health(self, service: str = "") -> int:
         """grpc.health.v1 status (1 = SERVING, 2 = NOT_SERVING)."""
         try:
-            return int(self._health.Check(health_pb2.HealthCheckRequest(service=service),
-                                          timeout=self.timeout_s).status)
+            return int(
+                self._health.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s
+                ).status
+            )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
@@ -109,11 +118,17 @@ class ExecutorClient:
 class AsyncExecutorClient:
     """asyncio handle, same operations as ExecutorClient, plus the step stream."""
 
-    def __init__(self, target: str, *, timeout_s: float | None = 60.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float | None = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         options = list(CHANNEL_OPTIONS)
         self._channel = (
-            grpc.aio.secure_channel(target, credentials, options) if credentials
+            grpc.aio.secure_channel(target, credentials, options)
+            if credentials
             else grpc.aio.insecure_channel(target, options)
         )
         self._stub = pb_grpc.ExecutorServiceStub(self._channel)
@@ -123,12 +138,16 @@ class AsyncExecutorClient:
     async def __aenter__(self) -> AsyncExecutorClient:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._channel.close(None)
 
     async def _call(self, method: str, request: Any) -> Any:
         try:
@@ -184,15 +203,15 @@ class AsyncExecutorClient:
     async def truncate_kv(self, request: pb.TruncateKvRequest) -> pb.TruncateKvResponse:
         return await self._call("TruncateKv", request)  # type: ignore[no-any-return]
 
-    async def reserve_kv_slots(self, request: pb.ReserveKvSlotsRequest
-                               ) -> pb.ReserveKvSlotsResponse:
+    async def reserve_kv_slots(
+        self, request: pb.ReserveKvSlotsRequest
+    ) -> pb.ReserveKvSlotsResponse:
         return await self._call("ReserveKvSlots", request)  # type: ignore[no-any-return]
 
     async def release_cache(self, request: pb.ReleaseCacheRequest) -> pb.ReleaseCacheResponse:
         return await self._call("ReleaseCache", request)  # type: ignore[no-any-return]
 
-    async def complete_cache(self, request: pb.CompleteCacheRequest
-                             ) -> pb.CompleteCacheResponse:
+    async def complete_cache(self, request: pb.CompleteCacheRequest) -> pb.CompleteCacheResponse:
         return await self._call("CompleteCache", request)  # type: ignore[no-any-return]
 
     def step_stream(self) -> StepStream:
@@ -216,7 +235,7 @@ class StepStream:
         self._call: Any = None
 
     async def __aenter__(self) -> StepStream:
-        self._call = self._stub.StepStream(self._requests())
+        self._call = self._stub.StepStream(self._requests())  # type: ignore[arg-type]
         self._reader = asyncio.ensure_future(self._read())
         return self
 
@@ -248,9 +267,7 @@ class StepStream:
     def submit(self, request: pb.UnifiedBatchRequest) -> asyncio.Future[pb.UnifiedBatchResponse]:
         step_id = self._next_step_id
         self._next_step_id += 1
-        future: asyncio.Future[pb.UnifiedBatchResponse] = (
-            asyncio.get_running_loop().create_future()
-        )
+        future: asyncio.Future[pb.UnifiedBatchResponse] = asyncio.get_running_loop().create_future()
         self._waiting[step_id] = future
         self._outbox.put_nowait(pb.StepStreamRequest(step_id=step_id, batch=request))
         return future

@@ -199,16 +199,14 @@ def _decode_attention(
     block_size, num_kv_heads, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
     num_decodes = len(meta.decode_items)
     nb = math.ceil(meta.max_decode_context / block_size)
-    keys_values = _gather_blocks(
-        kv, meta.decode_block_tables[:, :nb], query.dtype
-    )  # [2, D, S, Hkv, Dh]
+    # [2, D, S, Hkv, Dh] with S = nb * block_size >= every decode item's context
+    keys_values = _gather_blocks(kv, meta.decode_block_tables[:, :nb], query.dtype)
     k = keys_values[0].transpose(1, 2)  # [D, Hkv, S, Dh]
     v = keys_values[1].transpose(1, 2)  # [D, Hkv, S, Dh]
     # The G query heads sharing one KV head become G "query rows" of that KV head, so GQA needs
     # no K/V repetition and every head sees the same per-item length mask.
-    q = query[meta.decode_rows].reshape(
-        num_decodes, num_kv_heads, group, head_dim
-    )  # [D, Hkv, G, Dh]
+    q = query[meta.decode_rows]  # [D, H, Dh]
+    q = q.reshape(num_decodes, num_kv_heads, group, head_dim)  # [D, Hkv, G, Dh]
     positions = torch.arange(k.shape[2], device=kv.device)  # [S]
     mask = positions[None, :] < meta.decode_context_lens[:, None]  # [D, S]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
@@ -227,9 +225,8 @@ def _chunk_attention(
     n, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv.shape[2], kv.shape[3]
     nb = math.ceil(context_len / block_size)
-    keys_values = _gather_blocks(kv, block_table[:nb], query.dtype)[
-        :, :context_len
-    ]  # [2, ctx, Hkv, Dh]
+    keys_values = _gather_blocks(kv, block_table[:nb], query.dtype)  # [2, nb*BS, Hkv, Dh]
+    keys_values = keys_values[:, :context_len]  # [2, ctx, Hkv, Dh]
     k = keys_values[0].transpose(0, 1)  # [Hkv, ctx, Dh]
     v = keys_values[1].transpose(0, 1)  # [Hkv, ctx, Dh]
     # Row r = j * G + g holds query token j, head g of its KV group.

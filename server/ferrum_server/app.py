@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import grpc
 from ferrum_client.pb import executor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferrum_server.config import EngineConfig, ServerConfig
 from ferrum_server.engine import Engine
@@ -40,7 +41,7 @@ class RunningServer:
     port: int
     engine: Engine
     servicer: ExecutorServicer
-    health: health.aio.HealthServicer
+    health: health_aio.HealthServicer
 
     async def mark_serving(self) -> None:
         self.servicer.accepting = True
@@ -55,8 +56,9 @@ class RunningServer:
         self.engine.shutdown()
 
 
-async def start_server(engine_config: EngineConfig, server_config: ServerConfig,
-                       engine: Engine | None = None) -> RunningServer:
+async def start_server(
+    engine_config: EngineConfig, server_config: ServerConfig, engine: Engine | None = None
+) -> RunningServer:
     """Load the model, bind the port, warm up, then report SERVING."""
     engine = engine or Engine(engine_config)
     limit = message_limit_bytes(engine_config, server_config)
@@ -71,7 +73,7 @@ async def start_server(engine_config: EngineConfig, server_config: ServerConfig,
     )
     servicer = ExecutorServicer(engine)
     pb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, _NOT_SERVING)

@@ -23,41 +23,63 @@ def _env(name: str, default: str) -> str:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=_env("MODEL", "tiny"),
-                        help="'tiny' (built-in random weights) or a HF folder path")
+    parser.add_argument(
+        "--model",
+        default=_env("MODEL", "tiny"),
+        help="'tiny' (built-in random weights) or a HF folder path",
+    )
     parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(_env("PORT", "50051")),
-                        help="0 picks a free port")
+    parser.add_argument(
+        "--port", type=int, default=int(_env("PORT", "50051")), help="0 picks a free port"
+    )
     parser.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=DTYPES)
     parser.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
-    parser.add_argument("--kv-cache-bytes", type=int, default=int(_env("KV_CACHE_BYTES", "0")),
-                        help="KV pool bytes; 0 = from free GPU memory (CUDA) or 256 MiB (CPU)")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        default=float(_env("GPU_MEMORY_UTILIZATION", "0.9")))
-    parser.add_argument("--max-batch-tokens", type=int,
-                        default=int(_env("MAX_BATCH_TOKENS", "4096")))
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=int(_env("KV_CACHE_BYTES", "0")),
+        help="KV pool bytes; 0 = from free GPU memory (CUDA) or 256 MiB (CPU)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", "0.9"))
+    )
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=int(_env("MAX_BATCH_TOKENS", "4096"))
+    )
     parser.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "256")))
-    parser.add_argument("--max-sequence-length", type=int,
-                        default=int(_env("MAX_SEQUENCE_LENGTH", "0")))
+    parser.add_argument(
+        "--max-sequence-length", type=int, default=int(_env("MAX_SEQUENCE_LENGTH", "0"))
+    )
     parser.add_argument("--torch-threads", type=int, default=int(_env("TORCH_THREADS", "0")))
     parser.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", "30")))
-    parser.add_argument("--port-file", type=pathlib.Path, default=None,
-                        help="write the bound port here once SERVING (for port 0)")
+    parser.add_argument(
+        "--port-file",
+        type=pathlib.Path,
+        default=None,
+        help="write the bound port here once SERVING (for port 0)",
+    )
 
 
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     engine = EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_batch_tokens=args.max_batch_tokens, max_batch_size=args.max_batch_size,
-        max_sequence_length=args.max_sequence_length, torch_threads=args.torch_threads,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_size=args.max_batch_size,
+        max_sequence_length=args.max_sequence_length,
+        torch_threads=args.torch_threads,
     )
     return engine, ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s)
 
 
-async def _serve(engine: EngineConfig, server: ServerConfig, port_file: pathlib.Path | None
-                 ) -> None:
+async def _serve(
+    engine: EngineConfig, server: ServerConfig, port_file: pathlib.Path | None
+) -> None:
     from ferrum_server.app import start_server
 
     running = await start_server(engine, server)
@@ -97,14 +119,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_server_process(extra_args: Sequence[str] = (), timeout_s: float = 120.0
-                         ) -> tuple[subprocess.Popen[bytes], int]:
+def start_server_process(
+    extra_args: Sequence[str] = (), timeout_s: float = 120.0
+) -> tuple[subprocess.Popen[bytes], int]:
     """Start `ferrum-executor serve` on 127.0.0.1, port 0; return (process, port) once SERVING."""
     folder = tempfile.mkdtemp(prefix="ferrum-")
     port_file = pathlib.Path(folder) / "port"
     process = subprocess.Popen(
-        [sys.executable, "-m", "ferrum_server", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--port-file", str(port_file), *extra_args],
+        [
+            sys.executable,
+            "-m",
+            "ferrum_server",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            *extra_args,
+        ],
     )
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():
@@ -122,8 +156,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     process, port = start_server_process(["--model", args.model, "--dtype", args.dtype])
     try:
-        report = asyncio.run(run_demo(f"127.0.0.1:{port}", num_requests=args.requests,
-                                      max_new_tokens=args.max_new_tokens))
+        report = asyncio.run(
+            run_demo(
+                f"127.0.0.1:{port}", num_requests=args.requests, max_new_tokens=args.max_new_tokens
+            )
+        )
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)

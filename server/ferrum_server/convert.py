@@ -91,7 +91,7 @@ def step_from_pb(
 ) -> Step:
     count = len(items.kinds)
     kinds = items.kinds
-    for i, kind in enumerate(kinds):
+    for i, kind in enumerate(int(k) for k in kinds):
         if kind not in (ItemKind.PREFILL_CHUNK, ItemKind.DECODE):
             raise InvalidArgument(f"item {i}: unknown item kind {kind}")
         if only is not None and kind != only:
@@ -202,7 +202,9 @@ def epochs_to_pb(epochs: Epochs) -> pb.AdmissionEpochs:
 
 def sources_to_pb(observed: Seq[tuple[SourceKey, int]]) -> list[pb.CapacityAvailabilityEpoch]:
     return [
-        pb.CapacityAvailabilityEpoch(source=int(source), domain=domain, epoch=generation)
+        pb.CapacityAvailabilityEpoch(
+            source=pb.CapacitySource.ValueType(source), domain=domain, epoch=generation
+        )
         for (source, domain), generation in observed
     ]
 

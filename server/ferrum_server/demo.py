@@ -24,16 +24,25 @@ class DemoRequest:
         return len(self.output) >= self.max_new_tokens
 
 
-async def run_demo(target: str, *, num_requests: int = 4, max_new_tokens: int = 16,
-                   chunk_tokens: int = 24, seed: int = 0) -> dict[str, object]:
+async def run_demo(
+    target: str,
+    *,
+    num_requests: int = 4,
+    max_new_tokens: int = 16,
+    chunk_tokens: int = 24,
+    seed: int = 0,
+) -> dict[str, object]:
     """Generate greedily for a few random prompts; return outputs and timings."""
     rng = random.Random(seed)
     async with AsyncExecutorClient(target) as client:
         info = await client.get_info()
         vocab = info.model_info.vocab_size
         requests = [
-            DemoRequest(f"demo-{i}", [rng.randrange(vocab) for _ in range(rng.randint(8, 48))],
-                        max_new_tokens)
+            DemoRequest(
+                f"demo-{i}",
+                [rng.randrange(vocab) for _ in range(rng.randint(8, 48))],
+                max_new_tokens,
+            )
             for i in range(num_requests)
         ]
         started = time.perf_counter()
@@ -47,11 +56,16 @@ async def run_demo(target: str, *, num_requests: int = 4, max_new_tokens: int = 
                         continue
                     if r.prefilled < len(r.prompt):
                         chunk = r.prompt[r.prefilled : r.prefilled + chunk_tokens]
-                        batch.add_prefill_chunk(r.request_id, r.cache_id, chunk, r.prefilled,
-                                                len(r.prompt))
+                        batch.add_prefill_chunk(
+                            r.request_id, r.cache_id, chunk, r.prefilled, len(r.prompt)
+                        )
                     else:
-                        batch.add_decode(r.request_id, r.cache_id, r.output[-1],
-                                         len(r.prompt) + len(r.output) - 1)
+                        batch.add_decode(
+                            r.request_id,
+                            r.cache_id,
+                            r.output[-1],
+                            len(r.prompt) + len(r.output) - 1,
+                        )
                     active.append(r)
                 response = await stream.run(pb.UnifiedBatchRequest(items=batch.build()))
                 steps += 1
@@ -64,9 +78,14 @@ async def run_demo(target: str, *, num_requests: int = 4, max_new_tokens: int = 
                         r.output.append(view.token_id)
         elapsed = time.perf_counter() - started
         for r in requests:
-            await client.complete_cache(pb.CompleteCacheRequest(
-                request_id=r.request_id, cache_id=r.cache_id, input_tokens=len(r.prompt),
-                output_tokens=len(r.output)))
+            await client.complete_cache(
+                pb.CompleteCacheRequest(
+                    request_id=r.request_id,
+                    cache_id=r.cache_id,
+                    input_tokens=len(r.prompt),
+                    output_tokens=len(r.output),
+                )
+            )
         capacity = (await client.get_kv_slot_capacity()).snapshot
     generated = sum(len(r.output) for r in requests)
     return {

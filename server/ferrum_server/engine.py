@@ -34,7 +34,7 @@ from ferrum_server.domain import (
 from ferrum_server.errors import ExecutionFailed, InvalidArgument
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, SourceKey
 from ferrum_server.kv.manager import KvManager, ReleaseResult, Sequence
-from ferrum_server.models import LlamaForCausalLM, ModelConfig, load_model
+from ferrum_server.models import ModelConfig, load_model
 from ferrum_server.runner import ForwardOutput, ModelRunner
 from ferrum_server.validate import Limits, check_instance, validate_step
 
@@ -156,8 +156,9 @@ class Engine:
             run_items = [step.items[i] for i in runnable]
             run_seqs = [sequences[i] for i in runnable]
             assert all(seq is not None for seq in run_seqs)
-            opened = [seq for i, seq in zip(runnable, run_seqs, strict=True)
-                      if not step.items[i].cache_id]
+            opened = [
+                seq for i, seq in zip(runnable, run_seqs, strict=True) if not step.items[i].cache_id
+            ]
             try:
                 forward = self.runner.run(run_items, run_seqs)  # type: ignore[arg-type]
             except Exception as exc:
@@ -176,9 +177,7 @@ class Engine:
         )
         return StepOutcome(results=[r for r in results if r is not None], timings=timings)
 
-    def _reserve(
-        self, step: Step, sequences: list[Sequence | None]
-    ) -> dict[int, CapacityDeferral]:
+    def _reserve(self, step: Step, sequences: list[Sequence | None]) -> dict[int, CapacityDeferral]:
         """Take the blocks every runnable item needs; return deferrals for the others."""
         kv = self.kv
         free_blocks = kv.pool.num_free
@@ -190,14 +189,32 @@ class Engine:
             opens = seq is None
             if opens and free_slots < 1:
                 deferrals[index] = self._deferral(
-                    index, item, STAGE_STEP_ADMISSION, SHORTFALL_SEQUENCE_CEILING, UNIT_SEQUENCES,
-                    1, 0, kv.max_sequences, {SEQUENCE_SLOTS}, seq, free_blocks,
+                    index,
+                    item,
+                    STAGE_STEP_ADMISSION,
+                    SHORTFALL_SEQUENCE_CEILING,
+                    UNIT_SEQUENCES,
+                    1,
+                    0,
+                    kv.max_sequences,
+                    {SEQUENCE_SLOTS},
+                    seq,
+                    free_blocks,
                 )
             elif needed > free_blocks:
                 stage = STAGE_STEP_ADMISSION if opens else STAGE_SEQUENCE_EXTENSION
                 deferrals[index] = self._deferral(
-                    index, item, stage, SHORTFALL_IMMEDIATE, UNIT_BLOCKS, needed, free_blocks,
-                    kv.pool.num_blocks, {KV_BLOCKS}, seq, free_blocks,
+                    index,
+                    item,
+                    stage,
+                    SHORTFALL_IMMEDIATE,
+                    UNIT_BLOCKS,
+                    needed,
+                    free_blocks,
+                    kv.pool.num_blocks,
+                    {KV_BLOCKS},
+                    seq,
+                    free_blocks,
                 )
             else:
                 plan.append((index, needed))
@@ -217,8 +234,17 @@ class Engine:
         return deferrals
 
     def _deferral(
-        self, index: int, item: StepItem, stage: int, kind: int, unit: int, requested: int,
-        available: int, total: int, sources: set[SourceKey], seq: Sequence | None,
+        self,
+        index: int,
+        item: StepItem,
+        stage: int,
+        kind: int,
+        unit: int,
+        requested: int,
+        available: int,
+        total: int,
+        sources: set[SourceKey],
+        seq: Sequence | None,
         free_blocks: int,
     ) -> CapacityDeferral:
         narrower = 0
@@ -256,7 +282,8 @@ class Engine:
         for index, item, seq in zip(indices, items, sequences, strict=True):
             self.kv.commit(seq, item.token_ids)
             result = ItemResult(
-                status=ItemStatus.INTERMEDIATE, cache_id=seq.cache_id,
+                status=ItemStatus.INTERMEDIATE,
+                cache_id=seq.cache_id,
                 committed_tokens=seq.num_tokens,
             )
             if item.num_outputs:
@@ -307,8 +334,9 @@ class Engine:
             raise InvalidArgument(f"cache {cache_id!r} belongs to another request")
         return self.kv.release(cache_id)
 
-    def truncate(self, cache_id: str, new_length: int, instance_id: int = 0) -> tuple[Sequence,
-                                                                                         int]:
+    def truncate(
+        self, cache_id: str, new_length: int, instance_id: int = 0
+    ) -> tuple[Sequence, int]:
         check_instance(instance_id, self.limits)
         seq = self.kv.lookup(cache_id)
         if new_length > seq.num_tokens:
@@ -319,8 +347,11 @@ class Engine:
 
     def warmup(self, num_tokens: int = 0) -> tuple[int, float]:
         """Run one real forward of num_tokens prompt tokens through a scratch cache."""
-        count = min(num_tokens or self.config.max_batch_tokens, self.max_sequence_length,
-                    self.kv.pool.num_blocks * self.kv.block_size)
+        count = min(
+            num_tokens or self.config.max_batch_tokens,
+            self.max_sequence_length,
+            self.kv.pool.num_blocks * self.kv.block_size,
+        )
         generator = torch.Generator().manual_seed(self.config.seed)
         tokens = torch.randint(0, self.model_config.vocab_size, (count,), generator=generator)
         item = StepItem(ItemKind.PREFILL_CHUNK, "warmup", "", tokens.tolist(), 0, count)
@@ -371,15 +402,35 @@ class Engine:
         ):
             item = StepItem(ItemKind.DECODE, request_id, "", [0], max(0, target - 1))
             if seq is None and slots < 1:
-                return self._deferral(index, item, STAGE_STEP_ADMISSION,
-                                      SHORTFALL_SEQUENCE_CEILING, UNIT_SEQUENCES, 1, 0,
-                                      kv.max_sequences, {SEQUENCE_SLOTS}, None, free)
+                return self._deferral(
+                    index,
+                    item,
+                    STAGE_STEP_ADMISSION,
+                    SHORTFALL_SEQUENCE_CEILING,
+                    UNIT_SEQUENCES,
+                    1,
+                    0,
+                    kv.max_sequences,
+                    {SEQUENCE_SLOTS},
+                    None,
+                    free,
+                )
             needed = kv.blocks_needed(seq, target)
             fit = max(needed, kv.blocks_needed(seq, max(admission, target)))
             if fit > free:
-                return self._deferral(index, item, STAGE_SEQUENCE_EXTENSION, SHORTFALL_IMMEDIATE,
-                                      UNIT_BLOCKS, fit, free, kv.pool.num_blocks, {KV_BLOCKS},
-                                      seq, free)
+                return self._deferral(
+                    index,
+                    item,
+                    STAGE_SEQUENCE_EXTENSION,
+                    SHORTFALL_IMMEDIATE,
+                    UNIT_BLOCKS,
+                    fit,
+                    free,
+                    kv.pool.num_blocks,
+                    {KV_BLOCKS},
+                    seq,
+                    free,
+                )
             free -= needed
             slots -= int(seq is None)
         allocations: list[tuple[str, int, int]] = []

@@ -47,7 +47,8 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
     mc = engine.model_config
     attention = [pb.ATTENTION_TYPE_PAGED]
     attention.append(
-        pb.ATTENTION_TYPE_GROUPED_QUERY if mc.num_kv_heads < mc.num_heads
+        pb.ATTENTION_TYPE_GROUPED_QUERY
+        if mc.num_kv_heads < mc.num_heads
         else pb.ATTENTION_TYPE_MULTI_HEAD
     )
     kv_per_token = mc.kv_bytes_per_token(engine.dtype)
@@ -59,8 +60,7 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         supports_continuous_batching=True,
         supports_speculative_decoding=True,
         supported_dtypes=list(_DTYPES.values()),
-        supported_devices=[pb.Device(kind=pb.DEVICE_KIND_CPU),
-                           pb.Device(kind=pb.DEVICE_KIND_CUDA)],
+        supported_devices=[pb.Device(kind=pb.DEVICE_KIND_CPU), pb.Device(kind=pb.DEVICE_KIND_CUDA)],
         memory_requirements=pb.MemoryRequirements(
             parameter_memory=mc.num_parameters * engine.dtype.itemsize,
             kv_cache_memory_per_token=kv_per_token // max(1, mc.num_layers),
@@ -179,15 +179,18 @@ def metrics(engine: Engine) -> pb.ExecutorMetrics:
     )
 
 
-def reserve_kv_slots(engine: Engine, request: pb.ReserveKvSlotsRequest
-                     ) -> pb.ReserveKvSlotsResponse:
+def reserve_kv_slots(
+    engine: Engine, request: pb.ReserveKvSlotsRequest
+) -> pb.ReserveKvSlotsResponse:
     count = len(request.target_lens)
     cache_ids = convert._column("cache_ids", request.cache_ids, count, "")
     request_ids = convert._column("request_ids", request.request_ids, count, "")
     admission = convert._column("admission_target_lens", request.admission_target_lens, count, 0)
     outcome = engine.reserve_slots(
-        [(cache_ids[i], request_ids[i], request.target_lens[i], admission[i])
-         for i in range(count)],
+        [
+            (cache_ids[i], request_ids[i], request.target_lens[i], admission[i])
+            for i in range(count)
+        ],
         request.executor_instance_id,
     )
     if not isinstance(outcome, SlotReservation):

@@ -59,13 +59,15 @@ class ModelRunner:
         input_ids = torch.tensor(flat_tokens, dtype=torch.int64, device=device)  # [T]
         counts_t = torch.tensor(counts, dtype=torch.int64, device=device)  # [B]
         starts_t = torch.tensor(query_start[:-1], dtype=torch.int64, device=device)  # [B]
-        offsets_t = torch.tensor([item.position for item in items], dtype=torch.int64,
-                                 device=device)  # [B]
+        offsets_t = torch.tensor(
+            [item.position for item in items], dtype=torch.int64, device=device
+        )  # [B]
         item_of_token = torch.repeat_interleave(
             torch.arange(len(items), device=device), counts_t
         )  # [T]
         positions = (
-            torch.arange(len(flat_tokens), device=device) - starts_t[item_of_token]
+            torch.arange(len(flat_tokens), device=device)
+            - starts_t[item_of_token]
             + offsets_t[item_of_token]
         )  # [T]
         width = max(len(seq.block_ids) for seq in sequences)

@@ -27,8 +27,9 @@ def _maps_errors(handler: Handler[R]) -> Handler[R]:
     """Turn domain errors into their status codes and anything else into a bare INTERNAL."""
 
     @functools.wraps(handler)
-    async def wrapper(self: ExecutorServicer, request: Any, context: grpc.aio.ServicerContext
-                      ) -> R:
+    async def wrapper(
+        self: ExecutorServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> R:
         try:
             return await handler(self, request, context)
         except ExecutorError as exc:
@@ -159,7 +160,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.BatchPrefillRequest, context: Any
     ) -> pb.BatchPrefillResponse:
         results, deferral, timings = await self._batch(
-            request.items, DeferralMode.ALL_OR_NOTHING, request.executor_instance_id,
+            request.items,
+            DeferralMode.ALL_OR_NOTHING,
+            request.executor_instance_id,
             ItemKind.PREFILL_CHUNK,
         )
         if deferral is not None:
@@ -171,7 +174,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.BatchDecodeRequest, context: Any
     ) -> pb.BatchDecodeResponse:
         results, deferral, timings = await self._batch(
-            request.items, DeferralMode.ALL_OR_NOTHING, request.executor_instance_id,
+            request.items,
+            DeferralMode.ALL_OR_NOTHING,
+            request.executor_instance_id,
             ItemKind.DECODE,
         )
         if deferral is not None:
@@ -214,16 +219,17 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     result = await task
                 except ExecutorError as exc:
                     yield pb.StepStreamResponse(
-                        step_id=step_id, error=pb.StepError(code=exc.code.value[0],
-                                                            message=exc.message)
+                        step_id=step_id,
+                        error=pb.StepError(code=exc.code.value[0], message=exc.message),
                     )
                     continue
                 except Exception:
                     _LOG.exception("step %d failed", step_id)
                     yield pb.StepStreamResponse(
                         step_id=step_id,
-                        error=pb.StepError(code=grpc.StatusCode.INTERNAL.value[0],
-                                           message=INTERNAL_MESSAGE),
+                        error=pb.StepError(
+                            code=grpc.StatusCode.INTERNAL.value[0], message=INTERNAL_MESSAGE
+                        ),
                     )
                     continue
                 yield pb.StepStreamResponse(step_id=step_id, result=result)
@@ -265,7 +271,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     ) -> pb.TruncateKvResponse:
         self._require_ready()
         seq, freed = await self.engine.call(
-            self.engine.truncate, request.cache_id, request.new_length,
+            self.engine.truncate,
+            request.cache_id,
+            request.new_length,
             request.executor_instance_id,
         )
         return pb.TruncateKvResponse(
@@ -299,7 +307,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.CompleteCacheRequest, context: Any
     ) -> pb.CompleteCacheResponse:
         result = await self.engine.call(
-            self.engine.complete, request.request_id, request.cache_id,
+            self.engine.complete,
+            request.request_id,
+            request.cache_id,
             request.executor_instance_id,
         )
         return pb.CompleteCacheResponse(

@@ -41,9 +41,7 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> list[Sequence | 
         raise InvalidArgument(f"{len(items)} items exceed the batch limit {limits.max_batch_size}")
     total = sum(len(item.token_ids) for item in items)
     if total > limits.max_batch_tokens:
-        raise InvalidArgument(
-            f"{total} tokens exceed the per-step limit {limits.max_batch_tokens}"
-        )
+        raise InvalidArgument(f"{total} tokens exceed the per-step limit {limits.max_batch_tokens}")
     sequences: list[Sequence | None] = []
     seen: set[str] = set()
     for index, item in enumerate(items):
@@ -133,9 +131,7 @@ def _check_against_state(index: int, item: StepItem, kv: KvManager) -> Sequence 
         return None
     seq = kv.lookup(item.cache_id)
     if item.request_id and item.request_id != seq.request_id:
-        raise InvalidArgument(
-            f"{where}: cache {item.cache_id!r} belongs to another request"
-        )
+        raise InvalidArgument(f"{where}: cache {item.cache_id!r} belongs to another request")
     if item.position != seq.num_tokens:
         raise PositionMismatch(
             f"{where}: position {item.position} does not match the cache's committed length "

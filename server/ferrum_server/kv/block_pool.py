@@ -57,4 +57,5 @@ class BlockPool:
             raise AssertionError("a block is on the free list twice")
         for block_id, count in enumerate(self._ref_counts):
             if count < 0 or (count == 0) != (block_id in free):
-                raise AssertionError(f"block {block_id}: ref count {count}, free={block_id in free}")
+                state = "free" if block_id in free else "held"
+                raise AssertionError(f"block {block_id}: ref count {count} but {state}")

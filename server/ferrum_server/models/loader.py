@@ -50,7 +50,7 @@ def load_model(
         model = model.to_empty(device=device)
         model.reset_rope_cache(device)
         model.load_hf_weights(lambda name: handles[name_to_file[name]].get_tensor(name))
-    return model.eval(), config
+    return model.requires_grad_(False).eval(), config
 
 
 def read_config(folder: Path) -> ModelConfig:

@@ -60,4 +60,4 @@ def build_tiny(dtype: torch.dtype, device: torch.device | str, seed: int = 0) ->
             tensors[name] = _approx_normal(shape, generator) * _INIT_STD
     model = LlamaForCausalLM(config, dtype=dtype, device=device)
     model.load_hf_weights(tensors.__getitem__)
-    return model.eval()
+    return model.requires_grad_(False).eval()

@@ -1,0 +1,49 @@
+"""The CLI: a real server subprocess driven by the client over loopback, and start-up errors."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import pytest
+from ferrum_server.cli import start_server_process
+from ferrum_server.demo import run_demo
+
+
+def test_demo_scheduler_drives_a_server_subprocess() -> None:
+    process, port = start_server_process(["--block-size", "8"])
+    try:
+        report = asyncio.run(run_demo(f"127.0.0.1:{port}", num_requests=3, max_new_tokens=6))
+        again = asyncio.run(run_demo(f"127.0.0.1:{port}", num_requests=3, max_new_tokens=6))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+    assert code == 0
+    assert report["generated_tokens"] == 18
+    assert report["requests"] == again["requests"]  # deterministic greedy outputs
+    assert report["free_blocks_after"] == report["total_blocks"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--block-size", "0"], "block size"),
+        (["--model", "/does/not/exist"], "does/not/exist"),
+        (["--dtype", "float64"], "invalid choice"),
+        (["--max-batch-tokens", "0"], "max batch tokens"),
+    ],
+)
+def test_bad_configuration_exits_nonzero_with_one_clear_line(
+    args: list[str], fragment: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ferrum_server", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
