@@ -70,4 +70,4 @@ def client(live_server: LiveServer) -> Iterator[object]:
     engine.kv.check()  # type: ignore[attr-defined]
     leaked = list(engine.kv.sequences)  # type: ignore[attr-defined]
     assert not leaked, f"test left caches open: {leaked}"
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks  # type: ignore[attr-defined]
+    assert engine.kv.pool.num_available == engine.kv.pool.num_blocks  # type: ignore[attr-defined]

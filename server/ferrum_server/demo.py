@@ -95,6 +95,6 @@ async def run_demo(
         "generated_tokens": generated,
         "seconds": round(elapsed, 3),
         "tokens_per_second": round(generated / elapsed, 1),
-        "free_blocks_after": capacity.free_blocks,
+        "free_blocks_after": capacity.free_blocks + capacity.cached_blocks,
         "total_blocks": capacity.total_blocks,
     }

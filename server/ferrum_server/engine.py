@@ -180,7 +180,7 @@ class Engine:
     def _reserve(self, step: Step, sequences: list[Sequence | None]) -> dict[int, CapacityDeferral]:
         """Take the blocks every runnable item needs; return deferrals for the others."""
         kv = self.kv
-        free_blocks = kv.pool.num_free
+        free_blocks = kv.pool.num_available
         free_slots = kv.num_free_sequence_slots
         plan: list[tuple[int, int]] = []  # (item index, blocks needed)
         deferrals: dict[int, CapacityDeferral] = {}
@@ -343,7 +343,10 @@ class Engine:
             raise InvalidArgument(
                 f"cannot truncate cache {cache_id!r} of {seq.num_tokens} tokens to {new_length}"
             )
-        return seq, self.kv.truncate(seq, new_length)
+        released, copies = self.kv.truncate(seq, new_length)
+        for source, target in copies:
+            self.kv_cache[:, :, target].copy_(self.kv_cache[:, :, source])
+        return seq, released
 
     def warmup(self, num_tokens: int = 0) -> tuple[int, float]:
         """Run one real forward of num_tokens prompt tokens through a scratch cache."""
@@ -395,7 +398,7 @@ class Engine:
                 if target < seq.num_tokens:
                     raise InvalidArgument(f"item {index}: target_len below committed length")
             sequences.append(seq)
-        free_before = kv.pool.num_free
+        free_before = kv.pool.num_available
         free, slots = free_before, kv.num_free_sequence_slots
         for index, ((_, request_id, target, admission), seq) in enumerate(
             zip(requests, sequences, strict=True)
@@ -444,7 +447,7 @@ class Engine:
             block_size=kv.block_size,
             total_blocks=kv.pool.num_blocks,
             free_blocks_before=free_before,
-            free_blocks_after=kv.pool.num_free,
+            free_blocks_after=kv.pool.num_available,
             allocations=allocations,
         )
 

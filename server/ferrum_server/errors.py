@@ -37,6 +37,12 @@ class AlreadyExists(ExecutorError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class CapacityExhausted(ExecutorError):
+    """A call that has no typed deferral could not get capacity."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class StaleInstance(ExecutorError):
     """The caller believes in an executor instance that is not this one (restart)."""
 

@@ -118,7 +118,9 @@ def kv_snapshot(engine: Engine) -> pb.KvSlotCapacitySnapshot:
         block_size=engine.kv.block_size,
         total_blocks=pool.num_blocks,
         free_blocks=pool.num_free,
+        cached_blocks=pool.num_cached,
         used_blocks=pool.num_used,
+        reserved_blocks=engine.kv.num_reserved_blocks,
     )
 
 

@@ -285,11 +285,11 @@ def test_capacity_deferral_is_typed_and_runs_nothing(small_pool_server: object) 
         tx = BatchBuilder()
         tx.add_prefill_chunk("a", "", _prompt(83, 4), 0, 4)
         tx.add_prefill_chunk("b", "", _prompt(84, 40), 0, 40)
-        free_before = engine.kv.pool.num_free
+        free_before = engine.kv.pool.num_available
         response = client.batch_prefill(pb.BatchPrefillRequest(items=tx.build()))
         assert response.WhichOneof("outcome") == "not_submitted"
         assert response.not_submitted.item_index == 1
-        assert engine.kv.pool.num_free == free_before
+        assert engine.kv.pool.num_available == free_before
         # Release advances the generation named in the wait condition.
         release = client.release_cache(pb.ReleaseCacheRequest(cache_id=hog_id))
         assert release.blocks_freed == 12
@@ -297,7 +297,7 @@ def test_capacity_deferral_is_typed_and_runs_nothing(small_pool_server: object) 
         snapshot_gen = engine.kv.clock.generations[(1, 0)]
         assert snapshot_gen > observed[0].epoch
     engine.kv.check()
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    assert engine.kv.pool.num_available == engine.kv.pool.num_blocks
 
 
 def test_health_and_info(client: ExecutorClient) -> None:

@@ -2813,9 +2813,9 @@ class KvSlotReservation(_message.Message):
     total_blocks: _builtins.int
     """Blocks in the pool."""
     free_blocks_before: _builtins.int
-    """Free blocks before."""
+    """Blocks available before (free plus evictable prefix-cache blocks)."""
     free_blocks_after: _builtins.int
-    """Free blocks after."""
+    """Blocks available after."""
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per-item cache id (new id for opened caches)."""

@@ -1,22 +1,31 @@
-"""Sequences and their block tables over one BlockPool.
+"""Sequences and their block tables over one BlockPool, with prefix reuse.
 
 Owned by the engine thread: no locks. Every method either only reads (`blocks_needed`,
-`lookup`, ...) or mutates after the caller has checked capacity, so a refused request changes
-nothing.
+`match_prefix`, `lookup`, ...) or mutates after the caller has checked capacity, so a refused
+request changes nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ferrum_server.errors import NotFound
+from ferrum_server.errors import CapacityExhausted, NotFound
 from ferrum_server.kv.block_pool import BlockPool
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, EpochClock, SourceKey
 
 # Retired cache ids remembered so that a repeated release is recognised as a repeat.
 _RETIRED_MEMORY = 65536
+_ROOT_HASH = b"ferrum-prefix-root"
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """Content key of a full block: its tokens and (through `parent`) every token before it."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return digest.digest()
 
 
 @dataclass(slots=True)
@@ -29,6 +38,12 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     # Context tokens whose K/V are committed, in order; len(token_ids) == num_tokens.
     token_ids: list[int] = field(default_factory=list)
+    # Content hash of each full committed block, in order (prefix caching).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Admitted through TryAdmitPrefill and no chunk has run yet.
+    pending_admission: bool = False
+    # Tokens of the admitted execution context (0 when opened without admission).
+    context_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -41,13 +56,32 @@ class ReleaseResult:
     blocks_freed: int
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    block_ids: list[int]
+    hashes: list[bytes]
+    # Matched blocks that are cached (unreferenced): acquiring them takes them out of the pool.
+    num_cached: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
 class KvManager:
     def __init__(
-        self, num_blocks: int, block_size: int, max_sequences: int, coordinator_id: int
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_sequences: int,
+        coordinator_id: int,
+        *,
+        prefix_caching: bool = True,
     ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.max_sequences = max_sequences
+        self.prefix_caching = prefix_caching
         self.clock = EpochClock(coordinator_id)
         self.sequences: dict[str, Sequence] = {}
         self._retired: OrderedDict[str, None] = OrderedDict()
@@ -68,12 +102,40 @@ class KvManager:
             raise NotFound(f"cache {cache_id!r} is {state}")
         return seq
 
-    def is_retired(self, cache_id: str) -> bool:
-        return cache_id in self._retired
-
     @property
     def num_free_sequence_slots(self) -> int:
         return self.max_sequences - len(self.sequences)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks held past each sequence's committed tokens (admitted, not yet written)."""
+        return sum(
+            len(s.block_ids) - self.blocks_for(s.num_tokens) for s in self.sequences.values()
+        )
+
+    def match_prefix(self, tokens: list[int]) -> PrefixMatch:
+        """Full cached blocks matching the start of `tokens`, leaving >= 1 token to run."""
+        if not self.prefix_caching:
+            return PrefixMatch([], [], 0)
+        bs = self.block_size
+        block_ids: list[int] = []
+        hashes: list[bytes] = []
+        parent = _ROOT_HASH
+        num_cached = 0
+        for index in range((len(tokens) - 1) // bs):
+            content = block_hash(parent, tokens[index * bs : (index + 1) * bs])
+            block_id = self.pool.lookup(content)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            hashes.append(content)
+            num_cached += self.pool.ref_count(block_id) == 0
+            parent = content
+        return PrefixMatch(block_ids, hashes, num_cached)
+
+    def releasable_blocks(self, seq: Sequence) -> int:
+        """Blocks that would leave the used state if `seq` were released now."""
+        return sum(1 for b in seq.block_ids if self.pool.ref_count(b) == 1)
 
     # -- mutations (capacity already checked by the caller) -------------------------------
 
@@ -83,6 +145,20 @@ class KvManager:
         cache_id = secrets.token_hex(12)
         seq = Sequence(cache_id=cache_id, request_id=request_id, max_tokens=max_tokens)
         self.sequences[cache_id] = seq
+        return seq
+
+    def admit(self, request_id: str, tokens: list[int], max_tokens: int,
+              match: PrefixMatch) -> Sequence:
+        """Open a sequence holding the matched prefix and blocks for all of `tokens`."""
+        seq = self.open(request_id, max_tokens)
+        for block_id in match.block_ids:
+            self.pool.acquire(block_id)
+        seq.block_ids.extend(match.block_ids)
+        seq.block_hashes.extend(match.hashes)
+        seq.token_ids.extend(tokens[: match.num_blocks * self.block_size])
+        seq.pending_admission = True
+        seq.context_tokens = len(tokens)
+        self.grow(seq, len(tokens))
         return seq
 
     def grow(self, seq: Sequence, target_len: int) -> int:
@@ -96,16 +172,44 @@ class KvManager:
         if self.blocks_for(seq.num_tokens + len(token_ids)) > len(seq.block_ids):
             raise RuntimeError("commit() past the reserved blocks")
         seq.token_ids.extend(token_ids)
+        seq.pending_admission = False
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+        for index in range(len(seq.block_hashes), seq.num_tokens // bs):
+            content = block_hash(parent, seq.token_ids[index * bs : (index + 1) * bs])
+            seq.block_hashes.append(content)
+            self.pool.register(seq.block_ids[index], content)
+            parent = content
 
-    def truncate(self, seq: Sequence, new_len: int) -> int:
-        """Drop tokens past new_len and the blocks they no longer need; return blocks freed."""
+    def truncate(self, seq: Sequence, new_len: int) -> tuple[int, list[tuple[int, int]]]:
+        """Drop tokens past new_len; return (blocks released, block copies to perform).
+
+        A kept, now partial last block will be overwritten by the next tokens: if another
+        sequence shares it, it is copied first (copy-on-write); otherwise its hash is dropped.
+        """
+        bs = self.block_size
         keep = self.blocks_for(new_len)
+        copies: list[tuple[int, int]] = []
+        if new_len % bs and keep <= len(seq.block_ids):
+            last = seq.block_ids[keep - 1]
+            if self.pool.ref_count(last) > 1:
+                if self.pool.num_available < 1:
+                    raise CapacityExhausted("no free KV block for the copy-on-write of a shared block")
+                (fresh,) = self.pool.allocate(1)
+                copies.append((last, fresh))
+                self.pool.free([last])
+                seq.block_ids[keep - 1] = fresh
+            elif self.pool.is_registered(last):
+                self.pool.unregister(last)
         dropped = seq.block_ids[keep:]
         del seq.block_ids[keep:]
         del seq.token_ids[new_len:]
-        freed = self.pool.free(dropped)
-        self.clock.bump({KV_BLOCKS} if freed else set())
-        return freed
+        del seq.block_hashes[new_len // bs :]
+        released = self.pool.free(dropped)
+        self.clock.bump({KV_BLOCKS} if released else set())
+        return released, copies
 
     def release(self, cache_id: str) -> ReleaseResult:
         seq = self.sequences.pop(cache_id, None)
@@ -113,30 +217,37 @@ class KvManager:
             if cache_id in self._retired:
                 return ReleaseResult(released=False, blocks_freed=0)
             raise NotFound(f"cache {cache_id!r} is unknown")
+        # Only whole, committed blocks keep their hash; the rest return to the free list.
         freed = self.pool.free(seq.block_ids)
         seq.block_ids.clear()
-        self._retire(cache_id)
+        self._retired[cache_id] = None
+        if len(self._retired) > _RETIRED_MEMORY:
+            self._retired.popitem(last=False)
         sources: set[SourceKey] = {SEQUENCE_SLOTS}
         if freed:
             sources.add(KV_BLOCKS)
         self.clock.bump(sources)
         return ReleaseResult(released=True, blocks_freed=freed)
 
-    def _retire(self, cache_id: str) -> None:
-        self._retired[cache_id] = None
-        if len(self._retired) > _RETIRED_MEMORY:
-            self._retired.popitem(last=False)
-
     # -- checks ----------------------------------------------------------------------------
 
     def check(self) -> None:
-        """Raise if any invariant is broken (tests call this after every scenario)."""
+        """Raise if any invariant is broken (tests call this after every step)."""
         self.pool.check()
-        held = [block for seq in self.sequences.values() for block in seq.block_ids]
-        if len(held) != len(set(held)):
-            raise AssertionError("a block is held by two sequences")
-        if len(held) != self.pool.num_used:
-            raise AssertionError(f"{len(held)} blocks held, {self.pool.num_used} used")
+        holders: dict[int, int] = {}
         for seq in self.sequences.values():
+            if len(set(seq.block_ids)) != len(seq.block_ids):
+                raise AssertionError(f"cache {seq.cache_id} holds a block twice")
+            for block in seq.block_ids:
+                holders[block] = holders.get(block, 0) + 1
             if self.blocks_for(seq.num_tokens) > len(seq.block_ids):
                 raise AssertionError(f"cache {seq.cache_id} has tokens past its blocks")
+            if len(seq.block_hashes) != (seq.num_tokens // self.block_size
+                                         if self.prefix_caching else 0):
+                raise AssertionError(f"cache {seq.cache_id} has stale block hashes")
+        for block in range(self.pool.num_blocks):
+            if self.pool.ref_count(block) != holders.get(block, 0):
+                raise AssertionError(
+                    f"block {block}: ref count {self.pool.ref_count(block)}, "
+                    f"{holders.get(block, 0)} holders"
+                )
