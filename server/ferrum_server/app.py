@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ferrum_server.config import EngineConfig, ServerConfig
 from ferrum_server.engine import Engine
 from ferrum_server.service import ExecutorServicer
+from ferrum_server.waits import CapacityNotifier
 
 _LOG = logging.getLogger(__name__)
 SERVICE_NAME = "ferrum.executor.v1.ExecutorService"
@@ -71,7 +72,7 @@ async def start_server(
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ]
     )
-    servicer = ExecutorServicer(engine)
+    servicer = ExecutorServicer(engine, CapacityNotifier(engine.kv, asyncio.get_running_loop()))
     pb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

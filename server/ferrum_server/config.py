@@ -28,6 +28,10 @@ class EngineConfig:
     seed: int = 0
     # CPU intra-op threads for torch; 0 = leave torch's default.
     torch_threads: int = 0
+    # Reuse full KV blocks across requests that share a prompt prefix.
+    prefix_caching: bool = True
+    # Host memory for swapped-out KV of preempted sequences; 0 = recompute only.
+    swap_space_bytes: int = 1024**3
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,6 +46,8 @@ class EngineConfig:
             raise ValueError("GPU memory utilisation must be in (0, 1]")
         if self.max_batch_tokens < 1 or self.max_batch_size < 1:
             raise ValueError("max batch tokens and max batch size must be >= 1")
+        if self.swap_space_bytes < 0:
+            raise ValueError("swap space bytes must be >= 0")
         if self.max_sequence_length < 0 or self.max_num_logprobs < 0:
             raise ValueError("max sequence length and max logprobs must be >= 0")
 

@@ -8,6 +8,14 @@ from typing import TypeVar
 
 from ferrum_client.pb import executor_pb2 as pb
 
+from ferrum_server.capacity import (
+    Admitted,
+    Decision,
+    Demand,
+    PreemptionReceipt,
+    Rejected,
+    ReleaseSource,
+)
 from ferrum_server.domain import (
     GREEDY,
     CapacityDeferral,
@@ -17,6 +25,7 @@ from ferrum_server.domain import (
     ItemStatus,
     OutputPolicy,
     Sampling,
+    Shortfall,
     Step,
     StepItem,
     StepOutcome,
@@ -24,7 +33,8 @@ from ferrum_server.domain import (
 )
 from ferrum_server.errors import InvalidArgument
 from ferrum_server.kv.epochs import Epochs, SourceKey
-from ferrum_server.kv.manager import Sequence
+from ferrum_server.kv.manager import KvManager, Sequence
+from ferrum_server.waits import CapacityState, source_key
 
 V = TypeVar("V")
 
@@ -289,3 +299,134 @@ def sampling_output_to_pb(result: ItemResult) -> pb.SamplingOutput:
 def single_deferral(outcome: StepOutcome) -> pb.ExecutionDeferral | None:
     deferral = outcome.results[0].deferral
     return deferral_to_pb(deferral) if deferral is not None else None
+
+
+# -- capacity protocol ------------------------------------------------------------------------
+
+
+def shortfall_to_pb(s: Shortfall) -> pb.CapacityShortfall:
+    return pb.CapacityShortfall(
+        domain=0,
+        kind=pb.ShortfallKind.ValueType(s.kind),
+        requested=s.requested,
+        available=s.available,
+        current_total=s.current_total,
+        maximum_total=s.maximum_total,
+        unit=pb.CapacityUnit.ValueType(s.unit),
+    )
+
+
+def demand_to_pb(d: Demand) -> pb.CapacityVector:
+    return pb.CapacityVector(kv_blocks=d.kv_blocks, tokens=d.tokens, sequences=d.sequences)
+
+
+def capacity_snapshot_to_pb(state: CapacityState, kv: KvManager) -> pb.CapacitySnapshot:
+    pool_available = state.free_blocks + state.cached_blocks
+    return pb.CapacitySnapshot(
+        coordinator_id=state.epochs.coordinator_id,
+        domains=[
+            pb.CapacityDomain(
+                domain=0,
+                total=state.total_blocks,
+                maximum_total=state.total_blocks,
+                used=state.used_blocks,
+                available=pool_available,
+            )
+        ],
+        active_requests=len(kv.sequences),
+        active_sequences=len(kv.sequences),
+        maximum_active_sequences=kv.max_sequences,
+        release_epoch=state.epochs.release_epoch,
+        capacity_epoch=state.epochs.capacity_epoch,
+    )
+
+
+def decision_to_pb(
+    decision: Decision, state: CapacityState, kv: KvManager
+) -> pb.TryAdmitPrefillResponse:
+    if isinstance(decision, Admitted):
+        return pb.TryAdmitPrefillResponse(
+            admitted=pb.AdmissionReceipt(
+                request_id=decision.request_id,
+                cache_id=decision.cache_id,
+                cached_prompt_tokens=decision.cached_prompt_tokens,
+                held_blocks=decision.held_blocks,
+                epochs=epochs_to_pb(decision.epochs),
+            )
+        )
+    if isinstance(decision, Rejected):
+        return pb.TryAdmitPrefillResponse(
+            rejected=pb.AdmissionRejected(
+                immediate_requested=demand_to_pb(decision.immediate),
+                fit_requested=demand_to_pb(decision.fit),
+                maximum=capacity_snapshot_to_pb(state, kv),
+                blockers=[shortfall_to_pb(s) for s in decision.shortfalls],
+                reason=decision.reason,
+            )
+        )
+    epochs = epochs_to_pb(decision.epochs)
+    return pb.TryAdmitPrefillResponse(
+        deferred=pb.AdmissionDeferred(
+            immediate_requested=demand_to_pb(decision.immediate),
+            fit_requested=demand_to_pb(decision.fit),
+            available=capacity_snapshot_to_pb(state, kv),
+            blockers=[shortfall_to_pb(s) for s in decision.shortfalls],
+            action=pb.DEFERRAL_ACTION_WAIT_FOR_RELEASE,
+            release_epoch=epochs.release_epoch,
+            capacity_epoch=epochs.capacity_epoch,
+            wait_condition=pb.CapacityWaitCondition(
+                coordinator_id=epochs.coordinator_id, observed=sources_to_pb(decision.observed)
+            ),
+        )
+    )
+
+
+def condition_from_pb(condition: pb.CapacityWaitCondition) -> list[tuple[SourceKey, int]]:
+    return [(source_key(o.source, o.domain), o.epoch) for o in condition.observed]
+
+
+def release_sources_to_pb(entries: Seq[ReleaseSource]) -> pb.ListReleaseSourcesResponse:
+    return pb.ListReleaseSourcesResponse(
+        entries=[
+            pb.ReleaseSourceEntry(
+                request_id=e.request_id,
+                cache_id=e.cache_id,
+                authority=(
+                    pb.PREEMPTION_AUTHORITY_RETAINED_PREFILL
+                    if e.pending_admission
+                    else pb.PREEMPTION_AUTHORITY_ACTIVE_SEQUENCE
+                ),
+                sources=sources_to_pb(e.sources),
+                releasable_blocks=e.releasable_blocks,
+                num_tokens=e.num_tokens,
+            )
+            for e in entries
+        ]
+    )
+
+
+def receipt_to_pb(r: PreemptionReceipt) -> pb.PreemptExecutionCapacityResponse:
+    return pb.PreemptExecutionCapacityResponse(
+        receipt=pb.PreemptionReceipt(
+            request_id=r.request_id,
+            cache_id=r.cache_id,
+            authority=(
+                pb.PREEMPTION_AUTHORITY_RETAINED_PREFILL
+                if r.pending_admission
+                else pb.PREEMPTION_AUTHORITY_ACTIVE_SEQUENCE
+            ),
+            blocks_freed=r.blocks_freed,
+            mode=pb.PreemptionMode.ValueType(int(r.mode)),
+            epochs=epochs_to_pb(r.epochs),
+        )
+    )
+
+
+def kv_state_to_pb(state: CapacityState, block_size: int) -> pb.KvSlotCapacitySnapshot:
+    return pb.KvSlotCapacitySnapshot(
+        block_size=block_size,
+        total_blocks=state.total_blocks,
+        free_blocks=state.free_blocks,
+        cached_blocks=state.cached_blocks,
+        used_blocks=state.used_blocks,
+    )

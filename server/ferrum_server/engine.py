@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import torch
 
+from ferrum_server.capacity import CapacityManager
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import (
     CapacityDeferral,
@@ -90,7 +91,13 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
-        self.kv = KvManager(num_blocks, config.block_size, config.max_batch_size, self.instance_id)
+        self.kv = KvManager(
+            num_blocks,
+            config.block_size,
+            config.max_batch_size,
+            self.instance_id,
+            prefix_caching=config.prefix_caching,
+        )
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, mc.vocab_size, self.device
         )
@@ -101,6 +108,9 @@ class Engine:
             max_batch_size=config.max_batch_size,
             max_num_logprobs=config.max_num_logprobs,
             instance_id=self.instance_id,
+        )
+        self.capacity = CapacityManager(
+            self.kv, self.kv_cache, self.limits, config.swap_space_bytes
         )
         self.stats = EngineStats()
         self.warmed_up = False

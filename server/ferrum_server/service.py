@@ -14,9 +14,11 @@ from ferrum_client.pb import executor_pb2 as pb
 from ferrum_client.pb import executor_pb2_grpc as pb_grpc
 
 from ferrum_server import convert, info
+from ferrum_server.capacity import PreemptionMode
 from ferrum_server.domain import DeferralMode, ItemKind, ItemStatus, Step, StepOutcome
 from ferrum_server.engine import Engine
-from ferrum_server.errors import INTERNAL_MESSAGE, ExecutorError, Unavailable
+from ferrum_server.errors import INTERNAL_MESSAGE, ExecutorError, InvalidArgument, Unavailable
+from ferrum_server.waits import CapacityNotifier
 
 _LOG = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -43,8 +45,9 @@ def _maps_errors(handler: Handler[R]) -> Handler[R]:
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, notifier: CapacityNotifier) -> None:
         self.engine = engine
+        self.notifier = notifier
         self.accepting = False  # flipped on after warmup, off when draining
 
     def _require_ready(self) -> None:
@@ -317,3 +320,121 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             blocks_freed=result.blocks_freed,
             epochs=convert.epochs_to_pb(self.engine.kv.clock.snapshot()),
         )
+
+    # -- capacity protocol ----------------------------------------------------------------
+
+    @_maps_errors
+    async def TryAdmitPrefill(
+        self, request: pb.TryAdmitPrefillRequest, context: Any
+    ) -> pb.TryAdmitPrefillResponse:
+        self._require_ready()
+        engine = self.engine
+        decision = await engine.call(
+            engine.capacity.try_admit,
+            request.request_id,
+            list(request.input_tokens),
+            request.maximum_sequence_tokens,
+            request.product_prompt_tokens,
+            request.replayed_output_tokens,
+            request.executor_instance_id,
+        )
+        return convert.decision_to_pb(decision, self.notifier.state, engine.kv)
+
+    @_maps_errors
+    async def CancelPrefillAdmission(
+        self, request: pb.CancelPrefillAdmissionRequest, context: Any
+    ) -> pb.CancelPrefillAdmissionResponse:
+        released = await self.engine.call(
+            self.engine.capacity.cancel_admission,
+            request.request_id,
+            request.executor_instance_id,
+        )
+        return pb.CancelPrefillAdmissionResponse(released=released)
+
+    @_maps_errors
+    async def MaintainPrefillBacking(
+        self, request: pb.MaintainPrefillBackingRequest, context: Any
+    ) -> pb.MaintainPrefillBackingResponse:
+        # The KV pool is allocated whole at start-up, so admission never asks for backing
+        # growth and no maintenance is ever pending.
+        return pb.MaintainPrefillBackingResponse(no_longer_pending=pb.MaintenanceNoLongerPending())
+
+    @_maps_errors
+    async def GetCapacitySnapshot(
+        self, request: pb.GetCapacitySnapshotRequest, context: Any
+    ) -> pb.GetCapacitySnapshotResponse:
+        engine = self.engine
+        kv_snapshot = await engine.call(info.kv_snapshot, engine)
+        state = self.notifier.state
+        return pb.GetCapacitySnapshotResponse(
+            epochs=convert.epochs_to_pb(state.epochs),
+            sources=convert.sources_to_pb(sorted(state.generations.items())),
+            kv=kv_snapshot,
+            capacity=convert.capacity_snapshot_to_pb(state, engine.kv),
+            limits=pb.AdmissionLimits(
+                maximum_active_sequences=engine.config.max_batch_size,
+                maximum_scheduled_tokens=engine.config.max_batch_tokens,
+            ),
+        )
+
+    @_maps_errors
+    async def WaitForCapacityChange(
+        self, request: pb.WaitForCapacityChangeRequest, context: Any
+    ) -> pb.WaitForCapacityChangeResponse:
+        observed = convert.condition_from_pb(request.condition)
+        remaining = context.time_remaining()
+        timeout_s = request.timeout_ms / 1000 if request.timeout_ms else remaining
+        result = await self.notifier.wait(request.condition.coordinator_id, observed, timeout_s)
+        return pb.WaitForCapacityChangeResponse(
+            changed=result.changed,
+            current=convert.epochs_to_pb(result.state.epochs),
+            sources=convert.sources_to_pb(result.sources),
+        )
+
+    async def WatchCapacity(
+        self, request: pb.WatchCapacityRequest, context: Any
+    ) -> AsyncIterator[pb.WatchCapacityResponse]:
+        queue = self.notifier.watch()
+        block_size = self.engine.kv.block_size
+        try:
+            state = self.notifier.state
+            while True:
+                yield pb.WatchCapacityResponse(
+                    epochs=convert.epochs_to_pb(state.epochs),
+                    sources=convert.sources_to_pb(sorted(state.generations.items())),
+                    kv=convert.kv_state_to_pb(state, block_size),
+                )
+                state = await queue.get()
+        finally:
+            self.notifier.unwatch(queue)
+
+    @_maps_errors
+    async def ListReleaseSources(
+        self, request: pb.ListReleaseSourcesRequest, context: Any
+    ) -> pb.ListReleaseSourcesResponse:
+        entries = await self.engine.call(self.engine.capacity.release_sources)
+        return convert.release_sources_to_pb(entries)
+
+    @_maps_errors
+    async def PreemptExecutionCapacity(
+        self, request: pb.PreemptExecutionCapacityRequest, context: Any
+    ) -> pb.PreemptExecutionCapacityResponse:
+        if request.mode not in (
+            pb.PREEMPTION_MODE_UNSPECIFIED,
+            pb.PREEMPTION_MODE_RECOMPUTE,
+            pb.PREEMPTION_MODE_SWAP,
+        ):
+            raise InvalidArgument(f"unknown preemption mode {request.mode}")
+        mode = (
+            PreemptionMode.SWAP
+            if request.mode == pb.PREEMPTION_MODE_SWAP
+            else (PreemptionMode.RECOMPUTE)
+        )
+        receipt = await self.engine.call(
+            self.engine.capacity.preempt,
+            request.request_id,
+            request.cache_id,
+            mode,
+            request.executor_instance_id,
+        )
+        return convert.receipt_to_pb(receipt)

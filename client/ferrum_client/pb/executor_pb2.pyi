@@ -368,6 +368,12 @@ class _ShortfallKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Shortfa
     """Too many active sequences."""
     SHORTFALL_KIND_PERMANENT_DOMAIN_MAXIMUM: _ShortfallKind.ValueType  # 5
     """Larger than the pool can ever hold."""
+    SHORTFALL_KIND_PREFIX_PENDING: _ShortfallKind.ValueType  # 6
+    """The prompt's prefix is being computed by another admitted request; admitting now would
+    compute it twice. Retry when the KV source advances (the prefix is published or abandoned).
+    """
+    SHORTFALL_KIND_SEQUENCE_LENGTH_MAXIMUM: _ShortfallKind.ValueType  # 7
+    """Longer than the model's maximum sequence length."""
 
 class ShortfallKind(_ShortfallKind, metaclass=_ShortfallKindEnumTypeWrapper):
     """Kinds of capacity shortfall."""
@@ -383,6 +389,12 @@ SHORTFALL_KIND_ACTIVE_SEQUENCE_CEILING: ShortfallKind.ValueType  # 4
 """Too many active sequences."""
 SHORTFALL_KIND_PERMANENT_DOMAIN_MAXIMUM: ShortfallKind.ValueType  # 5
 """Larger than the pool can ever hold."""
+SHORTFALL_KIND_PREFIX_PENDING: ShortfallKind.ValueType  # 6
+"""The prompt's prefix is being computed by another admitted request; admitting now would
+compute it twice. Retry when the KV source advances (the prefix is published or abandoned).
+"""
+SHORTFALL_KIND_SEQUENCE_LENGTH_MAXIMUM: ShortfallKind.ValueType  # 7
+"""Longer than the model's maximum sequence length."""
 Global___ShortfallKind: _TypeAlias = ShortfallKind  # noqa: Y015
 
 class _CapacityUnit:

@@ -130,8 +130,9 @@ class BlockPool:
         for block_id, count in enumerate(self._ref_counts):
             in_free, in_cache = block_id in free, block_id in self._cached
             if count < 0 or (count == 0) != (in_free or in_cache):
-                raise AssertionError(f"block {block_id}: ref count {count}, free={in_free}, "
-                                     f"cached={in_cache}")
+                raise AssertionError(
+                    f"block {block_id}: ref count {count}, free={in_free}, cached={in_cache}"
+                )
             if in_cache and block_id not in self._hash_of:
                 raise AssertionError(f"cached block {block_id} has no hash")
             if in_free and block_id in self._hash_of:

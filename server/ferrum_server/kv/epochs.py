@@ -7,6 +7,7 @@ Waiters name (source, generation) pairs and are woken only when one of them adva
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -37,6 +38,8 @@ class EpochClock:
         self.capacity_epoch = 1
         # Generations start at 1: the proto requires observed epochs to be non-zero.
         self.generations: dict[SourceKey, int] = {KV_BLOCKS: 1, SEQUENCE_SLOTS: 1}
+        # Called (on the engine thread) after every bump; the server uses it to wake waiters.
+        self.listeners: list[Callable[[], None]] = []
 
     def bump(self, sources: set[SourceKey]) -> None:
         if not sources:
@@ -44,6 +47,8 @@ class EpochClock:
         self.release_epoch += 1
         for source in sources:
             self.generations[source] += 1
+        for listener in self.listeners:
+            listener()
 
     def snapshot(self) -> Epochs:
         return Epochs(self.coordinator_id, self.release_epoch, self.capacity_epoch)

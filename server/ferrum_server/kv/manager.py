@@ -44,6 +44,8 @@ class Sequence:
     pending_admission: bool = False
     # Tokens of the admitted execution context (0 when opened without admission).
     context_tokens: int = 0
+    # Hashes of full context blocks this sequence will compute that others may wait for.
+    pending_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +64,8 @@ class PrefixMatch:
     hashes: list[bytes]
     # Matched blocks that are cached (unreferenced): acquiring them takes them out of the pool.
     num_cached: int
+    # Further full blocks that another admitted sequence is about to compute.
+    num_pending: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -85,6 +89,8 @@ class KvManager:
         self.clock = EpochClock(coordinator_id)
         self.sequences: dict[str, Sequence] = {}
         self._retired: OrderedDict[str, None] = OrderedDict()
+        # Content hash -> cache id of the admitted sequence that will compute that block.
+        self._pending: dict[bytes, str] = {}
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -122,16 +128,20 @@ class KvManager:
         hashes: list[bytes] = []
         parent = _ROOT_HASH
         num_cached = 0
+        num_pending = 0
         for index in range((len(tokens) - 1) // bs):
             content = block_hash(parent, tokens[index * bs : (index + 1) * bs])
             block_id = self.pool.lookup(content)
-            if block_id is None:
+            if block_id is not None and not num_pending:
+                block_ids.append(block_id)
+                hashes.append(content)
+                num_cached += self.pool.ref_count(block_id) == 0
+            elif content in self._pending:
+                num_pending += 1
+            else:
                 break
-            block_ids.append(block_id)
-            hashes.append(content)
-            num_cached += self.pool.ref_count(block_id) == 0
             parent = content
-        return PrefixMatch(block_ids, hashes, num_cached)
+        return PrefixMatch(block_ids, hashes, num_cached, num_pending)
 
     def releasable_blocks(self, seq: Sequence) -> int:
         """Blocks that would leave the used state if `seq` were released now."""
@@ -147,8 +157,9 @@ class KvManager:
         self.sequences[cache_id] = seq
         return seq
 
-    def admit(self, request_id: str, tokens: list[int], max_tokens: int,
-              match: PrefixMatch) -> Sequence:
+    def admit(
+        self, request_id: str, tokens: list[int], max_tokens: int, match: PrefixMatch
+    ) -> Sequence:
         """Open a sequence holding the matched prefix and blocks for all of `tokens`."""
         seq = self.open(request_id, max_tokens)
         for block_id in match.block_ids:
@@ -159,6 +170,14 @@ class KvManager:
         seq.pending_admission = True
         seq.context_tokens = len(tokens)
         self.grow(seq, len(tokens))
+        if self.prefix_caching:
+            bs = self.block_size
+            parent = match.hashes[-1] if match.hashes else _ROOT_HASH
+            for index in range(match.num_blocks, len(tokens) // bs):
+                parent = block_hash(parent, tokens[index * bs : (index + 1) * bs])
+                if self.pool.lookup(parent) is None and parent not in self._pending:
+                    self._pending[parent] = seq.cache_id
+                    seq.pending_hashes.append(parent)
         return seq
 
     def grow(self, seq: Sequence, target_len: int) -> int:
@@ -177,11 +196,18 @@ class KvManager:
             return
         bs = self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+        published = False
         for index in range(len(seq.block_hashes), seq.num_tokens // bs):
             content = block_hash(parent, seq.token_ids[index * bs : (index + 1) * bs])
             seq.block_hashes.append(content)
             self.pool.register(seq.block_ids[index], content)
+            if self._pending.get(content) == seq.cache_id:
+                del self._pending[content]
+                published = True
             parent = content
+        if published:
+            # Requests deferred behind this prefix wait on the KV source: wake them.
+            self.clock.bump({KV_BLOCKS})
 
     def truncate(self, seq: Sequence, new_len: int) -> tuple[int, list[tuple[int, int]]]:
         """Drop tokens past new_len; return (blocks released, block copies to perform).
@@ -196,13 +222,14 @@ class KvManager:
             last = seq.block_ids[keep - 1]
             if self.pool.ref_count(last) > 1:
                 if self.pool.num_available < 1:
-                    raise CapacityExhausted("no free KV block for the copy-on-write of a shared block")
+                    raise CapacityExhausted("no free KV block to copy a shared block into")
                 (fresh,) = self.pool.allocate(1)
                 copies.append((last, fresh))
                 self.pool.free([last])
                 seq.block_ids[keep - 1] = fresh
             elif self.pool.is_registered(last):
                 self.pool.unregister(last)
+        self._drop_pending(seq)
         dropped = seq.block_ids[keep:]
         del seq.block_ids[keep:]
         del seq.token_ids[new_len:]
@@ -218,6 +245,7 @@ class KvManager:
                 return ReleaseResult(released=False, blocks_freed=0)
             raise NotFound(f"cache {cache_id!r} is unknown")
         # Only whole, committed blocks keep their hash; the rest return to the free list.
+        self._drop_pending(seq)
         freed = self.pool.free(seq.block_ids)
         seq.block_ids.clear()
         self._retired[cache_id] = None
@@ -228,6 +256,12 @@ class KvManager:
             sources.add(KV_BLOCKS)
         self.clock.bump(sources)
         return ReleaseResult(released=True, blocks_freed=freed)
+
+    def _drop_pending(self, seq: Sequence) -> None:
+        for content in seq.pending_hashes:
+            if self._pending.get(content) == seq.cache_id:
+                del self._pending[content]
+        seq.pending_hashes.clear()
 
     # -- checks ----------------------------------------------------------------------------
 
@@ -242,9 +276,13 @@ class KvManager:
                 holders[block] = holders.get(block, 0) + 1
             if self.blocks_for(seq.num_tokens) > len(seq.block_ids):
                 raise AssertionError(f"cache {seq.cache_id} has tokens past its blocks")
-            if len(seq.block_hashes) != (seq.num_tokens // self.block_size
-                                         if self.prefix_caching else 0):
+            if len(seq.block_hashes) != (
+                seq.num_tokens // self.block_size if self.prefix_caching else 0
+            ):
                 raise AssertionError(f"cache {seq.cache_id} has stale block hashes")
+        for content, owner in self._pending.items():
+            if owner not in self.sequences or content not in self.sequences[owner].pending_hashes:
+                raise AssertionError("a pending prefix block has no live owner")
         for block in range(self.pool.num_blocks):
             if self.pool.ref_count(block) != holders.get(block, 0):
                 raise AssertionError(

@@ -1,0 +1,143 @@
+"""Waiting for capacity without polling.
+
+The engine thread bumps epochs; a listener forwards each new state to the event loop, which
+wakes parked waiters and feeds watch streams. A wait subscribes, then re-checks the condition
+against the current generations, then parks: a release between the caller's probe and the park
+is never missed because the wake-up is delivered after the subscription.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from ferrum_server.errors import InvalidArgument, StaleInstance
+from ferrum_server.kv.epochs import Epochs, Source, SourceKey
+from ferrum_server.kv.manager import KvManager
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityState:
+    epochs: Epochs
+    generations: dict[SourceKey, int]
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitResult:
+    changed: bool
+    state: CapacityState
+    sources: list[tuple[SourceKey, int]]
+
+
+def _state_of(kv: KvManager) -> CapacityState:
+    pool = kv.pool
+    return CapacityState(
+        kv.clock.snapshot(),
+        dict(kv.clock.generations),
+        pool.num_blocks,
+        pool.num_free,
+        pool.num_cached,
+        pool.num_used,
+    )
+
+
+class CapacityNotifier:
+    def __init__(self, kv: KvManager, loop: asyncio.AbstractEventLoop) -> None:
+        self._kv = kv
+        self._loop = loop
+        self.state = _state_of(kv)
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._watchers: set[asyncio.Queue[CapacityState]] = set()
+        self.num_wakeups = 0
+        kv.clock.listeners.append(self._on_bump)
+
+    def _on_bump(self) -> None:
+        """Engine thread: snapshot now, publish on the loop."""
+        state = _state_of(self._kv)
+        self._loop.call_soon_threadsafe(self._publish, state)
+
+    def _publish(self, state: CapacityState) -> None:
+        self.state = state
+        waiters, self._waiters = self._waiters, set()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        for queue in self._watchers:
+            queue.put_nowait(state)
+
+    def _check(self, coordinator_id: int, observed: list[tuple[SourceKey, int]]) -> bool:
+        if coordinator_id != self.state.epochs.coordinator_id:
+            raise StaleInstance(
+                f"wait condition names coordinator {coordinator_id}; this executor is "
+                f"{self.state.epochs.coordinator_id}"
+            )
+        changed = False
+        for source, generation in observed:
+            current = self.state.generations[source]
+            if generation > current:
+                raise StaleInstance(
+                    f"observed generation {generation} of {source[0].name} is ahead of the "
+                    f"executor's {current} (epochs never go backwards)"
+                )
+            changed |= current > generation
+        return changed
+
+    async def wait(
+        self, coordinator_id: int, observed: list[tuple[SourceKey, int]], timeout_s: float | None
+    ) -> WaitResult:
+        validate_condition(observed, self.state.generations)
+        deadline = None if timeout_s is None else self._loop.time() + timeout_s
+        while True:
+            waiter: asyncio.Future[None] = self._loop.create_future()
+            self._waiters.add(waiter)  # subscribe first ...
+            if self._check(coordinator_id, observed):  # ... then re-check ...
+                self._waiters.discard(waiter)
+                return self._result(True, observed)
+            remaining = None if deadline is None else deadline - self._loop.time()
+            if remaining is not None and remaining <= 0:
+                self._waiters.discard(waiter)
+                return self._result(False, observed)
+            try:
+                await asyncio.wait_for(waiter, remaining)  # ... then park
+            except TimeoutError:
+                self._waiters.discard(waiter)
+                return self._result(False, observed)
+            self.num_wakeups += 1
+
+    def _result(self, changed: bool, observed: list[tuple[SourceKey, int]]) -> WaitResult:
+        sources = [(source, self.state.generations[source]) for source, _ in observed]
+        return WaitResult(changed, self.state, sources)
+
+    def watch(self) -> asyncio.Queue[CapacityState]:
+        queue: asyncio.Queue[CapacityState] = asyncio.Queue()
+        self._watchers.add(queue)
+        return queue
+
+    def unwatch(self, queue: asyncio.Queue[CapacityState]) -> None:
+        self._watchers.discard(queue)
+
+
+def validate_condition(
+    observed: list[tuple[SourceKey, int]], generations: dict[SourceKey, int]
+) -> None:
+    if not observed:
+        raise InvalidArgument("a wait condition needs at least one observed source")
+    keys = [source for source, _ in observed]
+    if keys != sorted(keys) or len(set(keys)) != len(keys):
+        raise InvalidArgument("observed sources must be sorted and unique")
+    for source, generation in observed:
+        if source not in generations:
+            raise InvalidArgument(f"unknown capacity source {source}")
+        if generation == 0:
+            raise InvalidArgument("observed generations are never 0")
+
+
+def source_key(source: int, domain: int) -> SourceKey:
+    try:
+        return (Source(source), domain)
+    except ValueError:
+        raise InvalidArgument(f"unknown capacity source {source}") from None
