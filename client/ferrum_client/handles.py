@@ -114,6 +114,35 @@ class ExecutorClient:
     def complete_cache(self, request: pb.CompleteCacheRequest) -> pb.CompleteCacheResponse:
         return self._call("CompleteCache", request)  # type: ignore[no-any-return]
 
+    def try_admit_prefill(self, request: pb.TryAdmitPrefillRequest) -> pb.TryAdmitPrefillResponse:
+        return self._call("TryAdmitPrefill", request)  # type: ignore[no-any-return]
+
+    def cancel_prefill_admission(
+        self, request: pb.CancelPrefillAdmissionRequest
+    ) -> pb.CancelPrefillAdmissionResponse:
+        return self._call("CancelPrefillAdmission", request)  # type: ignore[no-any-return]
+
+    def maintain_prefill_backing(
+        self, request: pb.MaintainPrefillBackingRequest
+    ) -> pb.MaintainPrefillBackingResponse:
+        return self._call("MaintainPrefillBacking", request)  # type: ignore[no-any-return]
+
+    def get_capacity_snapshot(self) -> pb.GetCapacitySnapshotResponse:
+        return self._call("GetCapacitySnapshot", pb.GetCapacitySnapshotRequest())  # type: ignore[no-any-return]
+
+    def wait_for_capacity_change(
+        self, request: pb.WaitForCapacityChangeRequest
+    ) -> pb.WaitForCapacityChangeResponse:
+        return self._call("WaitForCapacityChange", request)  # type: ignore[no-any-return]
+
+    def list_release_sources(self) -> pb.ListReleaseSourcesResponse:
+        return self._call("ListReleaseSources", pb.ListReleaseSourcesRequest())  # type: ignore[no-any-return]
+
+    def preempt_execution_capacity(
+        self, request: pb.PreemptExecutionCapacityRequest
+    ) -> pb.PreemptExecutionCapacityResponse:
+        return self._call("PreemptExecutionCapacity", request)  # type: ignore[no-any-return]
+
 
 class AsyncExecutorClient:
     """asyncio handle, same operations as ExecutorClient, plus the step stream."""
@@ -213,6 +242,49 @@ class AsyncExecutorClient:
 
     async def complete_cache(self, request: pb.CompleteCacheRequest) -> pb.CompleteCacheResponse:
         return await self._call("CompleteCache", request)  # type: ignore[no-any-return]
+
+    async def try_admit_prefill(
+        self, request: pb.TryAdmitPrefillRequest
+    ) -> pb.TryAdmitPrefillResponse:
+        return await self._call("TryAdmitPrefill", request)  # type: ignore[no-any-return]
+
+    async def cancel_prefill_admission(
+        self, request: pb.CancelPrefillAdmissionRequest
+    ) -> pb.CancelPrefillAdmissionResponse:
+        return await self._call("CancelPrefillAdmission", request)  # type: ignore[no-any-return]
+
+    async def maintain_prefill_backing(
+        self, request: pb.MaintainPrefillBackingRequest
+    ) -> pb.MaintainPrefillBackingResponse:
+        return await self._call("MaintainPrefillBacking", request)  # type: ignore[no-any-return]
+
+    async def get_capacity_snapshot(self) -> pb.GetCapacitySnapshotResponse:
+        return await self._call("GetCapacitySnapshot", pb.GetCapacitySnapshotRequest())  # type: ignore[no-any-return]
+
+    async def wait_for_capacity_change(
+        self, request: pb.WaitForCapacityChangeRequest
+    ) -> pb.WaitForCapacityChangeResponse:
+        # The wait can legitimately outlast the default call timeout.
+        try:
+            return await self._stub.WaitForCapacityChange(request, timeout=None)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    async def list_release_sources(self) -> pb.ListReleaseSourcesResponse:
+        return await self._call("ListReleaseSources", pb.ListReleaseSourcesRequest())  # type: ignore[no-any-return]
+
+    async def preempt_execution_capacity(
+        self, request: pb.PreemptExecutionCapacityRequest
+    ) -> pb.PreemptExecutionCapacityResponse:
+        return await self._call("PreemptExecutionCapacity", request)  # type: ignore[no-any-return]
+
+    async def watch_capacity(self) -> AsyncIterator[pb.WatchCapacityResponse]:
+        """Capacity changes as they happen (the first message is the current state)."""
+        try:
+            async for event in self._stub.WatchCapacity(pb.WatchCapacityRequest()):
+                yield event
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
 
     def step_stream(self) -> StepStream:
         """Open the hot-path stream; use `async with client.step_stream() as stream`."""

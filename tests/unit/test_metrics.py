@@ -1,0 +1,334 @@
+"""Tests for ferrum_server.metrics (the Prometheus registry) and rpc_metrics (the interceptor)."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from ferrum_server.metrics import METRIC_DOCS, Metrics, render_markdown_table
+from ferrum_server.rpc_metrics import RpcMetricsInterceptor
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} from the registry's text exposition."""
+    text = metrics.exposition().decode()
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _families(metrics: Metrics) -> dict[str, Any]:
+    text = metrics.exposition().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _value(metrics: Metrics, name: str, **labels: str) -> float:
+    return _samples(metrics).get((name, tuple(sorted(labels.items()))), float("nan"))
+
+
+def _exercise(m: Metrics) -> None:
+    """One call of every recording method."""
+    m.record_step(
+        "mixed",
+        num_items=3,
+        num_tokens=40,
+        prefill_tokens=36,
+        decode_tokens=2,
+        verify_tokens=2,
+        seconds=0.02,
+    )
+    m.set_kv(total=100, used=25, cached=5)
+    m.set_cache_config(block_size=16, num_gpu_blocks=100)
+    m.set_sequences(running=3, waiting=1)
+    m.record_deferral("kv_blocks")
+    m.record_admission("admitted")
+    m.record_preemption("recompute")
+    m.record_prefix(queried_tokens=64, hit_tokens=32)
+    m.observe_ttft(0.15)
+    m.observe_itl(0.012)
+    m.set_ready(True)
+    m.update_device_memory()
+    m.rpc_start("/ferrum.executor.v1.ExecutorService/GetInfo")
+    m.observe_rpc("/ferrum.executor.v1.ExecutorService/GetInfo", "OK", 0.003)
+
+
+def test_every_documented_metric_is_exposed() -> None:
+    m = Metrics()
+    _exercise(m)
+    samples = {name for name, _ in _samples(m)}
+    families = _families(m)
+    for name, kind, labels, description in METRIC_DOCS:
+        assert description
+        if kind == "histogram":
+            assert {f"{name}_bucket", f"{name}_sum", f"{name}_count"} <= samples, name
+        else:
+            assert name in samples, name
+        family = next(
+            f
+            for f in families.values()
+            if name.startswith(f.name) and name.removeprefix(f.name) in ("", "_total", "_info")
+        )
+        assert family.type == kind or (kind == "gauge" and family.type == "info"), name
+        with_labels = [s for s in family.samples if s.name.startswith(name)]
+        for sample in with_labels:
+            got = set(sample.labels) - {"le"}
+            assert got == set(labels), (name, got, labels)
+
+
+def test_no_undocumented_ferrum_or_grpc_metric() -> None:
+    """Everything we own (not the process/platform collectors) appears in METRIC_DOCS."""
+    m = Metrics()
+    _exercise(m)
+    documented = {name for name, *_ in METRIC_DOCS}
+    for name, _ in _samples(m):
+        if name.startswith(("ferrum_executor_process_", "python_")):
+            continue
+        base = name
+        for suffix in ("_bucket", "_count", "_sum", "_created"):
+            base = base.removesuffix(suffix)
+        assert base in documented or f"{base}_total" in documented, name
+
+
+def test_values_move() -> None:
+    m = Metrics(process_collectors=False)
+    assert _value(m, "ferrum_executor_tokens_total", kind="prefill") == 0.0  # pre-created
+    assert _value(m, "ferrum_executor_preemptions_total", mode="swap") == 0.0
+    _exercise(m)
+    _exercise(m)
+    assert _value(m, "ferrum_executor_steps_total") == 2
+    assert _value(m, "ferrum_executor_tokens_total", kind="prefill") == 72
+    assert _value(m, "ferrum_executor_tokens_total", kind="decode") == 4
+    assert _value(m, "ferrum_executor_tokens_total", kind="verify") == 4
+    assert _value(m, "ferrum_executor_batch_size_count") == 2
+    assert _value(m, "ferrum_executor_batch_tokens_sum") == 80
+    assert _value(m, "ferrum_executor_step_duration_seconds_count", kind="mixed") == 2
+    assert _value(m, "ferrum_executor_step_duration_seconds_count", kind="decode") == 0
+    assert _value(m, "ferrum_executor_kv_blocks_total") == 100
+    assert _value(m, "ferrum_executor_kv_blocks_used") == 25
+    assert _value(m, "ferrum_executor_kv_blocks_cached") == 5
+    assert _value(m, "ferrum_executor_kv_cache_utilization_ratio") == pytest.approx(0.25)
+    assert (
+        _value(m, "ferrum_executor_cache_config_info", block_size="16", num_gpu_blocks="100") == 1
+    )
+    assert _value(m, "ferrum_executor_sequences_running") == 3
+    assert _value(m, "ferrum_executor_requests_waiting") == 1
+    assert _value(m, "ferrum_executor_deferrals_total", reason="kv_blocks") == 2
+    assert _value(m, "ferrum_executor_admissions_total", outcome="admitted") == 2
+    assert _value(m, "ferrum_executor_preemptions_total", mode="recompute") == 2
+    assert _value(m, "ferrum_executor_prefix_cache_queries_total") == 128
+    assert _value(m, "ferrum_executor_prefix_cache_hits_total") == 64
+    assert _value(m, "ferrum_executor_time_to_first_token_seconds_count") == 2
+    assert _value(m, "ferrum_executor_inter_token_latency_seconds_sum") == pytest.approx(0.024)
+    assert _value(m, "ferrum_executor_ready") == 1
+    rpc = {
+        "grpc_type": "unary",
+        "grpc_service": "ferrum.executor.v1.ExecutorService",
+        "grpc_method": "GetInfo",
+    }
+    assert _value(m, "grpc_server_started_total", **rpc) == 2
+    assert _value(m, "grpc_server_handled_total", grpc_code="OK", **rpc) == 2
+    assert _value(m, "grpc_server_handling_seconds_count", **rpc) == 2
+    m.set_ready(False)
+    m.set_kv(total=0, used=0)
+    m.set_cache_config(block_size=32, num_gpu_blocks=7)
+    assert _value(m, "ferrum_executor_ready") == 0
+    assert _value(m, "ferrum_executor_kv_cache_utilization_ratio") == 0
+    info = [k for k in _samples(m) if k[0] == "ferrum_executor_cache_config_info"]
+    assert info == [
+        ("ferrum_executor_cache_config_info", (("block_size", "32"), ("num_gpu_blocks", "7")))
+    ]
+
+
+def test_registries_are_independent_and_labels_are_checked() -> None:
+    a, b = Metrics(), Metrics()
+    a.record_admission("rejected")
+    assert _value(a, "ferrum_executor_admissions_total", outcome="rejected") == 1
+    assert _value(b, "ferrum_executor_admissions_total", outcome="rejected") == 0
+    with pytest.raises(ValueError):
+        a.record_deferral("disk")
+    with pytest.raises(ValueError):
+        a.record_step("verify", 1, 1, 0, 0, 1, 0.01)
+
+
+def test_process_collector_is_namespaced() -> None:
+    samples = {name for name, _ in _samples(Metrics())}
+    assert "ferrum_executor_process_resident_memory_bytes" in samples
+    assert "python_info" in samples
+
+
+def test_markdown_table_lists_every_metric() -> None:
+    table = render_markdown_table()
+    lines = table.strip().splitlines()
+    assert lines[0].startswith("| Metric |")
+    assert len(lines) == 2 + len(METRIC_DOCS)
+    for name, *_ in METRIC_DOCS:
+        assert f"`{name}`" in table
+
+
+def test_http_server_on_port_zero() -> None:
+    m = Metrics(process_collectors=False)
+    port = m.start_http_server(0, "127.0.0.1")
+    try:
+        assert port > 0
+        m.set_ready(True)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            body = resp.read().decode()
+        assert "ferrum_executor_ready 1.0" in body
+    finally:
+        m.stop_http_server()
+
+
+# -- the gRPC interceptor ------------------------------------------------------------------
+
+_SERVICE = "test.Echo"
+
+
+async def _unary_ok(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    return request
+
+
+async def _unary_abort(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    return b""
+
+
+async def _unary_set_code(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    context.set_code(grpc.StatusCode.NOT_FOUND)
+    context.set_details("gone")
+    return b""
+
+
+async def _unary_raise(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    raise RuntimeError("boom")
+
+
+async def _server_stream(
+    request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[bytes]:
+    for i in range(3):
+        yield bytes([i])
+
+
+async def _bidi(
+    requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[bytes]:
+    async for request in requests:
+        if request == b"stop":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stop")
+        yield request
+
+
+async def _client_stream_writer(
+    requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+) -> bytes:
+    return b"".join([r async for r in requests])
+
+
+async def _server_stream_writer(
+    request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+) -> None:
+    await context.write(b"a")
+    await context.write(b"b")
+
+
+def _echo_handlers() -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        _SERVICE,
+        {
+            "Ok": grpc.unary_unary_rpc_method_handler(_unary_ok),
+            "Abort": grpc.unary_unary_rpc_method_handler(_unary_abort),
+            "SetCode": grpc.unary_unary_rpc_method_handler(_unary_set_code),
+            "Raise": grpc.unary_unary_rpc_method_handler(_unary_raise),
+            "Stream": grpc.unary_stream_rpc_method_handler(_server_stream),
+            "Bidi": grpc.stream_stream_rpc_method_handler(_bidi),
+            "Collect": grpc.stream_unary_rpc_method_handler(_client_stream_writer),
+            "Write": grpc.unary_stream_rpc_method_handler(_server_stream_writer),
+        },
+    )
+
+
+async def test_interceptor_counts_codes_for_every_call_shape() -> None:
+    metrics = Metrics(process_collectors=False)
+    server = grpc.aio.server(interceptors=[RpcMetricsInterceptor(metrics)])
+    server.add_generic_rpc_handlers((_echo_handlers(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+
+            def path(name: str) -> str:
+                return f"/{_SERVICE}/{name}"
+
+            assert await channel.unary_unary(path("Ok"))(b"hi", timeout=5) == b"hi"
+            for name, code in (
+                ("Abort", grpc.StatusCode.RESOURCE_EXHAUSTED),
+                ("SetCode", grpc.StatusCode.NOT_FOUND),
+                ("Raise", grpc.StatusCode.UNKNOWN),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await channel.unary_unary(path(name))(b"", timeout=5)
+                assert info.value.code() == code
+            got = [r async for r in channel.unary_stream(path("Stream"))(b"", timeout=5)]
+            assert got == [b"\x00", b"\x01", b"\x02"]
+            got = [r async for r in channel.unary_stream(path("Write"))(b"", timeout=5)]
+            assert got == [b"a", b"b"]
+            got = [
+                r async for r in channel.stream_stream(path("Bidi"))(iter([b"x", b"y"]), timeout=5)
+            ]
+            assert got == [b"x", b"y"]
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for _ in channel.stream_stream(path("Bidi"))(
+                    iter([b"x", b"stop"]), timeout=5
+                ):
+                    pass
+            collect = channel.stream_unary(path("Collect"))
+            assert await collect(iter([b"a", b"b"]), timeout=5) == b"ab"
+    finally:
+        await server.stop(None)
+    await asyncio.sleep(0)
+
+    def handled(method: str, kind: str, code: str) -> float:
+        return _value(
+            metrics,
+            "grpc_server_handled_total",
+            grpc_type=kind,
+            grpc_service=_SERVICE,
+            grpc_method=method,
+            grpc_code=code,
+        )
+
+    assert handled("Ok", "unary", "OK") == 1
+    assert handled("Abort", "unary", "RESOURCE_EXHAUSTED") == 1
+    assert handled("SetCode", "unary", "NOT_FOUND") == 1
+    assert handled("Raise", "unary", "UNKNOWN") == 1
+    assert handled("Stream", "server_stream", "OK") == 1
+    assert handled("Write", "server_stream", "OK") == 1
+    assert handled("Bidi", "bidi_stream", "OK") == 1
+    assert handled("Bidi", "bidi_stream", "INVALID_ARGUMENT") == 1
+    assert handled("Collect", "client_stream", "OK") == 1
+    started = _value(
+        metrics,
+        "grpc_server_started_total",
+        grpc_type="bidi_stream",
+        grpc_service=_SERVICE,
+        grpc_method="Bidi",
+    )
+    assert started == 2
+    assert (
+        _value(
+            metrics,
+            "grpc_server_handling_seconds_count",
+            grpc_type="unary",
+            grpc_service=_SERVICE,
+            grpc_method="Raise",
+        )
+        == 1
+    )
