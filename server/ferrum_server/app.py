@@ -1,10 +1,10 @@
-"""Builds and runs the gRPC server: executor service plus grpc.health.v1."""
+"""Builds and runs the gRPC server: executor service, grpc.health.v1, metrics, drain."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import signal
+import dataclasses
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -12,13 +12,18 @@ from ferrum_client.pb import executor_pb2_grpc as pb_grpc
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ferrum_server import logs
 from ferrum_server.config import EngineConfig, ServerConfig
 from ferrum_server.engine import Engine
+from ferrum_server.metrics import Metrics
+from ferrum_server.rpc_metrics import RpcMetricsInterceptor
 from ferrum_server.service import ExecutorServicer
 from ferrum_server.waits import CapacityNotifier
 
-_LOG = logging.getLogger(__name__)
+_LOG = logs.get(__name__)
 SERVICE_NAME = "ferrum.executor.v1.ExecutorService"
+# SERVING while the engine thread answers heartbeats: the liveness probe's service.
+LIVENESS_SERVICE = "ferrum.executor.v1.Liveness"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -26,9 +31,9 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def message_limit_bytes(engine: EngineConfig, server: ServerConfig) -> int:
     """Largest message a valid request or response can need, with headroom.
 
-    A step carries at most max_batch_tokens token ids (<= 5 bytes each) plus per-item columns;
-    a response may carry a float32 logits row per item, which the vocabulary bounds, so the
-    limit grows with the batch limits rather than being a fixed 4 MiB.
+    A step carries at most max_batch_tokens token ids (<= 5 bytes each) plus per-item columns
+    and masks; a response may carry a float32 logits row per item, which the vocabulary bounds,
+    so the limit grows with the batch limits rather than being a fixed 4 MiB.
     """
     if server.max_message_bytes:
         return server.max_message_bytes
@@ -43,34 +48,108 @@ class RunningServer:
     engine: Engine
     servicer: ExecutorServicer
     health: health_aio.HealthServicer
+    metrics: Metrics
+    metrics_port: int
+    server_config: ServerConfig
+    _watchdog: asyncio.Task[None] | None = None
+
+    async def warm_up(self) -> None:
+        """Run a real forward, start the liveness watchdog, then report SERVING."""
+        engine = self.engine
+        _LOG.info("lifecycle", state="warming_up")
+        num_tokens, forward_ms = await engine.call(engine.warmup, 0)
+        engine.publish_gauges()
+        _LOG.info(
+            "lifecycle",
+            state="warmed_up",
+            tokens=num_tokens,
+            forward_ms=round(forward_ms, 1),
+            kv_blocks=engine.kv.pool.num_blocks,
+            block_size=engine.kv.block_size,
+        )
+        config = self.server_config
+        self._watchdog = asyncio.ensure_future(
+            self.watch_engine(config.liveness_interval_s, config.liveness_timeout_s)
+        )
+        await self.mark_serving()
 
     async def mark_serving(self) -> None:
         self.servicer.accepting = True
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
+        self.metrics.set_ready(True)
+        _LOG.info("lifecycle", state="serving", port=self.port, metrics_port=self.metrics_port)
 
     async def drain(self, grace_s: float) -> None:
-        """Flip health, refuse new work, let in-flight calls finish within grace_s."""
+        """Flip health, refuse new work, let in-flight calls finish within grace_s, release."""
+        _LOG.info("lifecycle", state="draining", grace_s=grace_s)
         self.servicer.accepting = False
+        self.metrics.set_ready(False)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        released = await self.engine.call(self.engine.release_all)
         self.engine.shutdown()
+        self.metrics.stop_http_server()
+        _LOG.info("lifecycle", state="stopped", caches_released=released)
+
+    async def watch_engine(self, interval_s: float, timeout_s: float) -> None:
+        """Liveness: the engine thread must answer a heartbeat within timeout_s."""
+        healthy = True
+        while True:
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(self.engine.call(self.engine.heartbeat), timeout_s)
+                alive = True
+            except TimeoutError:
+                alive = False
+            if alive != healthy:
+                healthy = alive
+                await self.health.set(LIVENESS_SERVICE, _SERVING if alive else _NOT_SERVING)
+                _LOG.warning(
+                    "lifecycle",
+                    state="engine_stuck" if not alive else "engine_live",
+                    waited_s=round(time.monotonic() - started, 3),
+                )
+            await asyncio.sleep(interval_s)
 
 
 async def start_server(
     engine_config: EngineConfig, server_config: ServerConfig, engine: Engine | None = None
 ) -> RunningServer:
-    """Load the model, bind the port, warm up, then report SERVING."""
+    """Load the model, bind the ports, warm up with a real forward, then report SERVING."""
+    running = await bind_server(engine_config, server_config, engine)
+    await running.warm_up()
+    return running
+
+
+async def bind_server(
+    engine_config: EngineConfig, server_config: ServerConfig, engine: Engine | None = None
+) -> RunningServer:
+    """Load the model and start answering on the ports; NOT_SERVING until `warm_up`."""
+    _LOG.info(
+        "lifecycle",
+        state="loading",
+        model=engine_config.model,
+        device=engine_config.device,
+        dtype=engine_config.dtype,
+    )
     engine = engine or Engine(engine_config)
+    metrics = Metrics()
+    metrics.set_cache_config(engine.kv.block_size, engine.kv.pool.num_blocks)
+    engine.metrics = metrics
+    engine.capacity.metrics = metrics
     limit = message_limit_bytes(engine_config, server_config)
     server = grpc.aio.server(
+        interceptors=[RpcMetricsInterceptor(metrics)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-        ]
+        ],
     )
     servicer = ExecutorServicer(engine, CapacityNotifier(engine.kv, asyncio.get_running_loop()))
     pb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
@@ -78,35 +157,42 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, _NOT_SERVING)
+    await health_servicer.set(LIVENESS_SERVICE, _SERVING)
+    if server_config.reflection:
+        _enable_reflection(server)
     address = f"{server_config.host}:{server_config.port}"
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind {address}: {exc}") from None
     if port == 0:
-        raise OSError(f"could not bind {address}")
+        raise OSError(f"cannot bind {address} (port in use?)")
+    metrics_port = -1
+    if server_config.metrics_port >= 0:
+        try:
+            metrics_port = metrics.start_http_server(
+                server_config.metrics_port, server_config.metrics_host
+            )
+        except OSError as exc:
+            raise OSError(
+                f"cannot bind the metrics port {server_config.metrics_port}: {exc.strerror}"
+            ) from None
     await server.start()
-    running = RunningServer(server, port, engine, servicer, health_servicer)
-    num_tokens, forward_ms = await engine.call(engine.warmup, 0)
-    _LOG.info("warmup ran %d tokens in %.1f ms", num_tokens, forward_ms)
-    await running.mark_serving()
-    return running
+    return RunningServer(
+        server, port, engine, servicer, health_servicer, metrics, metrics_port, server_config
+    )
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Serve until SIGTERM/SIGINT; drain within the grace period; a second signal exits now."""
-    running = await start_server(engine_config, server_config)
-    _LOG.info("serving on %s:%d", server_config.host, running.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    signals = 0
+def _enable_reflection(server: grpc.aio.Server) -> None:
+    try:
+        from grpc_reflection.v1alpha import reflection
+    except ImportError:
+        raise ValueError("--debug-reflection needs the 'debug' extra (grpcio-reflection)") from None
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server
+    )
 
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            raise SystemExit(1)
-        stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    await stop.wait()
-    _LOG.info("draining (grace %.1fs)", server_config.grace_s)
-    await running.drain(server_config.grace_s)
+def startup_event(engine: EngineConfig, server: ServerConfig) -> dict[str, object]:
+    """The configuration, printed once at start (no secrets live in these configs)."""
+    return {"engine": dataclasses.asdict(engine), "server": dataclasses.asdict(server)}

@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ferrum_server import logs
 from ferrum_server.domain import Shortfall
 from ferrum_server.errors import AlreadyExists, InvalidArgument, NotFound
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, Epochs, SourceKey
 from ferrum_server.kv.manager import KvManager, Sequence
+from ferrum_server.metrics import Metrics
 from ferrum_server.validate import Limits, check_instance
+
+_LOG = logs.get(__name__)
 
 # proto enum values (the engine stays protobuf-free)
 SHORTFALL_FIT = 2
@@ -128,6 +132,7 @@ class CapacityManager:
         self.swap_space_bytes = swap_space_bytes
         self.swapped: OrderedDict[str, SwappedKv] = OrderedDict()  # by request id
         self.stats = CapacityStats()
+        self.metrics: Metrics | None = None
 
     # -- admission ------------------------------------------------------------------------
 
@@ -236,6 +241,16 @@ class CapacityManager:
         self.stats.admitted += 1
         self.stats.prefix_query_tokens += len(tokens)
         self.stats.prefix_hit_tokens += cached
+        if self.metrics is not None:
+            self.metrics.record_admission("admitted")
+            self.metrics.record_prefix(len(tokens), cached)
+        _LOG.info(
+            "request_admitted",
+            request_id=request_id,
+            cache_id=seq.cache_id,
+            cached_tokens=cached,
+            blocks=len(seq.block_ids),
+        )
         return Admitted(request_id, seq.cache_id, cached, len(seq.block_ids), kv.clock.snapshot())
 
     def _validate(
@@ -277,6 +292,8 @@ class CapacityManager:
         self, immediate: Demand, fit: Demand, shortfall: Shortfall, reason: str
     ) -> Rejected:
         self.stats.rejected += 1
+        if self.metrics is not None:
+            self.metrics.record_admission("rejected")
         return Rejected(immediate, fit, [shortfall], reason)
 
     def _defer(
@@ -284,6 +301,8 @@ class CapacityManager:
     ) -> Deferred:
         self.stats.deferred += 1
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
+        if self.metrics is not None:
+            self.metrics.record_admission("deferred")
         clock = self.kv.clock
         return Deferred(immediate, fit, [shortfall], clock.snapshot(), clock.observed({source}))
 
@@ -333,6 +352,15 @@ class CapacityManager:
         pending = seq.pending_admission
         result = self.kv.release(cache_id)
         self.stats.preemptions += 1
+        if self.metrics is not None:
+            self.metrics.record_preemption(used.name.lower())
+        _LOG.info(
+            "cache_preempted",
+            request_id=seq.request_id,
+            cache_id=cache_id,
+            mode=used.name.lower(),
+            blocks_freed=result.blocks_freed,
+        )
         return PreemptionReceipt(
             seq.request_id, cache_id, pending, result.blocks_freed, used, self.kv.clock.snapshot()
         )
@@ -398,4 +426,6 @@ class CapacityManager:
         seq.pending_admission = True
         self.stats.admitted += 1
         self.stats.swaps_in += 1
+        if self.metrics is not None:
+            self.metrics.record_admission("admitted")
         return Admitted(request_id, seq.cache_id, restored, len(seq.block_ids), kv.clock.snapshot())

@@ -1,11 +1,14 @@
-"""`ferrum-executor`: serve the executor, or run the demo against a fresh local server."""
+"""`ferrum-executor`: serve the executor, run the demo, or drive a server from the command line.
+
+Every `serve` flag also reads the environment variable FERRUM_<FLAG> (dashes as underscores),
+so containers can be configured either way; flags win over the environment.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import logging
 import os
 import pathlib
 import signal
@@ -13,51 +16,97 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from ferrum_server.config import DTYPES, EngineConfig, ServerConfig
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"FERRUM_{name}", default)
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    name: str
+    kind: Callable[[str], Any]
+    default: str
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def env(self) -> str:
+        return "FERRUM_" + self.name.upper().replace("-", "_")
+
+
+SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag("model", str, "tiny", "'tiny' (built-in random weights) or a Hugging Face folder"),
+    Flag("host", str, "127.0.0.1", "gRPC listen address"),
+    Flag("port", int, "50051", "gRPC port; 0 = any free port"),
+    Flag("device", str, "cpu", "cpu or cuda[:N]"),
+    Flag("dtype", str, "float32", "compute dtype", DTYPES),
+    Flag("block-size", int, "16", "KV block size in tokens"),
+    Flag(
+        "kv-cache-bytes",
+        int,
+        "0",
+        "KV pool bytes; 0 = free GPU memory x utilisation (CUDA) or 256 MiB (CPU)",
+    ),
+    Flag("gpu-memory-utilization", float, "0.9", "fraction of free GPU memory for the KV pool"),
+    Flag("max-batch-tokens", int, "4096", "most tokens in one forward"),
+    Flag("max-batch-size", int, "256", "most items in one forward, and most live sequences"),
+    Flag("max-sequence-length", int, "0", "longest sequence; 0 = the model's positions"),
+    Flag("torch-threads", int, "0", "CPU intra-op threads; 0 = torch's default"),
+    Flag("prefix-caching", _bool, "true", "reuse KV blocks of shared prompt prefixes"),
+    Flag(
+        "swap-space-bytes",
+        int,
+        str(1024**3),
+        "host memory for KV swapped out by preemption; 0 = recompute only",
+    ),
+    Flag("grace-s", float, "30", "seconds in-flight calls may run after SIGTERM"),
+    Flag("metrics-port", int, "9400", "Prometheus /metrics port; 0 = any free port, -1 = off"),
+    Flag("metrics-host", str, "0.0.0.0", "Prometheus listen address"),
+    Flag(
+        "liveness-timeout-s",
+        float,
+        "120",
+        "engine heartbeat deadline before the liveness health service reports NOT_SERVING",
+    ),
+    Flag("log-level", str, "info", "debug, info, warning, error"),
+    Flag(
+        "log-format",
+        str,
+        "auto",
+        "json, console, or auto (console on a terminal)",
+        ("auto", "json", "console"),
+    ),
+    Flag("debug-reflection", _bool, "false", "gRPC server reflection (needs the 'debug' extra)"),
+)
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=_env("MODEL", "tiny"),
-        help="'tiny' (built-in random weights) or a HF folder path",
-    )
-    parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    parser.add_argument(
-        "--port", type=int, default=int(_env("PORT", "50051")), help="0 picks a free port"
-    )
-    parser.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=DTYPES)
-    parser.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
-    parser.add_argument(
-        "--kv-cache-bytes",
-        type=int,
-        default=int(_env("KV_CACHE_BYTES", "0")),
-        help="KV pool bytes; 0 = from free GPU memory (CUDA) or 256 MiB (CPU)",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", "0.9"))
-    )
-    parser.add_argument(
-        "--max-batch-tokens", type=int, default=int(_env("MAX_BATCH_TOKENS", "4096"))
-    )
-    parser.add_argument("--max-batch-size", type=int, default=int(_env("MAX_BATCH_SIZE", "256")))
-    parser.add_argument(
-        "--max-sequence-length", type=int, default=int(_env("MAX_SEQUENCE_LENGTH", "0"))
-    )
-    parser.add_argument("--torch-threads", type=int, default=int(_env("TORCH_THREADS", "0")))
-    parser.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", "30")))
+    for flag in SERVE_FLAGS:
+        # argparse applies `type` to string defaults too, so a bad environment value fails
+        # with the same one-line usage error as a bad flag.
+        parser.add_argument(
+            f"--{flag.name}",
+            type=flag.kind,
+            default=os.environ.get(flag.env, flag.default),
+            choices=flag.choices,
+            help=f"{flag.help} [env {flag.env}, default {flag.default}]",
+        )
     parser.add_argument(
         "--port-file",
         type=pathlib.Path,
         default=None,
-        help="write the bound port here once SERVING (for port 0)",
+        help="write the bound port here once SERVING (for --port 0)",
     )
 
 
@@ -73,8 +122,21 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         max_batch_size=args.max_batch_size,
         max_sequence_length=args.max_sequence_length,
         torch_threads=args.torch_threads,
+        prefix_caching=args.prefix_caching,
+        swap_space_bytes=args.swap_space_bytes,
     )
-    return engine, ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s)
+    if engine.model != "tiny" and not pathlib.Path(engine.model).is_dir():
+        raise ValueError(f"model path {engine.model} is not a folder")
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        grace_s=args.grace_s,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        reflection=args.debug_reflection,
+        liveness_timeout_s=args.liveness_timeout_s,
+    )
+    return engine, server
 
 
 async def _serve(
@@ -83,7 +145,6 @@ async def _serve(
     from ferrum_server.app import start_server
 
     running = await start_server(engine, server)
-    logging.getLogger("ferrum_server").info("serving on %s:%d", server.host, running.port)
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(str(running.port))
@@ -96,7 +157,7 @@ async def _serve(
         nonlocal count
         count += 1
         if count > 1:
-            os._exit(1)  # second signal: exit at once
+            os._exit(1)  # a second signal: exit at once, without draining
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -106,21 +167,26 @@ async def _serve(
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ferrum_server import logs
+    from ferrum_server.app import startup_event
+
     try:
         engine, server = _configs(args)
+        logs.configure(args.log_level, args.log_format)
     except ValueError as exc:
         sys.stderr.write(f"ferrum-executor: invalid configuration: {exc}\n")
         return 2
+    logs.get("ferrum_server").info("startup", **startup_event(engine, server))
     try:
         asyncio.run(_serve(engine, server, args.port_file))
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         sys.stderr.write(f"ferrum-executor: cannot start: {exc}\n")
         return 2
     return 0
 
 
 def start_server_process(
-    extra_args: Sequence[str] = (), timeout_s: float = 120.0
+    extra_args: Sequence[str] = (), timeout_s: float = 120.0, **popen: Any
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start `ferrum-executor serve` on 127.0.0.1, port 0; return (process, port) once SERVING."""
     folder = tempfile.mkdtemp(prefix="ferrum-")
@@ -139,6 +205,7 @@ def start_server_process(
             str(port_file),
             *extra_args,
         ],
+        **popen,
     )
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():
@@ -154,7 +221,18 @@ def start_server_process(
 def cmd_demo(args: argparse.Namespace) -> int:
     from ferrum_server.demo import run_demo
 
-    process, port = start_server_process(["--model", args.model, "--dtype", args.dtype])
+    process, port = start_server_process(
+        [
+            "--model",
+            args.model,
+            "--dtype",
+            args.dtype,
+            "--metrics-port",
+            "-1",
+            "--log-level",
+            "warning",
+        ]
+    )
     try:
         report = asyncio.run(
             run_demo(
@@ -168,7 +246,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report["free_blocks_after"] == report["total_blocks"] else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrum-executor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the executor gRPC server")
@@ -180,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--requests", type=int, default=4)
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.set_defaults(func=cmd_demo)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args))

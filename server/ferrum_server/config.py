@@ -61,9 +61,24 @@ class ServerConfig:
     grace_s: float = 30.0
     # Bytes; derived from the batch limits when 0.
     max_message_bytes: int = 0
+    # Prometheus /metrics over HTTP: -1 = off, 0 = any free port.
+    metrics_port: int = -1
+    metrics_host: str = "0.0.0.0"
+    # gRPC server reflection (debug only; needs the 'debug' extra).
+    reflection: bool = False
+    # The engine thread must answer a heartbeat within liveness_timeout_s, checked every
+    # liveness_interval_s; otherwise the liveness health service reports NOT_SERVING.
+    liveness_interval_s: float = 5.0
+    liveness_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port must be in [-1, 65535], got {self.metrics_port}")
+        if self.metrics_port > 0 and self.metrics_port == self.port:
+            raise ValueError("the metrics port must differ from the gRPC port")
         if self.grace_s < 0:
             raise ValueError("grace period must be >= 0")
+        if self.liveness_interval_s <= 0 or self.liveness_timeout_s <= 0:
+            raise ValueError("liveness interval and timeout must be > 0")

@@ -8,16 +8,17 @@ await `Engine.call`.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from ferrum_server.capacity import CapacityManager
+from ferrum_server.capacity import CapacityManager, Decision
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import (
     CapacityDeferral,
@@ -35,6 +36,7 @@ from ferrum_server.domain import (
 from ferrum_server.errors import ExecutionFailed, InvalidArgument
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, SourceKey
 from ferrum_server.kv.manager import KvManager, ReleaseResult, Sequence
+from ferrum_server.metrics import Metrics
 from ferrum_server.models import ModelConfig, load_model
 from ferrum_server.runner import ForwardOutput, ModelRunner
 from ferrum_server.validate import Limits, check_instance, validate_step
@@ -113,6 +115,9 @@ class Engine:
             self.kv, self.kv_cache, self.limits, config.swap_space_bytes
         )
         self.stats = EngineStats()
+        self.metrics: Metrics | None = None
+        # Releases, truncations and prefix publications move the gauges too.
+        self.kv.clock.listeners.append(self.publish_gauges)
         self.warmed_up = False
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-engine")
 
@@ -124,6 +129,11 @@ class Engine:
                 budget = int(free * self.config.gpu_memory_utilization)
             else:
                 budget = _CPU_DEFAULT_KV_BYTES
+        limit = _device_memory_bytes(self.device)
+        if budget > limit:
+            raise ValueError(
+                f"KV budget of {budget} bytes exceeds the {limit} bytes of {self.device}"
+            )
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -178,6 +188,14 @@ class Engine:
                 raise ExecutionFailed("the forward pass failed") from exc
             self._commit(run_items, run_seqs, runnable, forward, results)  # type: ignore[arg-type]
             self._count(run_items, forward)
+        if self.metrics is not None:
+            self._observe(
+                step,
+                deferrals,
+                run_items if runnable else [],
+                run_seqs if runnable else [],
+                forward,
+            )
         finished = time.perf_counter_ns()
         timings = Timings(
             queue_ns=max(0, started - submitted_ns) if submitted_ns else 0,
@@ -329,6 +347,55 @@ class Engine:
             stats.decode_steps += 1
             stats.decode_time_ns += elapsed
 
+    def _observe(
+        self,
+        step: Step,
+        deferrals: dict[int, CapacityDeferral],
+        items: list[StepItem],
+        sequences: list[Sequence | None],
+        forward: ForwardOutput,
+    ) -> None:
+        metrics = self.metrics
+        assert metrics is not None
+        for deferral in deferrals.values():
+            metrics.record_deferral(
+                "sequence_slots" if deferral.shortfall.unit == UNIT_SEQUENCES else "kv_blocks"
+            )
+        if items:
+            prefill = sum(len(i.token_ids) for i in items if i.kind == ItemKind.PREFILL_CHUNK)
+            decode = sum(1 for i in items if i.kind == ItemKind.DECODE)
+            verify = sum(len(i.token_ids) for i in items if i.kind == ItemKind.VERIFY)
+            kind = "mixed" if prefill and (decode or verify) else "prefill" if prefill else "decode"
+            metrics.record_step(
+                kind,
+                len(items),
+                prefill + decode + verify,
+                prefill,
+                decode,
+                verify,
+                (forward.forward_ns + forward.sample_ns) / 1e9,
+            )
+            now = time.monotonic()
+            for item, seq in zip(items, sequences, strict=True):
+                if seq is None or not item.num_outputs:
+                    continue
+                if seq.last_token_s:
+                    metrics.observe_itl(now - seq.last_token_s)
+                else:
+                    metrics.observe_ttft(now - seq.opened_s)
+                seq.last_token_s = now
+        self.publish_gauges()
+
+    def publish_gauges(self) -> None:
+        """Refresh the KV and sequence gauges (engine thread)."""
+        if self.metrics is None:
+            return
+        pool = self.kv.pool
+        self.metrics.set_kv(pool.num_blocks, pool.num_used, pool.num_cached)
+        waiting = sum(1 for s in self.kv.sequences.values() if s.pending_admission)
+        self.metrics.set_sequences(len(self.kv.sequences) - waiting, waiting)
+        self.metrics.update_device_memory()
+
     # -- cache operations -----------------------------------------------------------------
 
     def release(self, cache_id: str, instance_id: int = 0) -> ReleaseResult:
@@ -357,6 +424,23 @@ class Engine:
         for source, target in copies:
             self.kv_cache[:, :, target].copy_(self.kv_cache[:, :, source])
         return seq, released
+
+    def try_admit(self, *args: Any) -> Decision:
+        """CapacityManager.try_admit, then refresh the gauges (an admission holds blocks)."""
+        decision = self.capacity.try_admit(*args)
+        self.publish_gauges()
+        return decision
+
+    def release_all(self) -> int:
+        """Release every cache (drain); return how many were live."""
+        cache_ids = list(self.kv.sequences)
+        for cache_id in cache_ids:
+            self.kv.release(cache_id)
+        return len(cache_ids)
+
+    def heartbeat(self) -> float:
+        """A no-op on the engine thread: answering proves the thread is not stuck."""
+        return time.monotonic()
 
     def warmup(self, num_tokens: int = 0) -> tuple[int, float]:
         """Run one real forward of num_tokens prompt tokens through a scratch cache."""
@@ -460,6 +544,12 @@ class Engine:
             free_blocks_after=kv.pool.num_available,
             allocations=allocations,
         )
+
+
+def _device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -13,16 +12,30 @@ import grpc
 from ferrum_client.pb import executor_pb2 as pb
 from ferrum_client.pb import executor_pb2_grpc as pb_grpc
 
-from ferrum_server import convert, info
+from ferrum_server import convert, info, logs
 from ferrum_server.capacity import PreemptionMode
 from ferrum_server.domain import DeferralMode, ItemKind, ItemStatus, Step, StepOutcome
 from ferrum_server.engine import Engine
 from ferrum_server.errors import INTERNAL_MESSAGE, ExecutorError, InvalidArgument, Unavailable
 from ferrum_server.waits import CapacityNotifier
 
-_LOG = logging.getLogger(__name__)
+_LOG = logs.get(__name__)
 R = TypeVar("R")
 Handler = Callable[..., Awaitable[R]]
+
+
+def _ids(request: Any) -> dict[str, object]:
+    """Request and cache ids of a request, for logs (never tokens)."""
+    ids: dict[str, object] = {}
+    for name in ("request_id", "cache_id"):
+        value = getattr(request, name, "")
+        if value:
+            ids[name] = value
+    items = getattr(request, "items", None)
+    if items is not None and hasattr(items, "cache_ids"):
+        ids["cache_ids"] = [c for c in items.cache_ids if c][:16]
+        ids["num_items"] = len(items.kinds)
+    return ids
 
 
 def _maps_errors(handler: Handler[R]) -> Handler[R]:
@@ -35,9 +48,16 @@ def _maps_errors(handler: Handler[R]) -> Handler[R]:
         try:
             return await handler(self, request, context)
         except ExecutorError as exc:
+            _LOG.info(
+                "rpc_failed",
+                method=handler.__name__,
+                code=exc.code.name,
+                reason=type(exc).__name__,
+                **_ids(request),
+            )
             await context.abort(exc.code, exc.message)
         except Exception:
-            _LOG.exception("rpc %s failed", handler.__name__)
+            _LOG.exception("rpc_failed", method=handler.__name__, code="INTERNAL", **_ids(request))
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
         raise AssertionError("unreachable")  # abort() always raises
 
@@ -227,7 +247,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     )
                     continue
                 except Exception:
-                    _LOG.exception("step %d failed", step_id)
+                    _LOG.exception("step_failed", step_id=step_id)
                     yield pb.StepStreamResponse(
                         step_id=step_id,
                         error=pb.StepError(
@@ -330,7 +350,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._require_ready()
         engine = self.engine
         decision = await engine.call(
-            engine.capacity.try_admit,
+            engine.try_admit,
             request.request_id,
             list(request.input_tokens),
             request.maximum_sequence_tokens,

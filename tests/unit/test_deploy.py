@@ -32,7 +32,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("gpu", "cpu", "gpu-2x")
-SERVICE_NAME = "ferrum.executor.v1.ExecutorService"
+from ferrum_server.app import LIVENESS_SERVICE, SERVICE_NAME  # noqa: E402
+
 K8S_VERSIONS = ("1.27.0", None)  # oldest with GA gRPC probes, and the newest bundled
 Doc = dict[str, Any]
 
@@ -335,7 +336,7 @@ def test_probes_ports_and_grace(name: str) -> None:
         for probe in probes.values():
             assert probe["grpc"]["port"] == args.port  # native probes need a number
         assert probes["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
-        assert probes["livenessProbe"]["grpc"].get("service", "") == ""
+        assert probes["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
         startup = probes["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model load"
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ferrum_server import logs
 from ferrum_server.errors import CapacityExhausted, NotFound
 from ferrum_server.kv.block_pool import BlockPool
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, EpochClock, SourceKey
 
+_LOG = logs.get(__name__)
 # Retired cache ids remembered so that a repeated release is recognised as a repeat.
 _RETIRED_MEMORY = 65536
 _ROOT_HASH = b"ferrum-prefix-root"
@@ -46,6 +49,9 @@ class Sequence:
     context_tokens: int = 0
     # Hashes of full context blocks this sequence will compute that others may wait for.
     pending_hashes: list[bytes] = field(default_factory=list)
+    # Monotonic times for time-to-first-token and inter-token metrics.
+    opened_s: float = field(default_factory=time.monotonic)
+    last_token_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -155,6 +161,7 @@ class KvManager:
         cache_id = secrets.token_hex(12)
         seq = Sequence(cache_id=cache_id, request_id=request_id, max_tokens=max_tokens)
         self.sequences[cache_id] = seq
+        _LOG.debug("cache_opened", request_id=request_id, cache_id=cache_id)
         return seq
 
     def admit(
@@ -255,6 +262,13 @@ class KvManager:
         if freed:
             sources.add(KV_BLOCKS)
         self.clock.bump(sources)
+        _LOG.debug(
+            "cache_released",
+            request_id=seq.request_id,
+            cache_id=cache_id,
+            tokens=seq.num_tokens,
+            blocks_freed=freed,
+        )
         return ReleaseResult(released=True, blocks_freed=freed)
 
     def _drop_pending(self, seq: Sequence) -> None:

@@ -1,0 +1,245 @@
+"""Operations: metrics scraped from a live server, health across warmup -> serving -> drain,
+liveness, SIGTERM drain of a subprocess with steps in flight, structured logs, reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from conftest import LiveServer
+from ferrum_client import ExecutorClient, ExecutorError, UnavailableError, pb
+from ferrum_server.cli import start_server_process
+from ferrum_server.metrics import METRIC_DOCS
+from prometheus_client.parser import text_string_to_metric_families
+
+SERVING, NOT_SERVING = 1, 2
+
+
+def _scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def _value(
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, **labels: str
+) -> float:
+    series = samples.get(name, {})
+    return sum(
+        v for key, v in series.items() if all(dict(key).get(k) == w for k, w in labels.items())
+    )
+
+
+def test_every_documented_metric_is_exported_and_moves(
+    live_server: LiveServer, client: ExecutorClient
+) -> None:
+    before = _scrape(live_server.metrics_url)
+    admitted = client.try_admit_prefill(
+        pb.TryAdmitPrefillRequest(
+            request_id="m", input_tokens=list(range(40)), product_prompt_tokens=40
+        )
+    ).admitted
+    cached = admitted.cached_prompt_tokens  # earlier tests may have left prefix blocks
+    first = client.prefill(
+        pb.PrefillRequest(
+            request_id="m",
+            input_tokens=list(range(40)),
+            cache_id=admitted.cache_id,
+            chunk=pb.PrefillChunk(
+                tokens_processed=cached, tokens_to_process=40 - cached, total_prompt_tokens=40
+            ),
+        )
+    )
+    token = first.completed.output.token.token_id
+    for position in range(40, 43):
+        token = client.decode(
+            pb.DecodeRequest(cache_id=admitted.cache_id, input_token=token, position=position)
+        ).completed.output.token.token_id
+    during = _scrape(live_server.metrics_url)
+    assert _value(during, "ferrum_executor_sequences_running") == 1
+    assert _value(during, "ferrum_executor_kv_blocks_used") >= 11
+    assert 0 < _value(during, "ferrum_executor_kv_cache_utilization_ratio") < 1
+    client.preempt_execution_capacity(
+        pb.PreemptExecutionCapacityRequest(request_id="m", cache_id=admitted.cache_id)
+    )
+    again = client.try_admit_prefill(
+        pb.TryAdmitPrefillRequest(
+            request_id="m", input_tokens=list(range(40)), product_prompt_tokens=40
+        )
+    ).admitted
+    client.release_cache(pb.ReleaseCacheRequest(cache_id=again.cache_id))
+    with pytest.raises(ExecutorError):
+        client.decode(pb.DecodeRequest(cache_id="missing", input_token=1))
+    after = _scrape(live_server.metrics_url)
+    for name, kind, _, _ in METRIC_DOCS:
+        exported = f"{name}_count" if kind == "histogram" else name
+        assert exported in after, f"{name} is not exported"
+
+    def moved(name: str, by: float = 1, **labels: str) -> None:
+        delta = _value(after, name, **labels) - _value(before, name, **labels)
+        assert delta >= by, f"{name}{labels} moved by {delta}"
+
+    moved("ferrum_executor_tokens_total", 40 - cached, kind="prefill")
+    moved("ferrum_executor_tokens_total", 3, kind="decode")
+    moved("ferrum_executor_steps_total", 4)
+    moved("ferrum_executor_step_duration_seconds_count", 3, kind="decode")
+    moved("ferrum_executor_batch_size_count", 4)
+    moved("ferrum_executor_time_to_first_token_seconds_count")
+    moved("ferrum_executor_inter_token_latency_seconds_count", 3)
+    moved("ferrum_executor_admissions_total", 2, outcome="admitted")
+    moved("ferrum_executor_preemptions_total", 1, mode="recompute")
+    moved("ferrum_executor_prefix_cache_queries_total", 80)
+    moved("ferrum_executor_prefix_cache_hits_total", 32)  # the re-admission hit 2 full blocks
+    moved("grpc_server_started_total", 1, grpc_method="Decode")
+    moved("grpc_server_handled_total", 3, grpc_method="Decode", grpc_code="OK")
+    moved("grpc_server_handled_total", 1, grpc_method="Decode", grpc_code="NOT_FOUND")
+    moved("grpc_server_handling_seconds_count", 1, grpc_method="Prefill")
+    assert _value(after, "ferrum_executor_ready") == 1
+    assert _value(after, "ferrum_executor_sequences_running") == 0
+    info = after["ferrum_executor_cache_config_info"]
+    assert dict(next(iter(info))) == {
+        "block_size": "4",
+        "num_gpu_blocks": str(live_server.engine.kv.pool.num_blocks),
+    }  # type: ignore[attr-defined]
+
+
+def test_health_warmup_serving_drain_and_liveness() -> None:
+    from ferrum_server.app import LIVENESS_SERVICE, SERVICE_NAME, bind_server
+    from ferrum_server.config import EngineConfig, ServerConfig
+    from ferrum_server.engine import Engine
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    engine = Engine(EngineConfig(kv_cache_bytes=1 << 20))
+    gate = threading.Event()
+    real_warmup = engine.warmup
+
+    def slow_warmup(num_tokens: int = 0) -> tuple[int, float]:
+        gate.wait(30)
+        return real_warmup(64)
+
+    engine.warmup = slow_warmup  # type: ignore[method-assign]
+    config = ServerConfig(port=0, liveness_interval_s=0.05, liveness_timeout_s=0.3)
+    running = asyncio.run_coroutine_threadsafe(
+        bind_server(EngineConfig(), config, engine), loop
+    ).result(timeout=60)
+    warming = asyncio.run_coroutine_threadsafe(running.warm_up(), loop)
+    with ExecutorClient(f"127.0.0.1:{running.port}", timeout_s=10) as client:
+        assert client.health() == NOT_SERVING
+        assert client.health(SERVICE_NAME) == NOT_SERVING
+        with pytest.raises(UnavailableError):
+            client.decode(pb.DecodeRequest(cache_id="x", input_token=1))
+        gate.set()
+        warming.result(timeout=60)
+        assert client.health() == SERVING and client.health(SERVICE_NAME) == SERVING
+        assert client.health(LIVENESS_SERVICE) == SERVING
+        # A stuck engine thread fails liveness, and recovers when it frees up.
+        blocker = asyncio.run_coroutine_threadsafe(engine.call(time.sleep, 1.5), loop)
+        assert _eventually(lambda: client.health(LIVENESS_SERVICE) == NOT_SERVING)
+        blocker.result(timeout=10)
+        assert _eventually(lambda: client.health(LIVENESS_SERVICE) == SERVING)
+        # Reflection is off unless asked for.
+        reflect = client._channel.stream_stream(  # type: ignore[attr-defined]
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            list(reflect(iter([b""])))
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        draining = asyncio.run_coroutine_threadsafe(running.drain(5.0), loop)
+        draining.result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+
+
+def _eventually(check: object, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_drains_in_flight_steps_then_exits_zero(tmp_path: object) -> None:
+    process, port = start_server_process(
+        [
+            "--grace-s",
+            "20",
+            "--metrics-port",
+            "-1",
+            "--log-format",
+            "json",
+            "--max-batch-tokens",
+            "2048",
+        ],
+        stdout=open(f"{tmp_path}/log.jsonl", "wb"),  # noqa: SIM115
+    )
+    target = f"127.0.0.1:{port}"
+
+    def long_prefill(seed: int) -> pb.PrefillResponse:
+        with ExecutorClient(target, timeout_s=60) as client:
+            tokens = [(seed * 31 + i) % 512 for i in range(2000)]
+            response = client.prefill(pb.PrefillRequest(request_id=f"p{seed}", input_tokens=tokens))
+            return response
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(long_prefill, seed) for seed in range(6)]
+        time.sleep(0.5)  # let them reach the server and queue on the engine thread
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        results = [f.result(timeout=60) for f in futures]
+    assert all(r.HasField("completed") for r in results)
+    with ExecutorClient(target, timeout_s=5) as client, pytest.raises(ExecutorError) as caught:
+        client.get_status()
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert process.wait(timeout=30) == 0
+    assert time.monotonic() - sent < 20
+    events = [
+        json.loads(line)
+        for line in open(f"{tmp_path}/log.jsonl")  # noqa: SIM115
+        if line.startswith("{")
+    ]
+    states = [e.get("state") for e in events if e.get("event") == "lifecycle"]
+    assert states[-2:] == ["draining", "stopped"]
+    assert next(e for e in events if e.get("state") == "stopped")["caches_released"] == 6
+
+
+def test_rpc_failures_are_logged_with_ids_and_no_tokens(tmp_path: object) -> None:
+    log = f"{tmp_path}/log.jsonl"
+    process, port = start_server_process(
+        ["--metrics-port", "-1", "--log-format", "json"],
+        stdout=open(log, "wb"),  # noqa: SIM115
+    )
+    try:
+        with ExecutorClient(f"127.0.0.1:{port}") as client:
+            with pytest.raises(ExecutorError):
+                client.decode(
+                    pb.DecodeRequest(request_id="req-7", cache_id="cache-9", input_token=1)
+                )
+            with pytest.raises(ExecutorError):
+                client.prefill(pb.PrefillRequest(request_id="req-8", input_tokens=[499, 498, 9999]))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    events = [json.loads(line) for line in open(log) if line.startswith("{")]  # noqa: SIM115
+    failures = [e for e in events if e.get("event") == "rpc_failed"]
+    assert {
+        "method": "Decode",
+        "code": "NOT_FOUND",
+        "request_id": "req-7",
+        "cache_id": "cache-9",
+    }.items() <= failures[0].items()
+    assert failures[1]["code"] == "INVALID_ARGUMENT" and failures[1]["request_id"] == "req-8"
+    text = open(log).read()  # noqa: SIM115
+    assert "9999" not in text and "input_tokens" not in text
