@@ -15,6 +15,7 @@ class LiveServer:
     target: str
     engine: object  # ferrum_server.engine.Engine
     loop: asyncio.AbstractEventLoop
+    metrics_url: str = ""
 
     def run(self, coro: object) -> object:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)  # type: ignore[arg-type]
@@ -29,10 +30,18 @@ def _start(**engine_kwargs: object) -> Iterator[LiveServer]:
     thread.start()
     config = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
     running = asyncio.run_coroutine_threadsafe(
-        start_server(config, ServerConfig(host="127.0.0.1", port=0)), loop
+        start_server(
+            config, ServerConfig(host="127.0.0.1", port=0, metrics_port=0, metrics_host="127.0.0.1")
+        ),
+        loop,
     ).result(timeout=120)
     try:
-        yield LiveServer(f"127.0.0.1:{running.port}", running.engine, loop)
+        yield LiveServer(
+            f"127.0.0.1:{running.port}",
+            running.engine,
+            loop,
+            f"http://127.0.0.1:{running.metrics_port}/metrics",
+        )
     finally:
         asyncio.run_coroutine_threadsafe(running.drain(1.0), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
