@@ -80,3 +80,10 @@ def client(live_server: LiveServer) -> Iterator[object]:
     leaked = list(engine.kv.sequences)  # type: ignore[attr-defined]
     assert not leaked, f"test left caches open: {leaked}"
     assert engine.kv.pool.num_available == engine.kv.pool.num_blocks  # type: ignore[attr-defined]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep test output readable: per-request events are debug/info level."""
+    from ferrum_server import logs
+
+    logs.configure("warning", "console")

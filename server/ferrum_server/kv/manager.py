@@ -219,23 +219,28 @@ class KvManager:
     def truncate(self, seq: Sequence, new_len: int) -> tuple[int, list[tuple[int, int]]]:
         """Drop tokens past new_len; return (blocks released, block copies to perform).
 
-        A kept, now partial last block will be overwritten by the next tokens: if another
-        sequence shares it, it is copied first (copy-on-write); otherwise its hash is dropped.
+        Blocks past the admitted context are returned to the pool; the admission reservation
+        stays. Every kept block from position new_len on will be overwritten, so it must be
+        exclusively this sequence's: a shared block is replaced by a fresh one (copied first
+        when it still holds kept tokens: copy-on-write), an unshared one loses its hash.
         """
         bs = self.block_size
-        keep = self.blocks_for(new_len)
+        keep = self.blocks_for(max(new_len, seq.context_tokens))
+        rewritten = range(new_len // bs, min(keep, len(seq.block_ids)))
+        shared = [i for i in rewritten if self.pool.ref_count(seq.block_ids[i]) > 1]
+        if len(shared) > self.pool.num_available:
+            raise CapacityExhausted("no free KV block to copy a shared block into")
         copies: list[tuple[int, int]] = []
-        if new_len % bs and keep <= len(seq.block_ids):
-            last = seq.block_ids[keep - 1]
-            if self.pool.ref_count(last) > 1:
-                if self.pool.num_available < 1:
-                    raise CapacityExhausted("no free KV block to copy a shared block into")
+        for index in rewritten:
+            block = seq.block_ids[index]
+            if index in shared:
                 (fresh,) = self.pool.allocate(1)
-                copies.append((last, fresh))
-                self.pool.free([last])
-                seq.block_ids[keep - 1] = fresh
-            elif self.pool.is_registered(last):
-                self.pool.unregister(last)
+                if index * bs < new_len:
+                    copies.append((block, fresh))
+                self.pool.free([block])
+                seq.block_ids[index] = fresh
+            elif self.pool.is_registered(block):
+                self.pool.unregister(block)
         self._drop_pending(seq)
         dropped = seq.block_ids[keep:]
         del seq.block_ids[keep:]

@@ -1,0 +1,227 @@
+"""Property-based tests of the KV manager and the capacity manager (no model, no gRPC).
+
+Random sequences of admit / prefill chunk / decode / verify+truncate / preempt / complete /
+release / cancel; after every step: no block is both free and used, reference counts equal the
+number of holders, free + cached + used = total; at quiescence no block is used.
+"""
+
+from __future__ import annotations
+
+import torch
+from ferrum_server.capacity import Admitted, CapacityManager, PreemptionMode
+from ferrum_server.kv.manager import KvManager
+from ferrum_server.validate import Limits
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+BLOCK = 4
+VOCAB = 16
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], []]
+
+
+class KvMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(4, 24),
+        max_sequences=st.integers(1, 6),
+        prefix=st.booleans(),
+        swap=st.booleans(),
+    )
+    def setup(self, num_blocks: int, max_sequences: int, prefix: bool, swap: bool) -> None:
+        self.kv = KvManager(
+            num_blocks, BLOCK, max_sequences, coordinator_id=1, prefix_caching=prefix
+        )
+        kv_cache = torch.zeros(1, 2, num_blocks, BLOCK, 1, 1)
+        limits = Limits(
+            vocab_size=VOCAB,
+            max_sequence_length=64,
+            max_batch_tokens=64,
+            max_batch_size=8,
+            max_num_logprobs=0,
+            instance_id=1,
+        )
+        self.capacity = CapacityManager(
+            self.kv, kv_cache, limits, swap_space_bytes=1 << 20 if swap else 0
+        )
+        self.contexts: dict[str, list[int]] = {}  # cache id -> admitted context tokens
+        self.counter = 0
+        self.retired: list[str] = []
+        # Simulated KV contents: (block, offset) -> the token whose K/V sits there. Shared
+        # prefix blocks must keep holding what every holder committed.
+        self.content: dict[tuple[int, int], int] = {}
+
+    def _commit(self, cache_id: str, tokens: list[int]) -> None:
+        seq = self.kv.sequences[cache_id]
+        start = seq.num_tokens
+        for offset, token in enumerate(tokens):
+            position = start + offset
+            self.content[(seq.block_ids[position // BLOCK], position % BLOCK)] = token
+        self.kv.commit(seq, tokens)
+
+    def _live(self) -> list[str]:
+        # Cache ids are random: order by the (deterministic) request ids so draws replay.
+        seqs = sorted(self.kv.sequences.values(), key=lambda s: int(s.request_id[1:]))
+        return [s.cache_id for s in seqs]
+
+    @rule(
+        prefix=st.sampled_from(range(len(PREFIXES))),
+        tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+        bound=st.integers(0, 24),
+    )
+    def admit(self, prefix: int, tail: list[int], bound: int) -> None:
+        tokens = PREFIXES[prefix] + tail
+        self.counter += 1
+        max_tokens = len(tokens) + bound if bound else 0
+        decision = self.capacity.try_admit(f"r{self.counter}", tokens, max_tokens, len(tokens), 0)
+        if isinstance(decision, Admitted):
+            seq = self.kv.sequences[decision.cache_id]
+            assert seq.num_tokens == decision.cached_prompt_tokens < len(tokens)
+            assert seq.token_ids == tokens[: seq.num_tokens]
+            self.contexts[decision.cache_id] = tokens
+
+    @precondition(
+        lambda self: any(
+            s.num_tokens < self.contexts.get(c, []).__len__() for c, s in self.kv.sequences.items()
+        )
+    )
+    @rule(data=st.data())
+    def prefill_chunk(self, data: st.DataObject) -> None:
+        pending = [
+            c
+            for c in self._live()
+            if self.kv.sequences[c].num_tokens < len(self.contexts.get(c, []))
+        ]
+        cache_id = pending[data.draw(st.integers(0, len(pending) - 1))]
+        seq, context = self.kv.sequences[cache_id], self.contexts[cache_id]
+        size = data.draw(st.integers(1, len(context) - seq.num_tokens))
+        # Admission reserved the whole context: a chunk never needs new blocks.
+        assert self.kv.blocks_needed(seq, seq.num_tokens + size) == 0
+        self._commit(cache_id, context[seq.num_tokens : seq.num_tokens + size])
+
+    @precondition(lambda self: bool(self.kv.sequences))
+    @rule(data=st.data(), count=st.integers(1, 3))
+    def decode_or_verify(self, data: st.DataObject, count: int) -> None:
+        live = self._live()
+        cache_id = live[data.draw(st.integers(0, len(live) - 1))]
+        seq = self.kv.sequences[cache_id]
+        target = seq.num_tokens + count
+        if target > seq.max_tokens:
+            return
+        needed = self.kv.blocks_needed(seq, target)
+        if needed > self.kv.pool.num_available:
+            return  # the engine would defer this item: nothing changes
+        self.kv.grow(seq, target)
+        self._commit(
+            cache_id, data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=count, max_size=count))
+        )
+
+    @precondition(lambda self: bool(self.kv.sequences))
+    @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        live = self._live()
+        cache_id = live[data.draw(st.integers(0, len(live) - 1))]
+        seq = self.kv.sequences[cache_id]
+        new_len = data.draw(st.integers(0, seq.num_tokens))
+        if self.kv.pool.num_available == 0:
+            return
+        _, copies = self.kv.truncate(seq, new_len)
+        for source, target in copies:
+            for offset in range(BLOCK):
+                if (source, offset) in self.content:
+                    self.content[(target, offset)] = self.content[(source, offset)]
+        assert seq.num_tokens == new_len
+
+    @precondition(lambda self: bool(self.kv.sequences))
+    @rule(data=st.data(), swap=st.booleans())
+    def preempt(self, data: st.DataObject, swap: bool) -> None:
+        live = self._live()
+        cache_id = live[data.draw(st.integers(0, len(live) - 1))]
+        request_id = self.kv.sequences[cache_id].request_id
+        mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
+        receipt = self.capacity.preempt(request_id, cache_id, mode)
+        assert receipt.cache_id == cache_id and cache_id not in self.kv.sequences
+        self.retired.append(cache_id)
+
+    @precondition(lambda self: bool(self.kv.sequences))
+    @rule(data=st.data())
+    def complete_or_release(self, data: st.DataObject) -> None:
+        live = self._live()
+        cache_id = live[data.draw(st.integers(0, len(live) - 1))]
+        assert self.kv.release(cache_id).released
+        assert not self.kv.release(cache_id).released  # idempotent for the same incarnation
+        self.retired.append(cache_id)
+
+    @precondition(lambda self: bool(self.kv.sequences))
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        live = self._live()
+        cache_id = live[data.draw(st.integers(0, len(live) - 1))]
+        seq = self.kv.sequences[cache_id]
+        released = self.capacity.cancel_admission(seq.request_id)
+        assert released == (cache_id not in self.kv.sequences)
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        if hasattr(self, "kv"):
+            self.kv.check()
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        for seq in self.kv.sequences.values():
+            for position, token in enumerate(seq.token_ids):
+                slot = (seq.block_ids[position // BLOCK], position % BLOCK)
+                assert self.content.get(slot) == token, (seq.cache_id, position)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        before = self.kv.clock.release_epoch
+        for cache_id in self._live():
+            self.kv.release(cache_id)
+        self.kv.check()
+        pool = self.kv.pool
+        assert pool.num_used == 0
+        assert pool.num_free + pool.num_cached == pool.num_blocks
+        assert self.kv.clock.release_epoch >= before
+        # Everything cached can be evicted: the whole pool is allocatable again.
+        taken = pool.allocate(pool.num_blocks)
+        assert sorted(taken) == list(range(pool.num_blocks))
+        pool.free(taken)
+
+
+KvMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestKvMachine = KvMachine.TestCase
+
+
+def test_truncating_into_a_shared_prefix_copies_on_write() -> None:
+    kv = KvManager(16, BLOCK, 4, coordinator_id=1)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = kv.admit("a", [*prefix, 9], 0, kv.match_prefix([*prefix, 9]))
+    kv.commit(first, [*prefix, 9])
+    match = kv.match_prefix([*prefix, 10])
+    assert match.num_blocks == 2
+    second = kv.admit("b", [*prefix, 10], 0, match)
+    shared = list(second.block_ids[:2])
+    assert shared == first.block_ids[:2]
+    assert [kv.pool.ref_count(b) for b in shared] == [2, 2]
+    # Roll the second sequence back into the shared prefix: the block it will overwrite is
+    # replaced (with a copy of the kept tokens), the first sequence's blocks are untouched.
+    released, copies = kv.truncate(second, 6)
+    assert released == 0
+    assert second.block_ids[0] == shared[0]
+    assert second.block_ids[1] != shared[1]
+    assert copies == [(shared[1], second.block_ids[1])]
+    assert kv.pool.ref_count(shared[1]) == 1 and kv.pool.is_registered(shared[1])
+    assert not kv.pool.is_registered(second.block_ids[1])
+    kv.check()
+    # Truncating to a block boundary replaces the shared block without copying.
+    released, copies = kv.truncate(second, 4)
+    assert copies == []
+    kv.check()
