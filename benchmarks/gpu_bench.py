@@ -1,0 +1,635 @@
+"""GPU benchmark on a Llama-3-8B-shaped model with random bf16 weights built on the device.
+
+Sections (each printed as a table row and stored in the JSON written to ``--out``):
+
+* ``rates``: measured device-to-device copy bandwidth (a large tensor copy; reads + writes) and
+  bf16 matmul throughput (a large square GEMM). These are the floors the model is judged against.
+* ``kernels``: torch reference vs Triton for decode attention (incl. a split-K long-context case)
+  and for sampling over the full vocabulary (greedy, top-p).
+* ``decode``: one decode step (forward + LM head + greedy sample) at batch 1/8/64/256 with ~512
+  tokens of context each, against the weight-read floor = weight bytes / copy bandwidth (and the
+  same floor including the KV bytes the step must read).
+* ``prefill``: tokens/s of a fresh 8192-token prefill step, against the floor set by the
+  measured GEMM rate for the step's matmul FLOPs.
+* ``engine``: offline throughput through the in-process ``Engine`` with a simple continuous
+  batching loop (decodes first, then chunked prefill up to the token budget), greedy.
+
+The model runs whatever kernels ``ferrum_server`` wires in; the ``backend`` field records what
+``select_backend`` picks on this device. ``--dry-run`` runs every code path on CPU with a tiny
+config in seconds (used by tests/unit/test_gpu_bench_dry_run.py).
+
+    python benchmarks/gpu_bench.py --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.backend import KernelBackend, select_backend
+from ferrum_kernels.sampling import SamplingTensors, build_sampling_tensors
+from ferrum_server import engine as engine_module
+from ferrum_server.config import EngineConfig
+from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem
+from ferrum_server.models import LlamaForCausalLM, ModelConfig, tiny_config
+
+GIB = 1024**3
+
+
+def llama3_8b_config() -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        bos_token_id=128000,
+        eos_token_ids=(128001,),
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of every section: the real run and the seconds-long CPU dry run."""
+
+    device: torch.device
+    dtype: torch.dtype
+    config: ModelConfig
+    block_size: int
+    copy_bytes: int
+    gemm_n: int
+    decode_batches: tuple[int, ...]
+    decode_context: int
+    prefill_items: tuple[int, ...]  # prompt length of each item of the prefill step
+    attn_cases: tuple[tuple[int, int], ...]  # (batch, context) for the attention microbench
+    sample_rows: int
+    engine_requests: int
+    engine_input: tuple[int, int]  # mean, +- spread (uniform)
+    engine_output: int
+    engine_batch_tokens: int
+    engine_batch_size: int
+    iters: int
+    warmup: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def real_plan(args: argparse.Namespace) -> Plan:
+    return Plan(
+        device=torch.device("cuda"),
+        dtype=torch.bfloat16,
+        config=llama3_8b_config(),
+        block_size=16,
+        copy_bytes=4 * GIB,
+        gemm_n=8192,
+        decode_batches=(1, 8, 64, 256),
+        decode_context=512,
+        prefill_items=(2048, 2048, 2048, 2048),
+        attn_cases=((1, 32768), (64, 512), (256, 512)),
+        sample_rows=256,
+        engine_requests=args.requests,
+        engine_input=(512, 256),
+        engine_output=128,
+        engine_batch_tokens=8192,
+        engine_batch_size=256,
+        iters=20,
+        warmup=3,
+    )
+
+
+def dry_plan(args: argparse.Namespace) -> Plan:
+    return Plan(
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        config=tiny_config(),
+        block_size=4,
+        copy_bytes=8 * 1024**2,
+        gemm_n=128,
+        decode_batches=(1, 4),
+        decode_context=24,
+        prefill_items=(20, 12),
+        attn_cases=((2, 40),),
+        sample_rows=4,
+        engine_requests=min(args.requests, 12),
+        engine_input=(16, 8),
+        engine_output=4,
+        engine_batch_tokens=64,
+        engine_batch_size=8,
+        iters=2,
+        warmup=1,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_it(fn: Callable[[], object], plan: Plan, iters: int | None = None) -> float:
+    """Mean seconds per call after warm-up (device-synchronised)."""
+    for _ in range(plan.warmup):
+        fn()
+    _sync(plan.device)
+    n = iters or plan.iters
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(plan.device)
+    return (time.perf_counter() - start) / n
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------------
+
+
+def _time_copy(plan: Plan) -> float:
+    # A function of its own so both buffers are freed before the GEMM allocates.
+    src = torch.empty(plan.copy_bytes // 2, dtype=torch.bfloat16, device=plan.device).fill_(1.0)
+    dst = torch.empty_like(src)
+    return time_it(lambda: dst.copy_(src), plan)
+
+
+def measure_rates(plan: Plan) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and dense GEMM FLOP/s."""
+    copy_s = _time_copy(plan)
+    n = plan.gemm_n
+    gemm_dtype = torch.bfloat16 if plan.device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, dtype=gemm_dtype, device=plan.device)
+    b = torch.randn(n, n, dtype=gemm_dtype, device=plan.device)
+    gemm_s = time_it(lambda: a @ b, plan)
+    return {
+        "copy_bandwidth_gbps": 2 * plan.copy_bytes / copy_s / 1e9,
+        "gemm_tflops": 2 * n**3 / gemm_s / 1e12,
+    }
+
+
+def build_model(plan: Plan) -> LlamaForCausalLM:
+    """Random weights straight on the device: the nn.Linear/nn.Embedding default initialisers
+    run in place at construction, norms start at ones."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(plan.config, dtype=plan.dtype, device=plan.device)
+    return model.requires_grad_(False).eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * elem
+
+
+def make_kv_cache(plan: Plan, num_blocks: int) -> torch.Tensor:
+    c = plan.config
+    shape = (c.num_layers, 2, num_blocks, plan.block_size, c.num_kv_heads, c.head_dim)
+    return torch.zeros(shape, dtype=plan.dtype, device=plan.device)
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    out_rows: torch.Tensor  # [B] last row of every item
+
+
+def make_batch(plan: Plan, items: list[tuple[int, int]], vocab: int) -> Batch:
+    """items: (history, new tokens); item i owns a contiguous run of blocks."""
+    bs, dev = plan.block_size, plan.device
+    query_start, context_lens, tables, slots, positions = [0], [], [], [], []
+    next_block = 0
+    width = max(math.ceil((h + n) / bs) for h, n in items)
+    for hist, n in items:
+        ctx = hist + n
+        blocks = list(range(next_block, next_block + math.ceil(ctx / bs)))
+        next_block += len(blocks)
+        tables.append(blocks + [0] * (width - len(blocks)))
+        query_start.append(query_start[-1] + n)
+        context_lens.append(ctx)
+        for p in range(hist, ctx):
+            positions.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+    t = query_start[-1]
+    meta = AttentionMetadata.build(
+        query_start,
+        context_lens,
+        torch.tensor(tables, dtype=torch.int64, device=dev),
+        torch.tensor(slots, dtype=torch.int64, device=dev),
+    )
+    return Batch(
+        input_ids=torch.randint(0, vocab, (t,), device=dev),
+        positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+        meta=meta,
+        out_rows=torch.tensor(query_start[1:], device=dev) - 1,
+    )
+
+
+def blocks_for(plan: Plan, items: list[tuple[int, int]]) -> int:
+    return sum(math.ceil((h + n) / plan.block_size) for h, n in items)
+
+
+@torch.inference_mode()
+def run_step(
+    model: LlamaForCausalLM, kv: torch.Tensor, batch: Batch, backend: KernelBackend
+) -> torch.Tensor:
+    hidden = model(batch.input_ids, batch.positions, kv, batch.meta)  # [T, hidden]
+    logits = model.compute_logits(hidden[batch.out_rows])  # [B, V]
+    params = SamplingTensors.greedy(logits.shape[0], logits.device)
+    return backend.sample(logits, params).token_ids
+
+
+def bench_decode(
+    plan: Plan, model: LlamaForCausalLM, kv: torch.Tensor, rates: dict[str, float]
+) -> list[dict[str, Any]]:
+    backend = select_backend(plan.device)
+    bw = rates["copy_bandwidth_gbps"] * 1e9
+    w_bytes = weight_bytes(model)
+    rows = []
+    for batch_size in plan.decode_batches:
+        items = [(plan.decode_context, 1)] * batch_size
+        batch = make_batch(plan, items, plan.config.vocab_size)
+        step_s = time_it(lambda batch=batch: run_step(model, kv, batch, backend), plan)
+        kv_read = (
+            batch_size * (plan.decode_context + 1) * kv_bytes_per_token(plan.config, plan.dtype)
+        )
+        floor = w_bytes / bw
+        rows.append(
+            {
+                "batch": batch_size,
+                "context": plan.decode_context + 1,
+                "step_ms": step_s * 1e3,
+                "weight_floor_ms": floor * 1e3,
+                "weight_kv_floor_ms": (w_bytes + kv_read) / bw * 1e3,
+                "vs_weight_floor": step_s / floor,
+                "tokens_per_s": batch_size / step_s,
+            }
+        )
+    return rows
+
+
+def matmul_flops(config: ModelConfig, items: list[tuple[int, int]]) -> float:
+    """Matmul FLOPs of a prefill step: linear layers for every token, causal attention, LM head
+    for the last token of each item."""
+    c = config
+    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    per_layer += c.num_heads * c.head_dim * c.hidden_size
+    per_layer += 3 * c.hidden_size * c.intermediate_size
+    tokens = sum(n for _, n in items)
+    flops = 2.0 * per_layer * c.num_layers * tokens
+    for hist, n in items:
+        # QK^T and PV, each 2 * H * D per (query, visible key) pair; ~half visible in the chunk.
+        pairs = n * hist + n * (n + 1) / 2
+        flops += 4.0 * c.num_heads * c.head_dim * pairs * c.num_layers
+    flops += 2.0 * c.hidden_size * c.vocab_size * len(items)
+    return flops
+
+
+def bench_prefill(
+    plan: Plan, model: LlamaForCausalLM, kv: torch.Tensor, rates: dict[str, float]
+) -> dict[str, Any]:
+    backend = select_backend(plan.device)
+    items = [(0, n) for n in plan.prefill_items]
+    batch = make_batch(plan, items, plan.config.vocab_size)
+    step_s = time_it(lambda: run_step(model, kv, batch, backend), plan, max(2, plan.iters // 4))
+    tokens = sum(plan.prefill_items)
+    flops = matmul_flops(plan.config, items)
+    floor = flops / (rates["gemm_tflops"] * 1e12)
+    return {
+        "tokens": tokens,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": tokens / step_s,
+        "gemm_floor_ms": floor * 1e3,
+        "fraction_of_gemm_rate": floor / step_s,
+    }
+
+
+def bench_kernels(plan: Plan) -> list[dict[str, Any]]:
+    """Decode attention and sampling, torch reference vs Triton (CUDA only for Triton)."""
+    c = plan.config
+    rows: list[dict[str, Any]] = []
+    backends = [("torch", select_backend(plan.device, prefer="torch"))]
+    if plan.device.type == "cuda":
+        try:
+            backends.append(("triton", select_backend(plan.device, prefer="triton")))
+        except RuntimeError as exc:
+            rows.append({"kernel": "triton", "skipped": str(exc)})
+    scale = c.head_dim**-0.5
+    for batch_size, context in plan.attn_cases:
+        items = [(context - 1, 1)] * batch_size
+        kv = torch.randn(
+            (2, blocks_for(plan, items), plan.block_size, c.num_kv_heads, c.head_dim),
+            device=plan.device,
+        ).to(plan.dtype)  # one layer's pool
+        batch = make_batch(plan, items, c.vocab_size)
+        q = torch.randn(batch_size, c.num_heads, c.head_dim, dtype=plan.dtype, device=plan.device)
+        row: dict[str, Any] = {"kernel": f"decode_attention b={batch_size} ctx={context}"}
+        kv_bytes = kv_bytes_per_token(c, plan.dtype) // c.num_layers * batch_size * context
+        for name, backend in backends:
+            s = time_it(partial(backend.attention, q, kv, batch.meta, scale), plan)
+            row[f"{name}_us"] = s * 1e6
+            row[f"{name}_kv_gbps"] = kv_bytes / s / 1e9
+        rows.append(row)
+    n, vocab = plan.sample_rows, c.vocab_size
+    logits = torch.randn(n, vocab, device=plan.device) * 3
+    cases = {
+        "greedy": SamplingTensors.greedy(n, plan.device),
+        "temperature": build_sampling_tensors(
+            [0.8] * n,
+            [0] * n,
+            [1.0] * n,
+            list(range(n)),
+            [7] * n,
+            [1.0] * n,
+            None,
+            None,
+            0,
+            vocab,
+            plan.device,
+        ),
+        "top_p": build_sampling_tensors(
+            [0.8] * n,
+            [0] * n,
+            [0.9] * n,
+            list(range(n)),
+            [7] * n,
+            [1.0] * n,
+            None,
+            None,
+            0,
+            vocab,
+            plan.device,
+        ),
+    }
+    for case, params in cases.items():
+        row = {"kernel": f"sample {case} n={n} V={vocab}"}
+        for name, backend in backends:
+            s = time_it(lambda backend=backend, params=params: backend.sample(logits, params), plan)
+            row[f"{name}_us"] = s * 1e6
+        if len(backends) == 2:
+            same = torch.equal(
+                backends[0][1].sample(logits, params).token_ids,
+                backends[1][1].sample(logits, params).token_ids,
+            )
+            row["same_tokens"] = same
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline throughput through the engine
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)  # identity semantics: `in` checks must not compare prompts
+class Request:
+    rid: str
+    prompt: list[int]
+    cache_id: str = ""
+    prefilled: int = 0  # prompt tokens already in the cache
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def committed(self) -> int:
+        # Every generated token but the newest has been fed back and written.
+        return self.prefilled + max(0, len(self.generated) - 1)
+
+
+def make_requests(plan: Plan) -> list[Request]:
+    rnd = random.Random(0)
+    mean, spread = plan.engine_input
+    vocab = plan.config.vocab_size
+    return [
+        Request(
+            rid=f"r{i}",
+            prompt=[rnd.randrange(vocab) for _ in range(rnd.randint(mean - spread, mean + spread))],
+        )
+        for i in range(plan.engine_requests)
+    ]
+
+
+def run_engine(plan: Plan, model: LlamaForCausalLM, kv_budget_bytes: int) -> dict[str, Any]:
+    config = EngineConfig(
+        model="injected",
+        device=str(plan.device),
+        dtype={torch.bfloat16: "bfloat16", torch.float32: "float32"}[plan.dtype],
+        block_size=plan.block_size,
+        kv_cache_bytes=kv_budget_bytes,
+        max_batch_tokens=plan.engine_batch_tokens,
+        max_batch_size=plan.engine_batch_size,
+        prefix_caching=False,
+        swap_space_bytes=0,
+    )
+    # The engine loads by name; hand it the model we already built on the device instead.
+    with mock.patch.object(engine_module, "load_model", return_value=(model, plan.config)):
+        engine = engine_module.Engine(config)
+    try:
+        return _drive(plan, engine, make_requests(plan))
+    finally:
+        engine.shutdown()
+
+
+def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) -> dict[str, Any]:
+    """Continuous batching: every running request decodes, then chunked prefill fills the rest
+    of the token budget. Admission reserves each request's final length in blocks up front, so
+    no step is ever deferred for lack of KV."""
+    bs = plan.block_size
+    out_len = plan.engine_output
+    total_blocks = engine.kv.pool.num_blocks
+    waiting = list(requests)
+    running: list[Request] = []  # decoding
+    prefilling: list[Request] = []  # admitted, prompt not fully cached yet
+    reserved = 0
+    steps = prefill_tokens = decode_tokens = 0
+    started = time.perf_counter()
+    while waiting or running or prefilling:
+        items: list[StepItem] = []
+        owners: list[Request] = []
+        budget = plan.engine_batch_tokens
+        for req in running[: plan.engine_batch_size]:
+            items.append(
+                StepItem(ItemKind.DECODE, req.rid, req.cache_id, [req.generated[-1]], req.committed)
+            )
+            owners.append(req)
+            budget -= 1
+        while budget > 0 and len(items) < plan.engine_batch_size:
+            # Partially prefilled requests continue before new ones are admitted.
+            req = next((r for r in prefilling if r not in owners), None)
+            if req is None:
+                if not waiting:
+                    break
+                need = math.ceil((len(waiting[0].prompt) + out_len) / bs)
+                if reserved + need > total_blocks:
+                    break
+                reserved += need
+                req = waiting.pop(0)
+                prefilling.append(req)
+            chunk = req.prompt[req.prefilled : req.prefilled + budget]
+            items.append(
+                StepItem(
+                    ItemKind.PREFILL_CHUNK,
+                    req.rid,
+                    req.cache_id,
+                    chunk,
+                    req.prefilled,
+                    total_prompt_tokens=len(req.prompt),
+                )
+            )
+            owners.append(req)
+            budget -= len(chunk)
+        if not items:
+            raise RuntimeError("continuous batching loop stalled (KV budget too small?)")
+        outcome = engine.execute(Step(items))
+        steps += 1
+        for item, req, result in zip(items, owners, outcome.results, strict=True):
+            if result.status == ItemStatus.DEFERRED:
+                raise RuntimeError(f"{req.rid} deferred despite up-front reservation")
+            req.cache_id = result.cache_id
+            if item.kind == ItemKind.PREFILL_CHUNK:
+                req.prefilled += len(item.token_ids)
+                prefill_tokens += len(item.token_ids)
+                if result.status == ItemStatus.TOKEN:
+                    req.generated.extend(result.token_ids)
+                    prefilling.remove(req)
+                    running.append(req)
+            else:
+                decode_tokens += 1
+                req.generated.extend(result.token_ids)
+        for req in [r for r in running if len(r.generated) >= out_len]:
+            running.remove(req)
+            engine.release(req.cache_id)
+            reserved -= math.ceil((len(req.prompt) + out_len) / bs)
+    _sync(plan.device)
+    elapsed = time.perf_counter() - started
+    outputs = len(requests) * out_len
+    return {
+        "requests": len(requests),
+        "input_tokens": sum(len(r.prompt) for r in requests),
+        "output_tokens": outputs,
+        "steps": steps,
+        "seconds": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": outputs / elapsed,
+        "total_tokens_per_s": (prefill_tokens + decode_tokens) / elapsed,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+
+
+def _say(*parts: object, file: Any = None) -> None:
+    """Console output of the benchmark (print is reserved for scripts/ and tests/ by ruff)."""
+    (file or sys.stdout).write(" ".join(str(p) for p in parts) + "\n")
+
+
+def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    _say(f"\n== {title}")
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    _say(" | ".join(f"{k:>14}" for k in keys))
+    for row in rows:
+        cells = []
+        for k in keys:
+            v = row.get(k, "")
+            cells.append(f"{v:>14.3f}" if isinstance(v, float) else f"{v!s:>14}")
+        _say(" | ".join(cells))
+
+
+def run(plan: Plan, *, skip_engine: bool = False) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else "cpu",
+        "backend": select_backend(plan.device).name,
+        "torch": torch.__version__,
+    }
+    rates = measure_rates(plan)
+    report["rates"] = rates
+    _print_table("rates", [rates])
+
+    report["kernels"] = bench_kernels(plan)
+    _print_table("kernels (torch vs triton)", report["kernels"])
+
+    model = build_model(plan)
+    report["weight_bytes"] = weight_bytes(model)
+    decode_items = [(plan.decode_context, 1)] * max(plan.decode_batches)
+    prefill_items = [(0, n) for n in plan.prefill_items]
+    num_blocks = max(blocks_for(plan, decode_items), blocks_for(plan, prefill_items))
+    kv = make_kv_cache(plan, num_blocks)
+    report["decode"] = bench_decode(plan, model, kv, rates)
+    _print_table("decode step (context ~512)", report["decode"])
+    report["prefill"] = bench_prefill(plan, model, kv, rates)
+    _print_table("prefill", [report["prefill"]])
+    del kv
+    if plan.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    if not skip_engine:
+        if plan.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(plan.device)
+            budget = int(free * 0.8)
+        else:
+            budget = 4 * 1024**2
+        report["engine"] = run_engine(plan, model, budget)
+        _print_table("offline throughput (engine, greedy)", [report["engine"]])
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON report")
+    parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of every code path")
+    parser.add_argument("--requests", type=int, default=1000, help="offline workload size")
+    parser.add_argument("--skip-engine", action="store_true", help="skip the offline section")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        plan = dry_plan(args)
+    else:
+        if not torch.cuda.is_available():
+            _say("no CUDA device: use --dry-run for the CPU smoke run", file=sys.stderr)
+            return 2
+        plan = real_plan(args)
+    report = run(plan, skip_engine=args.skip_engine)
+    report["dry_run"] = bool(args.dry_run)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    _say(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    import logging
+
+    import structlog
+
+    # The engine logs every cache open/release at debug level: thousands of lines per run.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The GPU benchmark's CPU dry run: every section's code path, a tiny model, a few seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
+
+
+def _load_bench():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("ferrum_gpu_bench", _BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_writes_every_section(tmp_path: Path) -> None:
+    bench = _load_bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--dry-run", "--requests", "6", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True
+    assert report["backend"] == "torch"
+    assert report["rates"]["copy_bandwidth_gbps"] > 0
+    assert [row["batch"] for row in report["decode"]] == [1, 4]
+    assert all(row["step_ms"] > 0 and row["weight_floor_ms"] > 0 for row in report["decode"])
+    assert report["prefill"]["tokens"] == 32 and report["prefill"]["tokens_per_s"] > 0
+    assert {row["kernel"].split()[0] for row in report["kernels"]} == {
+        "decode_attention",
+        "sample",
+    }
+    engine = report["engine"]
+    assert engine["requests"] == 6 and engine["output_tokens"] == 6 * 4
+    assert engine["output_tokens_per_s"] > 0
+
+
+def test_flop_model_counts_linear_layers() -> None:
+    bench = _load_bench()
+    config = bench.llama3_8b_config()
+    flops = bench.matmul_flops(config, [(0, 1)])
+    # One token through an 8B model: ~2 * 7e9 linear FLOPs (+ LM head), attention negligible.
+    assert 1.3e10 < flops < 1.7e10
