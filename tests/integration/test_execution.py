@@ -328,3 +328,29 @@ def test_async_client_mirrors_sync(live_server: object) -> None:
 
     live_server.run(scenario())  # type: ignore[attr-defined]
     asyncio.get_event_loop_policy()
+
+
+def test_warmup_status_and_metrics_rpcs(client: ExecutorClient) -> None:
+    warm = client.warmup(pb.WarmupRequest(num_tokens=64))
+    assert warm.num_tokens == 64 and warm.forward_ms > 0
+    assert (
+        warm.max_supported_total_tokens
+        == warm.total_blocks * warm.block_size
+        == (client.get_kv_slot_capacity().snapshot.total_blocks * 4)
+    )
+    metrics = client.get_metrics().metrics
+    assert metrics.total_operations >= 1 and metrics.prefill_operations >= 1
+    assert metrics.throughput_tps > 0
+    status = client.get_status().status
+    assert status.steps_executed == metrics.total_operations
+    assert status.memory_usage.allocated_bytes >= status.memory_usage.used_bytes > 0
+    capacity = client.get_capacity_snapshot()
+    assert capacity.epochs.coordinator_id == client.get_info().executor_instance_id
+    assert capacity.limits.maximum_scheduled_tokens == 512
+    assert [s.source for s in capacity.sources] == [
+        pb.CAPACITY_SOURCE_DOMAIN,
+        pb.CAPACITY_SOURCE_ACTIVE_SEQUENCE_SLOTS,
+    ]
+    assert client.maintain_prefill_backing(
+        pb.MaintainPrefillBackingRequest(request_id="x")
+    ).HasField("no_longer_pending")
