@@ -4,14 +4,19 @@ Imports grpcio and protobuf only (never torch).
 """
 
 from ferrum_client.batch import GREEDY, BatchBuilder, ItemView, SamplingOptions, item_views
+from ferrum_client.channel import tls_credentials
 from ferrum_client.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
     ExecutorError,
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     PositionMismatchError,
     ResourceExhaustedError,
     StaleExecutorError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from ferrum_client.handles import AsyncExecutorClient, ExecutorClient, StepStream
@@ -19,20 +24,25 @@ from ferrum_client.pb import executor_pb2 as pb
 
 __all__ = [
     "GREEDY",
+    "AlreadyExistsError",
     "AsyncExecutorClient",
     "BatchBuilder",
+    "DeadlineExceededError",
     "ExecutorClient",
     "ExecutorError",
     "InternalError",
     "InvalidArgumentError",
     "ItemView",
     "NotFoundError",
+    "PermissionDeniedError",
     "PositionMismatchError",
     "ResourceExhaustedError",
     "SamplingOptions",
     "StaleExecutorError",
     "StepStream",
+    "UnauthenticatedError",
     "UnavailableError",
     "item_views",
     "pb",
+    "tls_credentials",
 ]

@@ -143,10 +143,16 @@ class ItemView:
     top_logprobs: list[float]
     logits: bytes
     deferral: pb.ExecutionDeferral | None
+    error: pb.ItemError | None = None
 
     @property
     def deferred(self) -> bool:
         return self.status == pb.ITEM_STATUS_DEFERRED
+
+    @property
+    def failed(self) -> bool:
+        """The item failed in the forward (see `error`); nothing was committed for it."""
+        return self.status == pb.ITEM_STATUS_FAILED
 
     @property
     def has_token(self) -> bool:
@@ -156,6 +162,7 @@ class ItemView:
 def item_views(results: pb.BatchResults) -> list[ItemView]:
     """Split columnar results into per-item views (input order)."""
     deferrals = {d.item_index: d for d in results.deferrals}
+    errors = {e.item_index: e for e in results.errors}
     views: list[ItemView] = []
     top_start = 0
     for i, status in enumerate(results.statuses):
@@ -171,6 +178,7 @@ def item_views(results: pb.BatchResults) -> list[ItemView]:
                 top_logprobs=list(results.top_logprobs[top_start : top_start + num_top]),
                 logits=results.logits[i] if results.logits else b"",
                 deferral=deferrals.get(i),
+                error=errors.get(i),
             )
         )
         top_start += num_top

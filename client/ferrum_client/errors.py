@@ -40,6 +40,30 @@ class PositionMismatchError(ExecutorError):
     code = grpc.StatusCode.ABORTED
 
 
+class AlreadyExistsError(ExecutorError):
+    """A step id was reused for a different request (a caller bug)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class DeadlineExceededError(ExecutorError):
+    """The deadline passed; if the step had not started, it never will."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class UnauthenticatedError(ExecutorError):
+    """Missing or invalid token."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(ExecutorError):
+    """The token's role does not allow this method."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class UnavailableError(ExecutorError):
     """Warming up, draining or unreachable: retry elsewhere or later."""
 
@@ -68,6 +92,10 @@ _BY_CODE: dict[grpc.StatusCode, type[ExecutorError]] = {
         UnavailableError,
         ResourceExhaustedError,
         InternalError,
+        AlreadyExistsError,
+        DeadlineExceededError,
+        UnauthenticatedError,
+        PermissionDeniedError,
     )
 }
 

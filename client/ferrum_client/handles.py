@@ -1,10 +1,20 @@
 """Typed remote handles to one executor: `ExecutorClient` (blocking) and
 `AsyncExecutorClient` (asyncio). Both mirror the executor operations one to one, take and
-return the generated protobuf messages, and raise `ferrum_client.errors` exceptions."""
+return the generated protobuf messages, and raise `ferrum_client.errors` exceptions.
+
+Security: pass `credentials` (see `ferrum_client.channel.tls_credentials`) for TLS / mTLS and
+`token` for bearer-token auth (sent as `authorization` metadata; use it over TLS or loopback).
+
+Retries: read-only calls are retried by the channel on UNAVAILABLE. A mutating call is retried
+(on UNAVAILABLE, within the same overall timeout) only when it carries a non-zero `step_id`,
+because the executor then runs it at most once and replays the stored result.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, TypeVar
@@ -12,12 +22,39 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ferrum_client.channel import CHANNEL_OPTIONS
-from ferrum_client.errors import from_rpc_error, from_step_error
+from ferrum_client.channel import (
+    CHANNEL_OPTIONS,
+    STEP_RETRY_ATTEMPTS,
+    STEP_RETRY_INITIAL_BACKOFF_S,
+    STEP_RETRY_MAX_BACKOFF_S,
+    STEP_RETRYABLE,
+)
+from ferrum_client.errors import ExecutorError, from_rpc_error, from_step_error
 from ferrum_client.pb import executor_pb2 as pb
 from ferrum_client.pb import executor_pb2_grpc as pb_grpc
 
 R = TypeVar("R")
+_CANCELLED = grpc.StatusCode.CANCELLED
+Metadata = tuple[tuple[str, str], ...]
+
+
+def _auth_metadata(token: str | None) -> Metadata | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def _retry_delay(request: Any, error: grpc.RpcError, attempt: int) -> float | None:
+    """Seconds to wait before retrying a step-id call, or None when it must not be retried."""
+    code = error.code() if hasattr(error, "code") else None
+    if not getattr(request, "step_id", 0) or code not in STEP_RETRYABLE:
+        return None
+    if attempt + 1 >= STEP_RETRY_ATTEMPTS:
+        return None
+    ceiling = min(STEP_RETRY_MAX_BACKOFF_S, STEP_RETRY_INITIAL_BACKOFF_S * 2**attempt)
+    return random.uniform(0, ceiling)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class ExecutorClient:
@@ -29,6 +66,7 @@ class ExecutorClient:
         *,
         timeout_s: float | None = 60.0,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
         options = list(CHANNEL_OPTIONS)
         self._channel = (
@@ -39,6 +77,7 @@ class ExecutorClient:
         self._stub = pb_grpc.ExecutorServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
+        self._metadata = _auth_metadata(token)
 
     def __enter__(self) -> ExecutorClient:
         return self
@@ -50,10 +89,19 @@ class ExecutorClient:
         self._channel.close()
 
     def _call(self, method: str, request: Any) -> Any:
-        try:
-            return getattr(self._stub, method)(request, timeout=self.timeout_s)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            try:
+                return getattr(self._stub, method)(
+                    request, timeout=_remaining(deadline), metadata=self._metadata
+                )
+            except grpc.RpcError as error:
+                delay = _retry_delay(request, error, attempt)
+                if delay is None:
+                    raise from_rpc_error(error) from None
+            time.sleep(delay)
+            attempt += 1
 
     def health(self, service: str = "") -> int:
         """grpc.health.v1 status (1 = SERVING, 2 = NOT_SERVING)."""
@@ -153,6 +201,7 @@ class AsyncExecutorClient:
         *,
         timeout_s: float | None = 60.0,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
         options = list(CHANNEL_OPTIONS)
         self._channel = (
@@ -163,6 +212,7 @@ class AsyncExecutorClient:
         self._stub = pb_grpc.ExecutorServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
+        self._metadata = _auth_metadata(token)
 
     async def __aenter__(self) -> AsyncExecutorClient:
         return self
@@ -179,10 +229,19 @@ class AsyncExecutorClient:
         await self._channel.close(None)
 
     async def _call(self, method: str, request: Any) -> Any:
-        try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            try:
+                return await getattr(self._stub, method)(
+                    request, timeout=_remaining(deadline), metadata=self._metadata
+                )
+            except grpc.RpcError as error:
+                delay = _retry_delay(request, error, attempt)
+                if delay is None:
+                    raise from_rpc_error(error) from None
+            await asyncio.sleep(delay)
+            attempt += 1
 
     async def health(self, service: str = "") -> int:
         try:
@@ -266,7 +325,9 @@ class AsyncExecutorClient:
     ) -> pb.WaitForCapacityChangeResponse:
         # The wait can legitimately outlast the default call timeout.
         try:
-            return await self._stub.WaitForCapacityChange(request, timeout=None)
+            return await self._stub.WaitForCapacityChange(
+                request, timeout=None, metadata=self._metadata
+            )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
@@ -281,14 +342,15 @@ class AsyncExecutorClient:
     async def watch_capacity(self) -> AsyncIterator[pb.WatchCapacityResponse]:
         """Capacity changes as they happen (the first message is the current state)."""
         try:
-            async for event in self._stub.WatchCapacity(pb.WatchCapacityRequest()):
+            watch = self._stub.WatchCapacity(pb.WatchCapacityRequest(), metadata=self._metadata)
+            async for event in watch:
                 yield event
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
     def step_stream(self) -> StepStream:
         """Open the hot-path stream; use `async with client.step_stream() as stream`."""
-        return StepStream(self._stub)
+        return StepStream(self._stub, self._metadata)
 
 
 class StepStream:
@@ -298,8 +360,9 @@ class StepStream:
     queued while the executor runs this one. Results arrive in submission order.
     """
 
-    def __init__(self, stub: pb_grpc.ExecutorServiceStub) -> None:
+    def __init__(self, stub: pb_grpc.ExecutorServiceStub, metadata: Metadata | None = None) -> None:
         self._stub = stub
+        self._metadata = metadata
         self._outbox: asyncio.Queue[pb.StepStreamRequest | None] = asyncio.Queue()
         self._waiting: dict[int, asyncio.Future[pb.UnifiedBatchResponse]] = {}
         self._next_step_id = 1
@@ -307,7 +370,10 @@ class StepStream:
         self._call: Any = None
 
     async def __aenter__(self) -> StepStream:
-        self._call = self._stub.StepStream(self._requests())  # type: ignore[arg-type]
+        self._call = self._stub.StepStream(
+            self._requests(),  # type: ignore[arg-type]
+            metadata=self._metadata,
+        )
         self._reader = asyncio.ensure_future(self._read())
         return self
 
@@ -331,10 +397,22 @@ class StepStream:
                 else:
                     future.set_result(response.result)
         except grpc.RpcError as error:
-            failure = from_rpc_error(error)
-            for future in self._waiting.values():
+            self._fail_waiting(from_rpc_error(error))
+        except asyncio.CancelledError:
+            self._fail_waiting(ExecutorError("the step stream was cancelled", _CANCELLED))
+            raise
+
+    def _fail_waiting(self, failure: ExecutorError) -> None:
+        for future in self._waiting.values():
+            if not future.done():
                 future.set_exception(failure)
-            self._waiting.clear()
+        self._waiting.clear()
+
+    def cancel(self) -> None:
+        """Abandon the stream: steps the executor has not started are dropped, and (by default)
+        the executor releases the caches this stream opened or touched."""
+        if self._call is not None:
+            self._call.cancel()
 
     def submit(self, request: pb.UnifiedBatchRequest) -> asyncio.Future[pb.UnifiedBatchResponse]:
         step_id = self._next_step_id

@@ -1,22 +1,64 @@
-"""A reference scheduler: continuous batching over one executor, driven through the client.
+"""A reference scheduler: continuous batching over one executor. Imports no torch.
 
-Each step packs decodes first, then prefill chunks, under a token budget, into one unified
-batch on the step stream. Requests enter through the executor's admission probe; a deferred
-request waits on the exact capacity sources the executor named (no polling); a decode that
-cannot grow preempts the most recently admitted other request, which is re-admitted later with
-its outputs replayed. Imports no torch.
+Policy, per step:
+
+* a token budget (``max_step_tokens``) shared by decodes (one token each, packed first so
+  inter-token latency stays low) and prefill chunks (first come, first served, a prompt split
+  across steps when the budget runs out), all in one unified batch;
+* admission through the executor's capacity answers: ``TryAdmitPrefill`` admits, defers (the
+  scheduler then parks on ``WaitForCapacityChange`` for exactly the sources named, never
+  polling) or rejects; a decode the executor defers because its sequence cannot grow preempts
+  the most recently admitted other request, which is re-admitted later with its outputs
+  replayed;
+* stop conditions (``max_new_tokens``, stop token ids), tokens streamed as they arrive, and
+  cancellation that frees the request's KV at once.
+
+Pipelining: up to ``pipeline_depth`` steps are in flight on the step stream, so the executor
+starts step N+1 the moment step N ends, while the scheduler is still receiving and processing
+step N's results; the RPC round trip and the scheduling work leave the critical path. A request
+sits in at most one in-flight step: a decode needs its previous token, and keeping prefill
+chunks of one prompt in order keeps deferrals simple. With depth 2 the running requests settle
+into two cohorts that alternate steps (decodes per step are capped at ceil(decoding / depth) so
+the cohorts stay balanced), each step carrying the prefill chunks that fit its budget.
+
+The price: each request then decodes in every other step, so a decode-only step carries half
+the batch while still streaming every weight. When a step lasts tens of milliseconds (CPU) and
+the round trip it hides is about one, that costs more than it saves, so the default depth is 1;
+the measured trade-off is in docs/readme/scheduler-and-bench.md. Hiding the round trip without
+splitting would need the executor to feed a sequence's last sampled token into the next step
+itself (a placeholder token in the protocol), which the step API does not offer today.
+
+The policy talks to the executor through a small ``Backend`` protocol: ``GrpcBackend`` (the
+step stream plus unary calls of ``AsyncExecutorClient``) here, and an in-process backend that
+drives ``Engine`` directly on the server side (``ferrum_server.bench``), so both run the very
+same scheduling code.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import itertools
+import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
-from ferrum_client.batch import GREEDY, BatchBuilder, SamplingOptions, item_views
+from ferrum_client.batch import GREEDY, SamplingOptions
 from ferrum_client.handles import AsyncExecutorClient, StepStream
 from ferrum_client.pb import executor_pb2 as pb
+
+# Item statuses (numerically the proto's ItemStatus).
+STATUS_INTERMEDIATE = 1
+STATUS_TOKEN = 2
+STATUS_LOGITS = 3
+STATUS_DEFERRED = 4
+STATUS_FAILED = 5
+
+KIND_PREFILL = 1  # pb.ITEM_KIND_PREFILL_CHUNK
+KIND_DECODE = 2  # pb.ITEM_KIND_DECODE
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,14 +71,23 @@ class GenerationParams:
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     # Most tokens per step (prefill chunks plus decodes); small budgets keep inter-token
-    # latency low while a burst of prompts is prefilled.
+    # latency low while a burst of prompts is prefilled, large ones raise GEMM efficiency.
     max_step_tokens: int = 512
-    max_running: int = 64
+    max_running: int = 256
     # PREEMPTION_MODE_RECOMPUTE or PREEMPTION_MODE_SWAP.
     preemption_mode: pb.PreemptionMode.ValueType = pb.PREEMPTION_MODE_RECOMPUTE
     # Longest single wait for a capacity change before re-checking (never a polling interval:
     # the wait returns as soon as a named source advances).
     wait_timeout_ms: int = 30_000
+    # Steps in flight at once; 1 = strictly one step, then its results, then the next. 2 hides
+    # the RPC round trip but splits decodes into alternating cohorts (see the module docstring):
+    # worth it when steps are short next to the round trip (GPU); on CPU depth 1 measured
+    # faster, so it is the default.
+    pipeline_depth: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_step_tokens < 1 or self.max_running < 1 or self.pipeline_depth < 1:
+            raise ValueError("max_step_tokens, max_running and pipeline_depth must be >= 1")
 
 
 @dataclass(slots=True)
@@ -47,8 +98,201 @@ class GenerationResult:
     finish_reason: str = ""  # "length", "stop", "rejected", "cancelled", "error"
     error: str = ""
     num_preemptions: int = 0
-    first_token_s: float = 0.0
-    token_times_s: list[float] = field(default_factory=list)
+    arrival_s: float = 0.0  # perf_counter() when the request became eligible
+    first_token_s: float = 0.0  # time to first token, seconds after arrival
+    token_times_s: list[float] = field(default_factory=list)  # perf_counter() per token
+    finished_s: float = 0.0
+
+
+# -- backend protocol ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedItem:
+    """One item of a unified step, transport-neutral."""
+
+    kind: int  # KIND_PREFILL or KIND_DECODE
+    request_id: str
+    cache_id: str
+    tokens: Sequence[int]
+    position: int
+    total_prompt_tokens: int = 0
+    maximum_sequence_tokens: int = 0
+    sampling: SamplingOptions = GREEDY
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """What the executor reports about one step (nanoseconds), plus the client's view."""
+
+    queue_ns: int = 0
+    forward_ns: int = 0
+    sample_ns: int = 0
+    total_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Per item (input order): status, committed KV length and selected token."""
+
+    statuses: Sequence[int]
+    committed_tokens: Sequence[int]
+    token_ids: Sequence[int]
+    timing: StepTiming
+    errors: dict[int, str] = field(default_factory=dict)  # item index -> message (FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    kind: str  # "admitted", "deferred" or "rejected"
+    cache_id: str = ""
+    cached_prompt_tokens: int = 0
+    wait: object | None = None  # opaque wait condition (deferred)
+    reason: str = ""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The executor operations the scheduling policy needs."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def admit(
+        self, request_id: str, tokens: Sequence[int], maximum_tokens: int, prompt_tokens: int
+    ) -> Admission: ...
+
+    async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool: ...
+
+    def submit(self, items: Sequence[PlannedItem]) -> Awaitable[StepResult]: ...
+
+    async def complete(
+        self, request_id: str, cache_id: str, input_tokens: int, output_tokens: int
+    ) -> None: ...
+
+    async def release(self, cache_id: str) -> None: ...
+
+    async def preempt(self, request_id: str, cache_id: str, mode: int) -> None: ...
+
+
+class GrpcBackend:
+    """``Backend`` over one executor's gRPC API: steps on the bidirectional step stream."""
+
+    def __init__(self, client: AsyncExecutorClient) -> None:
+        self.client = client
+        self._stream: StepStream | None = None
+
+    async def open(self) -> None:
+        self._stream = self.client.step_stream()
+        await self._stream.__aenter__()
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.__aexit__(None, None, None)
+            self._stream = None
+
+    async def admit(
+        self, request_id: str, tokens: Sequence[int], maximum_tokens: int, prompt_tokens: int
+    ) -> Admission:
+        decision = await self.client.try_admit_prefill(
+            pb.TryAdmitPrefillRequest(
+                request_id=request_id,
+                input_tokens=tokens,
+                maximum_sequence_tokens=maximum_tokens,
+                product_prompt_tokens=prompt_tokens,
+                replayed_output_tokens=len(tokens) - prompt_tokens,
+                request_origin=pb.REQUEST_ORIGIN_PRODUCT,
+            )
+        )
+        kind = decision.WhichOneof("decision")
+        if kind == "admitted":
+            return Admission(
+                "admitted", decision.admitted.cache_id, decision.admitted.cached_prompt_tokens
+            )
+        if kind == "rejected":
+            return Admission("rejected", reason=decision.rejected.reason)
+        return Admission("deferred", wait=decision.deferred.wait_condition)
+
+    async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool:
+        assert isinstance(wait, pb.CapacityWaitCondition)
+        response = await self.client.wait_for_capacity_change(
+            pb.WaitForCapacityChangeRequest(condition=wait, timeout_ms=timeout_ms)
+        )
+        return bool(response.changed)
+
+    def submit(self, items: Sequence[PlannedItem]) -> Awaitable[StepResult]:
+        assert self._stream is not None, "open() first"
+        future = self._stream.submit(pb.UnifiedBatchRequest(items=encode_items(items)))
+        return _decode_later(future)
+
+    async def complete(
+        self, request_id: str, cache_id: str, input_tokens: int, output_tokens: int
+    ) -> None:
+        await self.client.complete_cache(
+            pb.CompleteCacheRequest(
+                request_id=request_id,
+                cache_id=cache_id,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+            )
+        )
+
+    async def release(self, cache_id: str) -> None:
+        await self.client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id))
+
+    async def preempt(self, request_id: str, cache_id: str, mode: int) -> None:
+        await self.client.preempt_execution_capacity(
+            pb.PreemptExecutionCapacityRequest(
+                request_id=request_id,
+                cache_id=cache_id,
+                mode=mode,  # type: ignore[arg-type]
+            )
+        )
+
+
+def encode_items(items: Sequence[PlannedItem]) -> pb.BatchItems:
+    """Columnar BatchItems, built a column at a time (one extend per column, not per item)."""
+    out = pb.BatchItems()
+    out.kinds.extend([i.kind for i in items])  # type: ignore[misc]
+    out.request_ids.extend([i.request_id for i in items])
+    out.cache_ids.extend([i.cache_id for i in items])
+    out.num_tokens.extend([len(i.tokens) for i in items])
+    out.token_ids.extend(itertools.chain.from_iterable(i.tokens for i in items))
+    out.positions.extend([i.position for i in items])
+    out.total_prompt_tokens.extend([i.total_prompt_tokens for i in items])
+    out.maximum_sequence_tokens.extend([i.maximum_sequence_tokens for i in items])
+    if any(i.sampling != GREEDY for i in items):
+        columns = out.sampling
+        for item in items:
+            s = item.sampling
+            columns.logits_return_policies.append(s.to_pb().logits_return_policy)
+            columns.temperatures.append(s.temperature)
+            columns.top_ks.append(s.top_k)
+            columns.top_ps.append(s.top_p)
+            columns.seeds.append(s.seed)
+            columns.repetition_penalties.append(s.repetition_penalty)
+            columns.num_logprobs.append(s.num_logprobs)
+            columns.token_masks.append(s.token_mask)
+    return out
+
+
+def decode_results(response: pb.UnifiedBatchResponse) -> StepResult:
+    results, t = response.results, response.timings
+    return StepResult(
+        statuses=list(results.statuses),
+        committed_tokens=list(results.committed_tokens),
+        token_ids=list(results.token_ids),
+        timing=StepTiming(t.queue_ns, t.forward_ns, t.sample_ns, t.total_ns),
+        errors={e.item_index: e.message for e in results.errors},
+    )
+
+
+async def _decode_later(future: Awaitable[pb.UnifiedBatchResponse]) -> StepResult:
+    return decode_results(await future)
+
+
+# -- scheduler ---------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -56,11 +300,12 @@ class _Request:
     result: GenerationResult
     prompt: list[int]
     params: GenerationParams
-    arrival_s: float
     cache_id: str = ""
     context: list[int] = field(default_factory=list)  # prompt + replayed outputs
     computed: int = 0  # tokens with committed KV (context, then context + new outputs)
-    wait: pb.CapacityWaitCondition | None = None
+    wait: object | None = None
+    in_flight: bool = False
+    cancelled: bool = False
 
     @property
     def output(self) -> list[int]:
@@ -69,6 +314,27 @@ class _Request:
     @property
     def in_prefill(self) -> bool:
         return self.computed < len(self.context)
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One step as the scheduler saw it (for benchmarks and tests)."""
+
+    submitted_s: float
+    finished_s: float
+    num_decodes: int
+    num_prefill_tokens: int
+    num_prefill_items: int
+    chunk_sizes: tuple[int, ...]
+    timing: StepTiming
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decodes + self.num_prefill_tokens
 
 
 @dataclass(slots=True)
@@ -83,33 +349,53 @@ class SchedulerStats:
     own_releases: int = 0
     preemptions: int = 0
     deferred_items: int = 0
+    failed_items: int = 0
     step_tokens: list[int] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)
+    # Largest number of steps in flight at once.
+    max_in_flight: int = 0
+
+
+@dataclass(slots=True)
+class _InFlight:
+    result: Awaitable[StepResult]
+    members: list[_Request]
+    record: StepRecord
 
 
 class Scheduler:
-    """Drives one executor. Use `generate` for whole results or `stream` for tokens as they
-    come; both accept new prompts only at the call."""
+    """Drives one executor. ``generate`` returns whole results, ``stream`` yields tokens as they
+    come. Prompts enter at the call, optionally with arrival offsets (online traffic)."""
 
-    def __init__(self, client: AsyncExecutorClient, config: SchedulerConfig | None = None) -> None:
-        self.client = client
+    def __init__(
+        self, client: AsyncExecutorClient | Backend, config: SchedulerConfig | None = None
+    ) -> None:
+        self.backend: Backend = (
+            GrpcBackend(client) if isinstance(client, AsyncExecutorClient) else client
+        )
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
+        self._by_index: dict[int, _Request] = {}
         self._cancelled: set[int] = set()
+        self._background: set[asyncio.Future[None]] = set()
         self._prefix = f"r{time.monotonic_ns():x}"
+        self.on_token: Callable[[int, int], None] | None = None
 
     def cancel(self, index: int) -> None:
-        """Cancel request `index` of the current call; its capacity is freed at the next step."""
+        """Cancel request `index` of the current call; its capacity is freed at the next step
+        boundary (or as soon as its in-flight step returns)."""
         self._cancelled.add(index)
 
     async def generate(
         self,
         prompts: Sequence[Sequence[int]],
         params: GenerationParams | Sequence[GenerationParams] = GenerationParams(),
+        arrivals_s: Sequence[float] | None = None,
     ) -> list[GenerationResult]:
         results: list[GenerationResult] = []
-        async for _ in self._run(prompts, params, results):
+        async for _ in self._run(prompts, params, results, arrivals_s):
             pass
         return results
 
@@ -117,9 +403,10 @@ class Scheduler:
         self,
         prompts: Sequence[Sequence[int]],
         params: GenerationParams | Sequence[GenerationParams] = GenerationParams(),
+        arrivals_s: Sequence[float] | None = None,
     ) -> AsyncIterator[tuple[int, int]]:
         """Yield (prompt index, token id) as tokens are produced."""
-        async for event in self._run(prompts, params, []):
+        async for event in self._run(prompts, params, [], arrivals_s):
             yield event
 
     async def _run(
@@ -127,22 +414,53 @@ class Scheduler:
         prompts: Sequence[Sequence[int]],
         params: GenerationParams | Sequence[GenerationParams],
         results: list[GenerationResult],
+        arrivals_s: Sequence[float] | None,
     ) -> AsyncIterator[tuple[int, int]]:
         per_prompt = [params] * len(prompts) if isinstance(params, GenerationParams) else params
-        now = time.perf_counter()
+        offsets = list(arrivals_s) if arrivals_s is not None else [0.0] * len(prompts)
+        if len(offsets) != len(prompts):
+            raise ValueError("arrivals_s needs one offset per prompt")
+        pending: deque[tuple[float, _Request]] = deque()
         for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             result = GenerationResult(index=index, request_id=f"{self._prefix}-{index}")
             results.append(result)
-            self._waiting.append(_Request(result, list(prompt), p, now, context=list(prompt)))
-        async with self.client.step_stream() as stream:
-            while self._waiting or self._running:
+            request = _Request(result, list(prompt), p, context=list(prompt))
+            self._by_index[index] = request
+            pending.append((offsets[index], request))
+        pending = deque(sorted(pending, key=lambda entry: entry[0]))
+        in_flight: deque[_InFlight] = deque()
+        start = time.perf_counter()
+        await self.backend.open()
+        try:
+            while pending or self._waiting or self._running or in_flight:
+                now = time.perf_counter()
+                while pending and start + pending[0][0] <= now:
+                    request = pending.popleft()[1]
+                    request.result.arrival_s = start + (offsets[request.result.index] or 0.0)
+                    self._waiting.append(request)
                 await self._drop_cancelled()
                 await self._admit()
-                if not self._running:
+                while len(in_flight) < self.config.pipeline_depth:
+                    step = self._plan(len(in_flight))
+                    if step is None:
+                        break
+                    in_flight.append(step)
+                self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
+                if in_flight:
+                    for event in await self._finish(in_flight.popleft()):
+                        yield event
+                elif self._waiting and self._waiting[0].wait is not None:
                     await self._wait_for_capacity()
-                    continue
-                for event in await self._step(stream):
-                    yield event
+                elif pending:
+                    await asyncio.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+                elif self._running or self._waiting:
+                    # Everyone running is blocked and nothing could be planned: let a
+                    # released source or a pending cancellation move things on.
+                    await asyncio.sleep(0.001)
+        finally:
+            if self._background:
+                await asyncio.gather(*self._background, return_exceptions=True)
+            await self.backend.close()
 
     # -- admission --------------------------------------------------------------------------
 
@@ -151,33 +469,22 @@ class Scheduler:
             request = self._waiting[0]
             if request.wait is not None:
                 return  # still waiting on its capacity sources
-            decision = await self._probe(request)
-            kind = decision.WhichOneof("decision")
-            if kind == "admitted":
+            self.stats.admission_probes += 1
+            decision = await self.backend.admit(
+                request.result.request_id, request.context, request.max_tokens, len(request.prompt)
+            )
+            if decision.kind == "admitted":
                 self._waiting.popleft()
-                request.cache_id = decision.admitted.cache_id
-                request.computed = decision.admitted.cached_prompt_tokens
+                request.cache_id = decision.cache_id
+                request.computed = decision.cached_prompt_tokens
                 self._running.append(request)
-            elif kind == "rejected":
+            elif decision.kind == "rejected":
                 self._waiting.popleft()
-                self._finish_failed(request, "rejected", decision.rejected.reason)
+                self._finish_failed(request, "rejected", decision.reason)
             else:
                 self.stats.admissions_deferred += 1
-                request.wait = decision.deferred.wait_condition
+                request.wait = decision.wait
                 return
-
-    async def _probe(self, request: _Request) -> pb.TryAdmitPrefillResponse:
-        self.stats.admission_probes += 1
-        return await self.client.try_admit_prefill(
-            pb.TryAdmitPrefillRequest(
-                request_id=request.result.request_id,
-                input_tokens=request.context,
-                maximum_sequence_tokens=len(request.prompt) + request.params.max_new_tokens,
-                product_prompt_tokens=len(request.prompt),
-                replayed_output_tokens=len(request.context) - len(request.prompt),
-                request_origin=pb.REQUEST_ORIGIN_PRODUCT,
-            )
-        )
 
     async def _wait_for_capacity(self) -> None:
         """Nothing can run: park until a source named by the head request advances."""
@@ -185,12 +492,7 @@ class Scheduler:
         if request.wait is None:
             return
         self.stats.capacity_waits += 1
-        response = await self.client.wait_for_capacity_change(
-            pb.WaitForCapacityChangeRequest(
-                condition=request.wait, timeout_ms=self.config.wait_timeout_ms
-            )
-        )
-        if response.changed:
+        if await self.backend.wait_for_capacity(request.wait, self.config.wait_timeout_ms):
             self.stats.wakeups += 1
             request.wait = None
 
@@ -202,70 +504,130 @@ class Scheduler:
 
     # -- steps ------------------------------------------------------------------------------
 
-    async def _step(self, stream: StepStream) -> list[tuple[int, int]]:
-        budget = self.config.max_step_tokens
-        batch = BatchBuilder()
+    def _plan(self, steps_in_flight: int) -> _InFlight | None:
+        """Build and submit the next step from requests not already in flight."""
+        config = self.config
+        budget = config.max_step_tokens
+        items: list[PlannedItem] = []
         members: list[_Request] = []
+        decoding = sum(1 for r in self._running if not r.in_prefill)
+        # Split decodes across the pipeline so consecutive steps carry alternating cohorts.
+        decode_cap = math.ceil(decoding / config.pipeline_depth) if steps_in_flight == 0 else None
+        num_decodes = 0
         for request in self._running:  # decodes first: they keep inter-token latency low
-            if not request.in_prefill and budget > 0:
-                batch.add_decode(
+            if request.in_flight or request.in_prefill or budget <= 0:
+                continue
+            if decode_cap is not None and num_decodes >= decode_cap:
+                break
+            items.append(
+                PlannedItem(
+                    KIND_DECODE,
                     request.result.request_id,
                     request.cache_id,
-                    request.output[-1],
+                    (request.output[-1],),
                     request.computed,
                     sampling=request.params.sampling,
                 )
-                members.append(request)
-                budget -= 1
+            )
+            members.append(request)
+            budget -= 1
+            num_decodes += 1
+        chunks: list[int] = []
         for request in self._running:
-            if request.in_prefill and budget > 0:
-                chunk = request.context[request.computed : request.computed + budget]
-                batch.add_prefill_chunk(
+            if budget <= 0:
+                break
+            if request.in_flight or not request.in_prefill:
+                continue
+            chunk = request.context[request.computed : request.computed + budget]
+            items.append(
+                PlannedItem(
+                    KIND_PREFILL,
                     request.result.request_id,
                     request.cache_id,
                     chunk,
                     request.computed,
                     len(request.context),
-                    maximum_sequence_tokens=len(request.prompt) + request.params.max_new_tokens,
-                    sampling=request.params.sampling,
+                    request.max_tokens,
+                    request.params.sampling,
                 )
-                members.append(request)
-                budget -= len(chunk)
+            )
+            members.append(request)
+            chunks.append(len(chunk))
+            budget -= len(chunk)
+        if not items:
+            return None
+        for request in members:
+            request.in_flight = True
         self.stats.steps += 1
-        self.stats.step_tokens.append(self.config.max_step_tokens - budget)
-        response = await stream.run(pb.UnifiedBatchRequest(items=batch.build()))
+        self.stats.step_tokens.append(config.max_step_tokens - budget)
+        record = StepRecord(
+            submitted_s=time.perf_counter(),
+            finished_s=0.0,
+            num_decodes=num_decodes,
+            num_prefill_tokens=sum(chunks),
+            num_prefill_items=len(chunks),
+            chunk_sizes=tuple(chunks),
+            timing=StepTiming(),
+        )
+        return _InFlight(self.backend.submit(items), members, record)
+
+    async def _finish(self, step: _InFlight) -> list[tuple[int, int]]:
+        """Apply one step's results: record tokens, retire finished requests, preempt."""
+        result = await step.result
+        now = time.perf_counter()
+        self.stats.records.append(
+            dataclasses.replace(step.record, finished_s=now, timing=result.timing)
+        )
         events: list[tuple[int, int]] = []
         blocked: list[_Request] = []
-        now = time.perf_counter()
-        for request, view in zip(members, item_views(response.results), strict=True):
-            if view.deferred:
+        statuses, committed, tokens = result.statuses, result.committed_tokens, result.token_ids
+        for k, request in enumerate(step.members):
+            request.in_flight = False
+            status = statuses[k]
+            if status == STATUS_DEFERRED:
                 self.stats.deferred_items += 1
                 blocked.append(request)
                 continue
-            request.computed = view.committed_tokens
-            if view.has_token:
-                self._record(request, view.token_id, now)
-                events.append((request.result.index, view.token_id))
-        for request in [r for r in self._running if r.result.finish_reason]:
+            if status == STATUS_FAILED:
+                self.stats.failed_items += 1
+                self._finish_failed(request, "error", result.errors.get(k, "item failed"))
+                continue
+            request.computed = committed[k]
+            if status == STATUS_TOKEN and not request.result.finish_reason:
+                token = tokens[k]
+                self._record(request, token, now)
+                events.append((request.result.index, token))
+                if self.on_token is not None:
+                    self.on_token(request.result.index, token)
+        finished = [q for q in step.members if q.result.finish_reason and q in self._running]
+        for request in finished:
             self._running.remove(request)
-            await self.client.complete_cache(
-                pb.CompleteCacheRequest(
-                    request_id=request.result.request_id,
-                    cache_id=request.cache_id,
-                    input_tokens=len(request.prompt),
-                    output_tokens=len(request.output),
+            request.result.finished_s = now
+            # Completion needs no answer before the next step: send it without waiting (the
+            # engine orders it after the steps already queued, which is all that matters).
+            self._spawn(
+                self.backend.complete(
+                    request.result.request_id,
+                    request.cache_id,
+                    len(request.prompt),
+                    len(request.output),
                 )
             )
             self._release_waits()
         for request in blocked:
-            if request in self._running:
+            if request in self._running and not request.result.finish_reason:
                 await self._preempt_for(request)
         return events
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _record(self, request: _Request, token: int, now: float) -> None:
         result = request.result
         if not result.output_ids:
-            result.first_token_s = now - request.arrival_s
+            result.first_token_s = now - result.arrival_s
         result.output_ids.append(token)
         result.token_times_s.append(now)
         if token in request.params.stop_token_ids:
@@ -274,18 +636,16 @@ class Scheduler:
             result.finish_reason = "length"
 
     async def _preempt_for(self, blocked: _Request) -> None:
-        """A decode could not grow: retire the most recently admitted other request."""
-        victims = [r for r in self._running if r is not blocked]
+        """A decode could not grow: retire the most recently admitted other request that is
+        not in flight (a queued step may still reference the ones that are)."""
+        victims = [r for r in self._running if r is not blocked and not r.in_flight]
         if not victims:
-            return  # its own admission guaranteed the fit: the next step will run
+            return  # retried next step: its own admission guaranteed the fit eventually
         victim = victims[-1]
         self._running.remove(victim)
-        await self.client.preempt_execution_capacity(
-            pb.PreemptExecutionCapacityRequest(
-                request_id=victim.result.request_id,
-                cache_id=victim.cache_id,
-                mode=self.config.preemption_mode,
-            )
+        # Awaited: the blocked decode's retry must find the victim's blocks free.
+        await self.backend.preempt(
+            victim.result.request_id, victim.cache_id, self.config.preemption_mode
         )
         self.stats.preemptions += 1
         victim.result.num_preemptions += 1
@@ -297,14 +657,21 @@ class Scheduler:
     async def _drop_cancelled(self) -> None:
         if not self._cancelled:
             return
-        for request in [r for r in self._running if r.result.index in self._cancelled]:
-            self._running.remove(request)
-            await self.client.release_cache(pb.ReleaseCacheRequest(cache_id=request.cache_id))
+        for index in list(self._cancelled):
+            request = self._by_index.get(index)
+            if request is None or request.result.finish_reason not in ("", "cancelled"):
+                self._cancelled.discard(index)
+                continue
             request.result.finish_reason = "cancelled"
-            self._release_waits()
-        for request in [r for r in self._waiting if r.result.index in self._cancelled]:
-            self._waiting.remove(request)
-            request.result.finish_reason = "cancelled"
+            if request in self._running:
+                if request.in_flight:
+                    continue  # released once its step returns
+                self._running.remove(request)
+                await self.backend.release(request.cache_id)
+                self._release_waits()
+            elif request in self._waiting:
+                self._waiting.remove(request)
+            self._cancelled.discard(index)
 
     def _finish_failed(self, request: _Request, reason: str, error: str) -> None:
         request.result.finish_reason = reason
@@ -323,9 +690,17 @@ async def generate(
 
 
 __all__ = [
+    "Admission",
+    "Backend",
     "GenerationParams",
     "GenerationResult",
+    "GrpcBackend",
+    "PlannedItem",
     "Scheduler",
     "SchedulerConfig",
+    "SchedulerStats",
+    "StepRecord",
+    "StepResult",
+    "StepTiming",
     "generate",
 ]

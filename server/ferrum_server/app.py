@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from ferrum_client.pb import executor_pb2_grpc as pb_grpc
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ferrum_server import logs
+from ferrum_server import logs, security
 from ferrum_server.config import EngineConfig, ServerConfig
 from ferrum_server.engine import Engine
 from ferrum_server.metrics import Metrics
 from ferrum_server.rpc_metrics import RpcMetricsInterceptor
 from ferrum_server.service import ExecutorServicer
+from ferrum_server.validate import MAX_ID_BYTES
 from ferrum_server.waits import CapacityNotifier
 
 _LOG = logs.get(__name__)
@@ -28,17 +31,47 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def message_limit_bytes(engine: EngineConfig, server: ServerConfig) -> int:
-    """Largest message a valid request or response can need, with headroom.
+_GRPC_MAX_MESSAGE = 2**31 - 1
+_BASE_MESSAGE_BYTES = 1024**2  # small calls, headers of every message, slack
 
-    A step carries at most max_batch_tokens token ids (<= 5 bytes each) plus per-item columns
-    and masks; a response may carry a float32 logits row per item, which the vocabulary bounds,
-    so the limit grows with the batch limits rather than being a fixed 4 MiB.
+
+def message_limits(engine: Engine, server: ServerConfig) -> tuple[int, int]:
+    """(receive, send) limits: the largest message a valid request / response can need.
+
+    A request carries at most max(batch tokens, sequence length) token ids (a prompt travels
+    whole in Prefill and TryAdmitPrefill), <= 5 bytes each, plus per-item columns, two ids and
+    a token mask of ceil(vocab / 8) bytes. A response carries at most one float32 logits row per
+    output position (max(batch tokens, batch size) rows) plus top log-probabilities. Both are
+    doubled for encoding overhead; an explicit --max-message-bytes replaces both.
     """
     if server.max_message_bytes:
-        return server.max_message_bytes
-    per_item = 64 + 2 * 1024  # columns, ids, a token mask for vocabularies up to 16k
-    return 16 * 1024**2 + engine.max_batch_tokens * 8 + engine.max_batch_size * per_item
+        return server.max_message_bytes, server.max_message_bytes
+    config = engine.config
+    vocab = engine.model_config.vocab_size
+    tokens = max(config.max_batch_tokens, engine.max_sequence_length)
+    per_item = 128 + 2 * MAX_ID_BYTES + (vocab + 7) // 8
+    receive = 5 * tokens + config.max_batch_size * per_item
+    rows = max(config.max_batch_tokens, config.max_batch_size)
+    send = rows * (4 * vocab + 16 + 10 * config.max_num_logprobs)
+    return (
+        min(_GRPC_MAX_MESSAGE, _BASE_MESSAGE_BYTES + 2 * receive),
+        min(_GRPC_MAX_MESSAGE, _BASE_MESSAGE_BYTES + 2 * send),
+    )
+
+
+def server_options(engine: Engine, server: ServerConfig) -> list[tuple[str, int]]:
+    receive, send = message_limits(engine, server)
+    return [
+        ("grpc.max_receive_message_length", receive),
+        ("grpc.max_send_message_length", send),
+        ("grpc.max_concurrent_streams", server.max_concurrent_streams),
+        # Soft and hard limit alike: above the soft one gRPC only rejects at random.
+        ("grpc.max_metadata_size", server.max_metadata_bytes),
+        ("grpc.absolute_max_metadata_size", server.max_metadata_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ]
 
 
 @dataclass
@@ -51,6 +84,8 @@ class RunningServer:
     metrics: Metrics
     metrics_port: int
     server_config: ServerConfig
+    health_server: grpc.aio.Server | None = None
+    health_port: int = -1
     _watchdog: asyncio.Task[None] | None = None
 
     async def warm_up(self) -> None:
@@ -87,6 +122,9 @@ class RunningServer:
         self.metrics.set_ready(False)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        await self.servicer.dispatch.settle()
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self._watchdog is not None:
             self._watchdog.cancel()
         released = await self.engine.call(self.engine.release_all)
@@ -140,18 +178,24 @@ async def bind_server(
     metrics.set_cache_config(engine.kv.block_size, engine.kv.pool.num_blocks)
     engine.metrics = metrics
     engine.capacity.metrics = metrics
-    limit = message_limit_bytes(engine_config, server_config)
+    engine.limit_responses(message_limits(engine, server_config)[1])
+    credentials = security.server_credentials(server_config.security)
+    interceptors: list[Any] = [RpcMetricsInterceptor(metrics)]
+    if server_config.security.auth_token_file:
+        tokens = security.load_tokens(server_config.security.auth_token_file)
+        interceptors.append(security.TokenAuthInterceptor(tokens))
+    interceptors.append(security.MalformedRequestInterceptor())
     server = grpc.aio.server(
-        interceptors=[RpcMetricsInterceptor(metrics)],
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-        ],
+        interceptors=interceptors,
+        options=server_options(engine, server_config),
+        maximum_concurrent_rpcs=server_config.max_concurrent_rpcs or None,
     )
-    servicer = ExecutorServicer(engine, CapacityNotifier(engine.kv, asyncio.get_running_loop()))
+    servicer = ExecutorServicer(
+        engine,
+        CapacityNotifier(engine.kv, asyncio.get_running_loop()),
+        step_ledger_size=server_config.step_ledger_size,
+        release_on_disconnect=server_config.release_on_disconnect,
+    )
     pb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -160,13 +204,14 @@ async def bind_server(
     await health_servicer.set(LIVENESS_SERVICE, _SERVING)
     if server_config.reflection:
         _enable_reflection(server)
-    address = f"{server_config.host}:{server_config.port}"
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise OSError(f"cannot bind {address}: {exc}") from None
-    if port == 0:
-        raise OSError(f"cannot bind {address} (port in use?)")
+    port = _bind(server, server_config.host, server_config.port, credentials)
+    health_server, health_port = None, -1
+    if server_config.health_port >= 0:
+        # Probes (kubelet's grpc probe) cannot do TLS or tokens: a separate plaintext port
+        # that serves nothing but the health service.
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = _bind(health_server, server_config.host, server_config.health_port, None)
     metrics_port = -1
     if server_config.metrics_port >= 0:
         try:
@@ -178,9 +223,57 @@ async def bind_server(
                 f"cannot bind the metrics port {server_config.metrics_port}: {exc.strerror}"
             ) from None
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     return RunningServer(
-        server, port, engine, servicer, health_servicer, metrics, metrics_port, server_config
+        server,
+        port,
+        engine,
+        servicer,
+        health_servicer,
+        metrics,
+        metrics_port,
+        server_config,
+        health_server,
+        health_port,
     )
+
+
+def _bind(
+    server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None
+) -> int:
+    address = f"{host}:{port}"
+    _check_free(host, port)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind {address}: {exc}") from None
+    if bound == 0:
+        raise OSError(f"cannot bind {address} (port in use?)")
+    return bound
+
+
+def _check_free(host: str, port: int) -> None:
+    """Fail with one clear line when the port is taken, before gRPC logs its own complaint.
+
+    gRPC's bind stays the authority; this only turns the common case into a readable error.
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrum_server.config import DTYPES, EngineConfig, ServerConfig
+from ferrum_server.security import SecurityConfig
 
 
 def _bool(text: str) -> bool:
@@ -88,6 +89,31 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         ("auto", "json", "console"),
     ),
     Flag("debug-reflection", _bool, "false", "gRPC server reflection (needs the 'debug' extra)"),
+    # -- security (see docs/readme/hardening.md) --
+    Flag("tls-cert", str, "", "PEM certificate chain; with --tls-key turns TLS on"),
+    Flag("tls-key", str, "", "PEM private key of --tls-cert"),
+    Flag("tls-client-ca", str, "", "PEM CA bundle client certificates must chain to (mutual TLS)"),
+    Flag("auth-token-file", str, "", "file of role:token lines (roles read, execute); '' = off"),
+    Flag("health-port", int, "-1", "plaintext port serving only grpc.health.v1; -1 = off"),
+    # -- limits --
+    Flag("max-message-bytes", int, "0", "max message size both ways; 0 = derived from limits"),
+    Flag("max-concurrent-rpcs", int, "1024", "concurrent RPCs before RESOURCE_EXHAUSTED; 0 = off"),
+    Flag("max-concurrent-streams", int, "256", "HTTP/2 streams per connection"),
+    Flag("max-metadata-bytes", int, "16384", "request metadata (headers) per call"),
+    # -- idempotency and fencing --
+    Flag(
+        "require-fencing",
+        _bool,
+        "false",
+        "refuse mutating calls with executor_instance_id 0 (FAILED_PRECONDITION)",
+    ),
+    Flag("step-ledger-size", int, "4096", "step ids remembered for exactly-once retries"),
+    Flag(
+        "release-on-disconnect",
+        _bool,
+        "true",
+        "release the caches a StepStream opened or touched when it ends abnormally",
+    ),
 )
 
 
@@ -124,6 +150,7 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         torch_threads=args.torch_threads,
         prefix_caching=args.prefix_caching,
         swap_space_bytes=args.swap_space_bytes,
+        require_fencing=args.require_fencing,
     )
     if engine.model != "tiny" and not pathlib.Path(engine.model).is_dir():
         raise ValueError(f"model path {engine.model} is not a folder")
@@ -135,6 +162,19 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         metrics_host=args.metrics_host,
         reflection=args.debug_reflection,
         liveness_timeout_s=args.liveness_timeout_s,
+        max_message_bytes=args.max_message_bytes,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_concurrent_streams=args.max_concurrent_streams,
+        max_metadata_bytes=args.max_metadata_bytes,
+        health_port=args.health_port,
+        release_on_disconnect=args.release_on_disconnect,
+        step_ledger_size=args.step_ledger_size,
+        security=SecurityConfig(
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            auth_token_file=args.auth_token_file,
+        ),
     )
     return engine, server
 
@@ -258,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--requests", type=int, default=4)
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.set_defaults(func=cmd_demo)
+    from ferrum_server.tools_cli import register_tool_commands
+
+    register_tool_commands(sub)
     return parser
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ferrum_server.security import SecurityConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
@@ -32,6 +34,8 @@ class EngineConfig:
     prefix_caching: bool = True
     # Host memory for swapped-out KV of preempted sequences; 0 = recompute only.
     swap_space_bytes: int = 1024**3
+    # Refuse mutating calls whose executor_instance_id is 0 (unfenced) with FAILED_PRECONDITION.
+    require_fencing: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -59,8 +63,21 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     grace_s: float = 30.0
-    # Bytes; derived from the batch limits when 0.
+    # Largest message received / sent, bytes; derived from the batch limits when 0.
     max_message_bytes: int = 0
+    # Concurrent RPCs (streams included) before new ones get RESOURCE_EXHAUSTED; 0 = unlimited.
+    max_concurrent_rpcs: int = 1024
+    # HTTP/2 streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS).
+    max_concurrent_streams: int = 256
+    # Request metadata (headers) per call, bytes.
+    max_metadata_bytes: int = 16 * 1024
+    # Plaintext port serving only grpc.health.v1 (for probes when TLS is on); -1 = off.
+    health_port: int = -1
+    # Release every cache a StepStream opened or touched when the stream ends abnormally.
+    release_on_disconnect: bool = True
+    # Step ids remembered for deduplication (most recent first).
+    step_ledger_size: int = 4096
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     # Prometheus /metrics over HTTP: -1 = off, 0 = any free port.
     metrics_port: int = -1
     metrics_host: str = "0.0.0.0"
@@ -82,3 +99,15 @@ class ServerConfig:
             raise ValueError("grace period must be >= 0")
         if self.liveness_interval_s <= 0 or self.liveness_timeout_s <= 0:
             raise ValueError("liveness interval and timeout must be > 0")
+        if not -1 <= self.health_port <= 65535:
+            raise ValueError(f"health port must be in [-1, 65535], got {self.health_port}")
+        if self.health_port > 0 and self.health_port in (self.port, self.metrics_port):
+            raise ValueError("the health port must differ from the gRPC and metrics ports")
+        if self.max_message_bytes < 0 or self.max_message_bytes >= 2**31:
+            raise ValueError("max message bytes must be in [0, 2^31)")
+        if self.max_concurrent_rpcs < 0:
+            raise ValueError("max concurrent RPCs must be >= 0")
+        if self.max_concurrent_streams < 1 or self.max_metadata_bytes < 1024:
+            raise ValueError("max concurrent streams must be >= 1 and max metadata >= 1024 bytes")
+        if self.step_ledger_size < 1:
+            raise ValueError("step ledger size must be >= 1")

@@ -271,6 +271,16 @@ def results_to_pb(results: Seq[ItemResult]) -> pb.BatchResults:
             out.top_logprobs.extend(r.top_logprobs[0])
     out.logits.extend(r.logits for r in results)
     out.deferrals.extend(deferral_to_pb(r.deferral) for r in results if r.deferral is not None)
+    out.errors.extend(
+        pb.ItemError(
+            item_index=index,
+            request_id=r.failure.request_id,
+            code=r.failure.code,
+            message=r.failure.message,
+        )
+        for index, r in enumerate(results)
+        if r.failure is not None
+    )
     return out
 
 

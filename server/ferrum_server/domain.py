@@ -29,6 +29,7 @@ class ItemStatus(enum.IntEnum):
     TOKEN = 2
     LOGITS = 3
     DEFERRED = 4
+    FAILED = 5
 
 
 class DeferralMode(enum.Enum):
@@ -113,6 +114,15 @@ class CapacityDeferral:
     narrower_prefill_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ItemFailure:
+    """Why one item failed in the forward (nothing was committed for it)."""
+
+    code: int  # gRPC status code number a single-item call would have returned
+    message: str
+    request_id: str = ""
+
+
 @dataclass(slots=True)
 class ItemResult:
     status: ItemStatus
@@ -124,6 +134,7 @@ class ItemResult:
     top_logprobs: list[list[float]] = field(default_factory=list)
     logits: bytes = b""
     deferral: CapacityDeferral | None = None
+    failure: ItemFailure | None = None
 
 
 @dataclass(frozen=True, slots=True)

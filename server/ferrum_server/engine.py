@@ -8,6 +8,7 @@ await `Engine.call`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import secrets
 import time
@@ -18,11 +19,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from ferrum_server import faults
+from ferrum_server.calls import Ticket
 from ferrum_server.capacity import CapacityManager, Decision
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import (
     CapacityDeferral,
     DeferralMode,
+    ItemFailure,
     ItemKind,
     ItemResult,
     ItemStatus,
@@ -33,13 +37,15 @@ from ferrum_server.domain import (
     StepOutcome,
     Timings,
 )
-from ferrum_server.errors import ExecutionFailed, InvalidArgument
+from ferrum_server.errors import DeviceOutOfMemory, ExecutionFailed, InvalidArgument
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, SourceKey
 from ferrum_server.kv.manager import KvManager, ReleaseResult, Sequence
 from ferrum_server.metrics import Metrics
 from ferrum_server.models import ModelConfig, load_model
 from ferrum_server.runner import ForwardOutput, ModelRunner
 from ferrum_server.validate import Limits, check_instance, validate_step
+
+is_out_of_memory = faults.is_out_of_memory
 
 T = TypeVar("T")
 
@@ -53,6 +59,8 @@ SHORTFALL_IMMEDIATE = 1
 SHORTFALL_SEQUENCE_CEILING = 4
 UNIT_BLOCKS = 1
 UNIT_SEQUENCES = 2
+RESOURCE_EXHAUSTED = 8  # gRPC status code number, for per-item failures
+_OOM_MESSAGE = "device out of memory in the forward; nothing was committed"
 
 
 @dataclass(slots=True)
@@ -110,6 +118,7 @@ class Engine:
             max_batch_size=config.max_batch_size,
             max_num_logprobs=config.max_num_logprobs,
             instance_id=self.instance_id,
+            require_fencing=config.require_fencing,
         )
         self.capacity = CapacityManager(
             self.kv, self.kv_cache, self.limits, config.swap_space_bytes
@@ -119,6 +128,8 @@ class Engine:
         # Releases, truncations and prefix publications move the gauges too.
         self.kv.clock.listeners.append(self.publish_gauges)
         self.warmed_up = False
+        # None in production: set only when FERRUM_ENABLE_FAULT_INJECTION=1 (tests).
+        self.faults = faults.from_environment()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-engine")
 
     def _plan_num_blocks(self) -> int:
@@ -141,6 +152,11 @@ class Engine:
             )
         return int(num_blocks)
 
+    def limit_responses(self, max_bytes: int) -> None:
+        """Refuse steps whose results could not be sent in max_bytes (set by the server)."""
+        self.limits = dataclasses.replace(self.limits, max_response_bytes=max_bytes)
+        self.capacity.limits = self.limits
+
     @property
     def model_info(self) -> ModelConfig:
         return self.model_config
@@ -152,6 +168,19 @@ class Engine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, fn, *args)
 
+    async def run(
+        self,
+        ticket: Ticket[T],
+        fn: Callable[..., T],
+        *args: object,
+        on_orphan: Callable[[T], object] | None = None,
+    ) -> T:
+        """Like `call`, but dropped unstarted when the ticket's callers are gone, and
+        on_orphan(result) runs on the engine thread when they left while it ran."""
+        ticket.on_orphan = on_orphan
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, ticket.execute, fn, args)
+
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
 
@@ -160,6 +189,7 @@ class Engine:
     def execute(self, step: Step, submitted_ns: int = 0) -> StepOutcome:
         started = time.perf_counter_ns()
         sequences = validate_step(step, self.kv, self.limits)
+        held = [len(seq.block_ids) if seq is not None else 0 for seq in sequences]
         deferrals = self._reserve(step, sequences)
         runnable = [i for i in range(len(step.items)) if i not in deferrals]
         results: list[ItemResult | None] = [None] * len(step.items)
@@ -171,39 +201,108 @@ class Engine:
                 committed_tokens=seq.num_tokens if seq else 0,
                 deferral=deferral,
             )
-        forward = ForwardOutput(None, [], {}, 0, 0)
+        ran_items: list[StepItem] = []
+        ran_seqs: list[Sequence | None] = []
+        forward_ns = sample_ns = 0
         if runnable:
-            run_items = [step.items[i] for i in runnable]
-            run_seqs = [sequences[i] for i in runnable]
-            assert all(seq is not None for seq in run_seqs)
-            opened = [
-                seq for i, seq in zip(runnable, run_seqs, strict=True) if not step.items[i].cache_id
-            ]
-            try:
-                forward = self.runner.run(run_items, run_seqs)  # type: ignore[arg-type]
-            except Exception as exc:
-                for seq in opened:
-                    if seq is not None:
-                        self.kv.release(seq.cache_id)
-                raise ExecutionFailed("the forward pass failed") from exc
-            self._commit(run_items, run_seqs, runnable, forward, results)  # type: ignore[arg-type]
-            self._count(run_items, forward)
+            groups, failed = self._forward(step, sequences, runnable, held)
+            for indices, forward in groups:
+                items = [step.items[i] for i in indices]
+                seqs: list[Sequence] = [sequences[i] for i in indices]  # type: ignore[misc]
+                self._commit(items, seqs, indices, forward, results)
+                self._count(items, forward)
+                ran_items += items
+                ran_seqs += seqs
+                forward_ns += forward.forward_ns
+                sample_ns += forward.sample_ns
+            for index in failed:
+                seq = sequences[index]
+                results[index] = ItemResult(
+                    status=ItemStatus.FAILED,
+                    cache_id=step.items[index].cache_id,
+                    committed_tokens=seq.num_tokens if seq else 0,
+                    failure=ItemFailure(
+                        RESOURCE_EXHAUSTED, _OOM_MESSAGE, step.items[index].request_id
+                    ),
+                )
         if self.metrics is not None:
-            self._observe(
-                step,
-                deferrals,
-                run_items if runnable else [],
-                run_seqs if runnable else [],
-                forward,
-            )
+            total = ForwardOutput(None, [], {}, forward_ns, sample_ns)
+            self._observe(step, deferrals, ran_items, ran_seqs, total)
         finished = time.perf_counter_ns()
         timings = Timings(
             queue_ns=max(0, started - submitted_ns) if submitted_ns else 0,
-            forward_ns=forward.forward_ns,
-            sample_ns=forward.sample_ns,
+            forward_ns=forward_ns,
+            sample_ns=sample_ns,
             total_ns=finished - started,
         )
         return StepOutcome(results=[r for r in results if r is not None], timings=timings)
+
+    def _forward(
+        self, step: Step, sequences: list[Sequence | None], runnable: list[int], held: list[int]
+    ) -> tuple[list[tuple[list[int], ForwardOutput]], list[int]]:
+        """Run the runnable items; return (item groups that ran, items that ran out of memory).
+
+        Nothing is committed here, so a failure leaves committed KV as it was: the failed
+        items' caches give back the blocks reserved for this step, and caches they opened are
+        released.
+        """
+        try:
+            groups, failed = self._isolate(step, sequences, runnable)
+        except Exception as exc:
+            self._undo(step, sequences, runnable, held)
+            if is_out_of_memory(exc):
+                raise DeviceOutOfMemory(_OOM_MESSAGE) from exc
+            raise ExecutionFailed("the forward pass failed") from exc
+        self._undo(step, sequences, failed, held)
+        return groups, failed
+
+    def _isolate(
+        self, step: Step, sequences: list[Sequence | None], indices: list[int]
+    ) -> tuple[list[tuple[list[int], ForwardOutput]], list[int]]:
+        """One forward of `indices`; on device OOM in a per-item step, bisect so that only the
+        items that cannot run fail and the others still complete."""
+        items = [step.items[i] for i in indices]
+        try:
+            if self.faults is not None:
+                self.faults.before_forward([item.request_id for item in items])
+            forward = self.runner.run(items, [sequences[i] for i in indices])  # type: ignore[misc]
+            return [(indices, forward)], []
+        except Exception as exc:
+            if not is_out_of_memory(exc) or step.mode == DeferralMode.ALL_OR_NOTHING:
+                raise
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(indices) == 1:
+                return [], indices
+        middle = len(indices) // 2
+        first_ran, first_failed = self._isolate(step, sequences, indices[:middle])
+        second_ran, second_failed = self._isolate(step, sequences, indices[middle:])
+        return first_ran + second_ran, first_failed + second_failed
+
+    def _undo(
+        self, step: Step, sequences: list[Sequence | None], indices: list[int], held: list[int]
+    ) -> None:
+        for index in indices:
+            seq = sequences[index]
+            if seq is None:
+                continue
+            if not step.items[index].cache_id:
+                self.kv.release(seq.cache_id)
+            else:
+                self.kv.unreserve(seq, held[index])
+
+    def release_opened(self, step: Step, outcome: StepOutcome) -> None:
+        """Release the caches a step opened (its caller went away and will never learn them)."""
+        for item, result in zip(step.items, outcome.results, strict=True):
+            if not item.cache_id and result.cache_id in self.kv.sequences:
+                self.kv.release(result.cache_id)
+
+    def release_caches(self, cache_ids: list[str]) -> int:
+        """Release the live caches among cache_ids; return how many were live."""
+        live = [c for c in dict.fromkeys(cache_ids) if c in self.kv.sequences]
+        for cache_id in live:
+            self.kv.release(cache_id)
+        return len(live)
 
     def _reserve(self, step: Step, sequences: list[Sequence | None]) -> dict[int, CapacityDeferral]:
         """Take the blocks every runnable item needs; return deferrals for the others."""
@@ -453,7 +552,7 @@ class Engine:
         tokens = torch.randint(0, self.model_config.vocab_size, (count,), generator=generator)
         item = StepItem(ItemKind.PREFILL_CHUNK, "warmup", "", tokens.tolist(), 0, count)
         started = time.perf_counter()
-        outcome = self.execute(Step([item], DeferralMode.ALL_OR_NOTHING))
+        outcome = self.execute(Step([item], DeferralMode.ALL_OR_NOTHING, self.instance_id))
         elapsed_ms = (time.perf_counter() - started) * 1e3
         result = outcome.results[0]
         if result.status == ItemStatus.DEFERRED:

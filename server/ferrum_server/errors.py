@@ -61,6 +61,19 @@ class Unavailable(ExecutorError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeviceOutOfMemory(ExecutorError):
+    """The device ran out of memory in the forward; nothing was committed. Retry later or with
+    a smaller batch (a transactional or single-item call cannot be split by the executor)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Dropped(ExecutorError):
+    """The caller went away (or its deadline passed) before the work started; nothing ran."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class ExecutionFailed(ExecutorError):
     """A fault after work may have been submitted: never replay automatically."""
 
@@ -68,3 +81,11 @@ class ExecutionFailed(ExecutorError):
 
 
 INTERNAL_MESSAGE = "internal error"
+# Status messages travel in HTTP/2 trailers: keep them short (clients may cap headers at 8 KiB).
+MAX_MESSAGE_CHARS = 512
+
+
+def public_message(exc: ExecutorError) -> str:
+    """The message a caller sees: bounded, and only ever the domain error's own text."""
+    text = exc.message
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."

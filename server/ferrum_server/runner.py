@@ -6,6 +6,9 @@ Only rows that produce output (final chunks, decodes, verify positions) go throu
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -43,17 +46,19 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
+        if device.type == "cpu":
+            _keep_freed_memory()
+            # Pre-packed oneDNN weights and the grouped CPU attention (see ferrum_kernels).
+            self.packed_linears = model.prepack_for_cpu()
 
     @torch.inference_mode()
     def run(self, items: list[StepItem], sequences: list[Sequence]) -> ForwardOutput:
         """Run one forward over `items` whose sequences already hold blocks for the new tokens."""
         started = time.perf_counter_ns()
         counts = [len(item.token_ids) for item in items]
-        query_start = [0]
-        for count in counts:
-            query_start.append(query_start[-1] + count)
+        query_start = [0, *itertools.accumulate(counts)]
         context_lens = [item.end for item in items]
-        flat_tokens = [token for item in items for token in item.token_ids]
+        flat_tokens = list(itertools.chain.from_iterable(item.token_ids for item in items))
 
         device = self.device
         input_ids = torch.tensor(flat_tokens, dtype=torch.int64, device=device)  # [T]
@@ -146,3 +151,27 @@ def _penalty_context(row_items: list[tuple[StepItem, Sequence, int]]) -> list[li
         upto = position - item.position
         context.append(seq.token_ids + item.token_ids[:upto])
     return context
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 * 1024**2  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+
+
+def _keep_freed_memory() -> None:
+    """Have glibc keep freed activation buffers instead of returning them to the kernel.
+
+    By default every tensor above a few MB is a fresh mmap, so each step's activations are
+    page-faulted (and zeroed by the kernel) anew: measurable on CPU, where the forward itself
+    is only tens of milliseconds. Raising the mmap and trim thresholds keeps them in the heap
+    for reuse. A no-op off glibc.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, 4 * 1024**3)
+    except (OSError, AttributeError):
+        return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,10 +14,18 @@ from ferrum_client.pb import executor_pb2 as pb
 from ferrum_client.pb import executor_pb2_grpc as pb_grpc
 
 from ferrum_server import convert, info, logs
-from ferrum_server.capacity import PreemptionMode
+from ferrum_server.calls import Ticket
+from ferrum_server.capacity import Admitted, Decision, PreemptionMode
+from ferrum_server.dispatch import Dispatcher, deadline_of
 from ferrum_server.domain import DeferralMode, ItemKind, ItemStatus, Step, StepOutcome
 from ferrum_server.engine import Engine
-from ferrum_server.errors import INTERNAL_MESSAGE, ExecutorError, InvalidArgument, Unavailable
+from ferrum_server.errors import (
+    INTERNAL_MESSAGE,
+    ExecutorError,
+    InvalidArgument,
+    Unavailable,
+    public_message,
+)
 from ferrum_server.waits import CapacityNotifier
 
 _LOG = logs.get(__name__)
@@ -55,7 +64,7 @@ def _maps_errors(handler: Handler[R]) -> Handler[R]:
                 reason=type(exc).__name__,
                 **_ids(request),
             )
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, public_message(exc))
         except Exception:
             _LOG.exception("rpc_failed", method=handler.__name__, code="INTERNAL", **_ids(request))
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
@@ -64,19 +73,41 @@ def _maps_errors(handler: Handler[R]) -> Handler[R]:
     return wrapper
 
 
+def _step_error(exc: BaseException) -> pb.StepError:
+    if isinstance(exc, ExecutorError):
+        return pb.StepError(code=exc.code.value[0], message=public_message(exc))
+    return pb.StepError(code=grpc.StatusCode.INTERNAL.value[0], message=INTERNAL_MESSAGE)
+
+
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, engine: Engine, notifier: CapacityNotifier) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        notifier: CapacityNotifier,
+        *,
+        step_ledger_size: int = 4096,
+        release_on_disconnect: bool = True,
+    ) -> None:
         self.engine = engine
         self.notifier = notifier
         self.accepting = False  # flipped on after warmup, off when draining
+        self.dispatch = Dispatcher(engine, step_ledger_size)
+        self.release_on_disconnect = release_on_disconnect
 
     def _require_ready(self) -> None:
         if not self.accepting:
             raise Unavailable("the executor is not serving (warming up or draining)")
 
-    async def _execute(self, step: Step) -> StepOutcome:
+    async def _execute(self, step: Step, ticket: Ticket[Any]) -> StepOutcome:
         self._require_ready()
-        return await self.engine.call(self.engine.execute, step, time.perf_counter_ns())
+        engine = self.engine
+        return await engine.run(
+            ticket,
+            engine.execute,
+            step,
+            time.perf_counter_ns(),
+            on_orphan=functools.partial(engine.release_opened, step),
+        )
 
     # -- identity and status --------------------------------------------------------------
 
@@ -123,8 +154,13 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     @_maps_errors
     async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        return await self.dispatch.mutate(
+            "Prefill", request, context, functools.partial(self._prefill, request)
+        )
+
+    async def _prefill(self, request: pb.PrefillRequest, ticket: Ticket[Any]) -> pb.PrefillResponse:
         step = convert.prefill_step_from_pb(request)
-        outcome = await self._execute(step)
+        outcome = await self._execute(step, ticket)
         timings = convert.timings_to_pb(outcome.timings)
         deferral = convert.single_deferral(outcome)
         if deferral is not None:
@@ -151,7 +187,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     @_maps_errors
     async def Decode(self, request: pb.DecodeRequest, context: Any) -> pb.DecodeResponse:
-        outcome = await self._execute(convert.decode_step_from_pb(request))
+        return await self.dispatch.mutate(
+            "Decode", request, context, functools.partial(self._decode, request)
+        )
+
+    async def _decode(self, request: pb.DecodeRequest, ticket: Ticket[Any]) -> pb.DecodeResponse:
+        outcome = await self._execute(convert.decode_step_from_pb(request), ticket)
         timings = convert.timings_to_pb(outcome.timings)
         deferral = convert.single_deferral(outcome)
         if deferral is not None:
@@ -170,9 +211,15 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         )
 
     async def _batch(
-        self, items: pb.BatchItems, mode: DeferralMode, instance_id: int, only: ItemKind | None
+        self,
+        items: pb.BatchItems,
+        mode: DeferralMode,
+        instance_id: int,
+        only: ItemKind | None,
+        ticket: Ticket[Any],
     ) -> tuple[pb.BatchResults, pb.ExecutionDeferral | None, pb.StepTimings]:
-        outcome = await self._execute(convert.step_from_pb(items, mode, instance_id, only))
+        step = convert.step_from_pb(items, mode, instance_id, only)
+        outcome = await self._execute(step, ticket)
         timings = convert.timings_to_pb(outcome.timings)
         if mode == DeferralMode.ALL_OR_NOTHING and outcome.results[0].deferral is not None:
             return pb.BatchResults(), convert.single_deferral(outcome), timings
@@ -182,11 +229,19 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def BatchPrefill(
         self, request: pb.BatchPrefillRequest, context: Any
     ) -> pb.BatchPrefillResponse:
+        return await self.dispatch.mutate(
+            "BatchPrefill", request, context, functools.partial(self._batch_prefill, request)
+        )
+
+    async def _batch_prefill(
+        self, request: pb.BatchPrefillRequest, ticket: Ticket[Any]
+    ) -> pb.BatchPrefillResponse:
         results, deferral, timings = await self._batch(
             request.items,
             DeferralMode.ALL_OR_NOTHING,
             request.executor_instance_id,
             ItemKind.PREFILL_CHUNK,
+            ticket,
         )
         if deferral is not None:
             return pb.BatchPrefillResponse(not_submitted=deferral, timings=timings)
@@ -196,11 +251,19 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def BatchDecode(
         self, request: pb.BatchDecodeRequest, context: Any
     ) -> pb.BatchDecodeResponse:
+        return await self.dispatch.mutate(
+            "BatchDecode", request, context, functools.partial(self._batch_decode, request)
+        )
+
+    async def _batch_decode(
+        self, request: pb.BatchDecodeRequest, ticket: Ticket[Any]
+    ) -> pb.BatchDecodeResponse:
         results, deferral, timings = await self._batch(
             request.items,
             DeferralMode.ALL_OR_NOTHING,
             request.executor_instance_id,
             ItemKind.DECODE,
+            ticket,
         )
         if deferral is not None:
             return pb.BatchDecodeResponse(deferred=deferral, timings=timings)
@@ -210,60 +273,124 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def UnifiedBatch(
         self, request: pb.UnifiedBatchRequest, context: Any
     ) -> pb.UnifiedBatchResponse:
-        return await self._unified(request)
+        return await self.dispatch.mutate(
+            "UnifiedBatch", request, context, functools.partial(self._unified, request)
+        )
 
-    async def _unified(self, request: pb.UnifiedBatchRequest) -> pb.UnifiedBatchResponse:
+    async def _unified(
+        self, request: pb.UnifiedBatchRequest, ticket: Ticket[Any]
+    ) -> pb.UnifiedBatchResponse:
         results, _, timings = await self._batch(
-            request.items, DeferralMode.PER_ITEM, request.executor_instance_id, None
+            request.items, DeferralMode.PER_ITEM, request.executor_instance_id, None, ticket
         )
         return pb.UnifiedBatchResponse(results=results, timings=timings)
+
+    def _start_step(
+        self, batch: pb.UnifiedBatchRequest, deadline: float | None
+    ) -> tuple[Ticket[Any] | None, asyncio.Future[pb.UnifiedBatchResponse]]:
+        """Submit one stream step (deduplicated with unary UnifiedBatch by batch.step_id)."""
+        try:
+            return self.dispatch.start(
+                "UnifiedBatch", batch, deadline, functools.partial(self._unified, batch)
+            )
+        except ExecutorError as exc:
+            refused: asyncio.Future[pb.UnifiedBatchResponse] = (
+                asyncio.get_running_loop().create_future()
+            )
+            refused.set_exception(exc)
+            return None, refused
 
     async def StepStream(
         self, request_iterator: AsyncIterator[pb.StepStreamRequest], context: Any
     ) -> AsyncIterator[pb.StepStreamResponse]:
-        """Submit each step as it arrives (the engine runs them in order); answer in order."""
-        pending: asyncio.Queue[tuple[int, asyncio.Task[pb.UnifiedBatchResponse]] | None] = (
-            asyncio.Queue()
-        )
+        """Submit each step as it arrives (the engine runs them in order); answer in order.
+
+        If the stream ends abnormally (cancelled, connection lost), steps not yet started are
+        dropped, and with release_on_disconnect every cache the stream's steps opened or
+        touched is released once the running step has finished.
+        """
+        Pending = tuple[int, Ticket[Any] | None, asyncio.Future[pb.UnifiedBatchResponse]]
+        # Steps read but not answered yet, oldest first; abandoned if the stream dies.
+        pending: asyncio.Queue[Pending | None] = asyncio.Queue()
+        unanswered: collections.deque[Pending] = collections.deque()
+        touched: set[str] = set()
+        deadline = deadline_of(context)
+        broken = False
 
         async def read() -> None:
+            nonlocal broken
             try:
                 async for request in request_iterator:
-                    task = asyncio.ensure_future(self._unified(request.batch))
-                    await pending.put((request.step_id, task))
+                    entry = (request.step_id, *self._start_step(request.batch, deadline))
+                    unanswered.append(entry)
+                    await pending.put(entry)
+            except Exception:
+                broken = True  # the connection failed under us: treat as a disconnect
             finally:
                 await pending.put(None)
 
         reader = asyncio.ensure_future(read())
+        ended_normally = False
         try:
             while (entry := await pending.get()) is not None:
-                step_id, task = entry
+                step_id, _, future = entry
                 try:
-                    result = await task
+                    # Shielded: if the stream is cancelled here, the step is abandoned below
+                    # (its ticket left), never cancelled half-way.
+                    result = await asyncio.shield(future)
                 except ExecutorError as exc:
-                    yield pb.StepStreamResponse(
-                        step_id=step_id,
-                        error=pb.StepError(code=exc.code.value[0], message=exc.message),
-                    )
-                    continue
-                except Exception:
+                    response = pb.StepStreamResponse(step_id=step_id, error=_step_error(exc))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
                     _LOG.exception("step_failed", step_id=step_id)
-                    yield pb.StepStreamResponse(
-                        step_id=step_id,
-                        error=pb.StepError(
-                            code=grpc.StatusCode.INTERNAL.value[0], message=INTERNAL_MESSAGE
-                        ),
-                    )
-                    continue
-                yield pb.StepStreamResponse(step_id=step_id, result=result)
+                    response = pb.StepStreamResponse(step_id=step_id, error=_step_error(exc))
+                else:
+                    touched.update(c for c in result.results.cache_ids if c)
+                    response = pb.StepStreamResponse(step_id=step_id, result=result)
+                yield response
+                # Only once delivered: a stream cancelled at the yield still abandons this step.
+                unanswered.popleft()
+            ended_normally = not broken
         finally:
             reader.cancel()
+            if not ended_normally:
+                self._abandon_stream(unanswered, touched)
+
+    def _abandon_stream(self, unanswered: collections.deque[Any], touched: set[str]) -> None:
+        futures = []
+        for _, ticket, future in unanswered:
+            if ticket is not None:
+                self.dispatch.leave(ticket)
+            futures.append(future)
+        _LOG.info("stream_abandoned", unanswered_steps=len(futures))
+        if self.release_on_disconnect:
+            self.dispatch.spawn(self._release_stream_caches(futures, touched))
+
+    async def _release_stream_caches(
+        self, futures: list[asyncio.Future[pb.UnifiedBatchResponse]], touched: set[str]
+    ) -> None:
+        for future in futures:
+            try:
+                result = await future
+            except Exception:
+                continue  # dropped or refused: it touched nothing
+            touched.update(c for c in result.results.cache_ids if c)
+        released = await self.engine.call(self.engine.release_caches, sorted(touched))
+        _LOG.info("stream_caches_released", caches_released=released)
 
     @_maps_errors
     async def ForwardVerify(
         self, request: pb.ForwardVerifyRequest, context: Any
     ) -> pb.ForwardVerifyResponse:
-        outcome = await self._execute(convert.verify_step_from_pb(request))
+        return await self.dispatch.mutate(
+            "ForwardVerify", request, context, functools.partial(self._verify, request)
+        )
+
+    async def _verify(
+        self, request: pb.ForwardVerifyRequest, ticket: Ticket[Any]
+    ) -> pb.ForwardVerifyResponse:
+        outcome = await self._execute(convert.verify_step_from_pb(request), ticket)
         timings = convert.timings_to_pb(outcome.timings)
         deferral = convert.single_deferral(outcome)
         if deferral is not None:
@@ -292,8 +419,16 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def TruncateKv(
         self, request: pb.TruncateKvRequest, context: Any
     ) -> pb.TruncateKvResponse:
+        return await self.dispatch.mutate(
+            "TruncateKv", request, context, functools.partial(self._truncate, request)
+        )
+
+    async def _truncate(
+        self, request: pb.TruncateKvRequest, ticket: Ticket[Any]
+    ) -> pb.TruncateKvResponse:
         self._require_ready()
-        seq, freed = await self.engine.call(
+        seq, freed = await self.engine.run(
+            ticket,
             self.engine.truncate,
             request.cache_id,
             request.new_length,
@@ -309,15 +444,38 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def ReserveKvSlots(
         self, request: pb.ReserveKvSlotsRequest, context: Any
     ) -> pb.ReserveKvSlotsResponse:
+        return await self.dispatch.mutate(
+            "ReserveKvSlots", request, context, functools.partial(self._reserve, request)
+        )
+
+    async def _reserve(
+        self, request: pb.ReserveKvSlotsRequest, ticket: Ticket[Any]
+    ) -> pb.ReserveKvSlotsResponse:
         self._require_ready()
-        return await self.engine.call(info.reserve_kv_slots, self.engine, request)
+        engine = self.engine
+
+        def release_opened(response: pb.ReserveKvSlotsResponse) -> None:
+            given = list(request.cache_ids) or [""] * len(response.reserved.cache_ids)
+            opened = [c for c, g in zip(response.reserved.cache_ids, given, strict=False) if not g]
+            engine.release_caches(opened)
+
+        return await engine.run(
+            ticket, info.reserve_kv_slots, engine, request, on_orphan=release_opened
+        )
 
     @_maps_errors
     async def ReleaseCache(
         self, request: pb.ReleaseCacheRequest, context: Any
     ) -> pb.ReleaseCacheResponse:
-        result = await self.engine.call(
-            self.engine.release, request.cache_id, request.executor_instance_id
+        return await self.dispatch.mutate(
+            "ReleaseCache", request, context, functools.partial(self._release, request)
+        )
+
+    async def _release(
+        self, request: pb.ReleaseCacheRequest, ticket: Ticket[Any]
+    ) -> pb.ReleaseCacheResponse:
+        result = await self.engine.run(
+            ticket, self.engine.release, request.cache_id, request.executor_instance_id
         )
         return pb.ReleaseCacheResponse(
             released=result.released,
@@ -329,7 +487,15 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def CompleteCache(
         self, request: pb.CompleteCacheRequest, context: Any
     ) -> pb.CompleteCacheResponse:
-        result = await self.engine.call(
+        return await self.dispatch.mutate(
+            "CompleteCache", request, context, functools.partial(self._complete, request)
+        )
+
+    async def _complete(
+        self, request: pb.CompleteCacheRequest, ticket: Ticket[Any]
+    ) -> pb.CompleteCacheResponse:
+        result = await self.engine.run(
+            ticket,
             self.engine.complete,
             request.request_id,
             request.cache_id,
@@ -347,9 +513,22 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def TryAdmitPrefill(
         self, request: pb.TryAdmitPrefillRequest, context: Any
     ) -> pb.TryAdmitPrefillResponse:
+        return await self.dispatch.mutate(
+            "TryAdmitPrefill", request, context, functools.partial(self._try_admit, request)
+        )
+
+    async def _try_admit(
+        self, request: pb.TryAdmitPrefillRequest, ticket: Ticket[Any]
+    ) -> pb.TryAdmitPrefillResponse:
         self._require_ready()
         engine = self.engine
-        decision = await engine.call(
+
+        def release_admitted(decision: Decision) -> None:
+            if isinstance(decision, Admitted):
+                engine.release_caches([decision.cache_id])
+
+        decision = await engine.run(
+            ticket,
             engine.try_admit,
             request.request_id,
             list(request.input_tokens),
@@ -357,6 +536,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             request.product_prompt_tokens,
             request.replayed_output_tokens,
             request.executor_instance_id,
+            on_orphan=release_admitted,
         )
         return convert.decision_to_pb(decision, self.notifier.state, engine.kv)
 
@@ -439,6 +619,13 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def PreemptExecutionCapacity(
         self, request: pb.PreemptExecutionCapacityRequest, context: Any
     ) -> pb.PreemptExecutionCapacityResponse:
+        return await self.dispatch.mutate(
+            "PreemptExecutionCapacity", request, context, functools.partial(self._preempt, request)
+        )
+
+    async def _preempt(
+        self, request: pb.PreemptExecutionCapacityRequest, ticket: Ticket[Any]
+    ) -> pb.PreemptExecutionCapacityResponse:
         if request.mode not in (
             pb.PREEMPTION_MODE_UNSPECIFIED,
             pb.PREEMPTION_MODE_RECOMPUTE,
@@ -450,7 +637,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             if request.mode == pb.PREEMPTION_MODE_SWAP
             else (PreemptionMode.RECOMPUTE)
         )
-        receipt = await self.engine.call(
+        receipt = await self.engine.run(
+            ticket,
             self.engine.capacity.preempt,
             request.request_id,
             request.cache_id,

@@ -13,6 +13,9 @@ from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, Step, StepIte
 from ferrum_server.errors import InvalidArgument, PositionMismatch, StaleInstance
 from ferrum_server.kv.manager import KvManager, Sequence
 
+# Longest request or cache id accepted (ids are logged and sized into the message limits).
+MAX_ID_BYTES = 256
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -22,9 +25,18 @@ class Limits:
     max_batch_size: int
     max_num_logprobs: int
     instance_id: int
+    # Refuse mutating calls that skip the fence (executor_instance_id 0).
+    require_fencing: bool = False
+    # Largest response the server may send (0 = unchecked); a step whose outputs could not be
+    # sent is refused before it runs, rather than run and then lost in transport.
+    max_response_bytes: int = 0
 
 
 def check_instance(claimed: int, limits: Limits) -> None:
+    if not claimed and limits.require_fencing:
+        raise StaleInstance(
+            "this executor requires executor_instance_id on mutating calls (see GetInfo)"
+        )
     if claimed and claimed != limits.instance_id:
         raise StaleInstance(
             f"executor instance {claimed} is gone; this is instance {limits.instance_id}"
@@ -42,6 +54,13 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> list[Sequence | 
     total = sum(len(item.token_ids) for item in items)
     if total > limits.max_batch_tokens:
         raise InvalidArgument(f"{total} tokens exceed the per-step limit {limits.max_batch_tokens}")
+    if limits.max_response_bytes:
+        needed = response_bytes(items, limits)
+        if needed > limits.max_response_bytes:
+            raise InvalidArgument(
+                f"the outputs need about {needed} bytes, over the {limits.max_response_bytes}-byte "
+                "message limit; split the batch or request selected tokens"
+            )
     sequences: list[Sequence | None] = []
     seen: set[str] = set()
     for index, item in enumerate(items):
@@ -54,9 +73,22 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> list[Sequence | 
     return sequences
 
 
+def response_bytes(items: list[StepItem], limits: Limits) -> int:
+    """An upper bound on the encoded results of a step (logits rows dominate)."""
+    total = 1024
+    for item in items:
+        per_output = 32 + 10 * item.sampling.num_logprobs
+        if item.sampling.policy == OutputPolicy.LOGITS:
+            per_output += 4 * limits.vocab_size + 8
+        total += 96 + item.num_outputs * per_output
+    return total
+
+
 def _check_item(index: int, item: StepItem, limits: Limits) -> None:
     where = f"item {index}"
     count = len(item.token_ids)
+    if len(item.request_id) > MAX_ID_BYTES or len(item.cache_id) > MAX_ID_BYTES:
+        raise InvalidArgument(f"{where}: ids are limited to {MAX_ID_BYTES} characters")
     if count == 0:
         raise InvalidArgument(f"{where}: empty token list")
     if item.kind == ItemKind.DECODE and count != 1:

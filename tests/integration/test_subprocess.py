@@ -33,6 +33,8 @@ def test_demo_scheduler_drives_a_server_subprocess() -> None:
         (["--model", "/does/not/exist"], "does/not/exist"),
         (["--dtype", "float64"], "invalid choice"),
         (["--max-batch-tokens", "0"], "max batch tokens"),
+        (["--kv-cache-bytes", str(1 << 50)], "exceeds"),
+        (["--metrics-port", "70000"], "metrics port"),
     ],
 )
 def test_bad_configuration_exits_nonzero_with_one_clear_line(
@@ -47,3 +49,32 @@ def test_bad_configuration_exits_nonzero_with_one_clear_line(
     assert result.returncode != 0
     assert fragment in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_port_in_use_exits_nonzero_with_one_clear_line() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ferrum_server",
+                "serve",
+                "--port",
+                str(port),
+                "--metrics-port",
+                "-1",
+                "--log-level",
+                "error",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 2
+    assert f"cannot bind 127.0.0.1:{port}" in result.stderr
+    assert result.stderr.count("\n") == 1

@@ -306,6 +306,10 @@ class _ItemStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ItemStatus
     """The item ran and its full logits row is in `logits`."""
     ITEM_STATUS_DEFERRED: _ItemStatus.ValueType  # 4
     """The item did not run (nothing was submitted for it); see `deferrals`."""
+    ITEM_STATUS_FAILED: _ItemStatus.ValueType  # 5
+    """The item failed in the forward (e.g. device out of memory): nothing was committed for it and
+    a cache it opened was released; see `errors`. The other items of the batch are unaffected.
+    """
 
 class ItemStatus(_ItemStatus, metaclass=_ItemStatusEnumTypeWrapper):
     """Per-item result status."""
@@ -319,6 +323,10 @@ ITEM_STATUS_LOGITS: ItemStatus.ValueType  # 3
 """The item ran and its full logits row is in `logits`."""
 ITEM_STATUS_DEFERRED: ItemStatus.ValueType  # 4
 """The item did not run (nothing was submitted for it); see `deferrals`."""
+ITEM_STATUS_FAILED: ItemStatus.ValueType  # 5
+"""The item failed in the forward (e.g. device out of memory): nothing was committed for it and
+a cache it opened was released; see `errors`. The other items of the batch are unaffected.
+"""
 Global___ItemStatus: _TypeAlias = ItemStatus  # noqa: Y015
 
 class _CapacitySource:
@@ -1752,6 +1760,40 @@ class BatchItems(_message.Message):
 Global___BatchItems: _TypeAlias = BatchItems  # noqa: Y015
 
 @_typing.final
+class ItemError(_message.Message):
+    """Why one item of a batch failed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_INDEX_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    item_index: _builtins.int
+    """Index of the failed item in its batch."""
+    request_id: _builtins.str
+    """Request id of the item."""
+    code: _builtins.int
+    """gRPC status code number a single-item call would have returned (8 = RESOURCE_EXHAUSTED)."""
+    message: _builtins.str
+    """Short reason (no internals)."""
+    def __init__(
+        self,
+        *,
+        item_index: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "item_index", b"item_index", "message", b"message", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ItemError: _TypeAlias = ItemError  # noqa: Y015
+
+@_typing.final
 class BatchResults(_message.Message):
     """Results of one forward, columnar, one entry per input item in input order."""
 
@@ -1767,6 +1809,7 @@ class BatchResults(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     LOGITS_FIELD_NUMBER: _builtins.int
     DEFERRALS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def statuses(self) -> _containers.RepeatedScalarFieldContainer[Global___ItemStatus.ValueType]:
         """Per-item status."""
@@ -1807,6 +1850,10 @@ class BatchResults(_message.Message):
     def deferrals(self) -> _containers.RepeatedCompositeFieldContainer[Global___ExecutionDeferral]:
         """One entry per DEFERRED item, in item order."""
 
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___ItemError]:
+        """One entry per FAILED item, in item order."""
+
     def __init__(
         self,
         *,
@@ -1820,10 +1867,11 @@ class BatchResults(_message.Message):
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         logits: _abc.Iterable[_builtins.bytes] | None = ...,
         deferrals: _abc.Iterable[Global___ExecutionDeferral] | None = ...,
+        errors: _abc.Iterable[Global___ItemError] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_ids", b"cache_ids", "committed_tokens", b"committed_tokens", "deferrals", b"deferrals", "logits", b"logits", "num_top_logprobs", b"num_top_logprobs", "statuses", b"statuses", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_ids", b"cache_ids", "committed_tokens", b"committed_tokens", "deferrals", b"deferrals", "errors", b"errors", "logits", b"logits", "num_top_logprobs", b"num_top_logprobs", "statuses", b"statuses", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2018,6 +2066,7 @@ class PrefillRequest(_message.Message):
     CACHE_ID_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id."""
     maximum_sequence_tokens: _builtins.int
@@ -2026,6 +2075,11 @@ class PrefillRequest(_message.Message):
     """Cache to extend; empty for the first chunk (a new cache opens)."""
     executor_instance_id: _builtins.int
     """Fence (see file comment)."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     @_builtins.property
     def input_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The whole prompt (execution context), unchanged across chunks."""
@@ -2048,10 +2102,11 @@ class PrefillRequest(_message.Message):
         cache_id: _builtins.str = ...,
         sampling: Global___SamplingParams | None = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "chunk", b"chunk", "executor_instance_id", b"executor_instance_id", "input_tokens", b"input_tokens", "maximum_sequence_tokens", b"maximum_sequence_tokens", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "chunk", b"chunk", "executor_instance_id", b"executor_instance_id", "input_tokens", b"input_tokens", "maximum_sequence_tokens", b"maximum_sequence_tokens", "request_id", b"request_id", "sampling", b"sampling", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2157,6 +2212,7 @@ class DecodeRequest(_message.Message):
     POSITION_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id (checked against the cache's request when set)."""
     cache_id: _builtins.str
@@ -2167,6 +2223,11 @@ class DecodeRequest(_message.Message):
     """Position of input_token: must equal the cache's committed length."""
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     @_builtins.property
     def sampling(self) -> Global___SamplingParams:
         """Sampling."""
@@ -2180,10 +2241,11 @@ class DecodeRequest(_message.Message):
         position: _builtins.int = ...,
         sampling: Global___SamplingParams | None = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "input_token", b"input_token", "position", b"position", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "input_token", b"input_token", "position", b"position", "request_id", b"request_id", "sampling", b"sampling", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2265,8 +2327,14 @@ class BatchPrefillRequest(_message.Message):
 
     ITEMS_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     @_builtins.property
     def items(self) -> Global___BatchItems:
         """Items."""
@@ -2276,10 +2344,11 @@ class BatchPrefillRequest(_message.Message):
         *,
         items: Global___BatchItems | None = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "items", b"items"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "items", b"items", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2331,8 +2400,14 @@ class BatchDecodeRequest(_message.Message):
 
     ITEMS_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     @_builtins.property
     def items(self) -> Global___BatchItems:
         """Items."""
@@ -2342,10 +2417,11 @@ class BatchDecodeRequest(_message.Message):
         *,
         items: Global___BatchItems | None = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "items", b"items"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "items", b"items", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2397,8 +2473,14 @@ class UnifiedBatchRequest(_message.Message):
 
     ITEMS_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     @_builtins.property
     def items(self) -> Global___BatchItems:
         """Items."""
@@ -2408,10 +2490,11 @@ class UnifiedBatchRequest(_message.Message):
         *,
         items: Global___BatchItems | None = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "items", b"items"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "items", b"items", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2456,7 +2539,10 @@ class StepStreamRequest(_message.Message):
     STEP_ID_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
-    """Caller-chosen step id, strictly increasing on a stream; echoed in the response."""
+    """Caller-chosen step id, strictly increasing on a stream; echoed in the response. It only
+    correlates answers on this stream; deduplication uses `batch.step_id`, which is shared with
+    unary calls and survives reconnects.
+    """
     @_builtins.property
     def batch(self) -> Global___UnifiedBatchRequest:
         """The step."""
@@ -2549,6 +2635,7 @@ class ForwardVerifyRequest(_message.Message):
     POSITION_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id (checked when set)."""
     cache_id: _builtins.str
@@ -2557,6 +2644,11 @@ class ForwardVerifyRequest(_message.Message):
     """Position of token_ids[0]: must equal the cache's committed length."""
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[last selected token, draft_1, ..., draft_N]; N >= 0."""
@@ -2574,10 +2666,11 @@ class ForwardVerifyRequest(_message.Message):
         position: _builtins.int = ...,
         sampling: Global___SamplingParams | None = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "position", b"position", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "position", b"position", "request_id", b"request_id", "sampling", b"sampling", "step_id", b"step_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2674,22 +2767,29 @@ class TruncateKvRequest(_message.Message):
     CACHE_ID_FIELD_NUMBER: _builtins.int
     NEW_LENGTH_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     cache_id: _builtins.str
     """Cache id."""
     new_length: _builtins.int
     """New committed length (<= current length)."""
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     def __init__(
         self,
         *,
         cache_id: _builtins.str = ...,
         new_length: _builtins.int = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "new_length", b"new_length"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "new_length", b"new_length", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2739,8 +2839,14 @@ class ReserveKvSlotsRequest(_message.Message):
     ADMISSION_TARGET_LENS_FIELD_NUMBER: _builtins.int
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per-item cache id; empty opens a new cache for the item's request id."""
@@ -2765,10 +2871,11 @@ class ReserveKvSlotsRequest(_message.Message):
         admission_target_lens: _abc.Iterable[_builtins.int] | None = ...,
         request_ids: _abc.Iterable[_builtins.str] | None = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_target_lens", b"admission_target_lens", "cache_ids", b"cache_ids", "executor_instance_id", b"executor_instance_id", "request_ids", b"request_ids", "target_lens", b"target_lens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_target_lens", b"admission_target_lens", "cache_ids", b"cache_ids", "executor_instance_id", b"executor_instance_id", "request_ids", b"request_ids", "step_id", b"step_id", "target_lens", b"target_lens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2955,19 +3062,26 @@ class ReleaseCacheRequest(_message.Message):
 
     CACHE_ID_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     cache_id: _builtins.str
     """Cache id."""
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     def __init__(
         self,
         *,
         cache_id: _builtins.str = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3016,6 +3130,7 @@ class CompleteCacheRequest(_message.Message):
     INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id."""
     cache_id: _builtins.str
@@ -3026,6 +3141,11 @@ class CompleteCacheRequest(_message.Message):
     """Output tokens counted in usage."""
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     def __init__(
         self,
         *,
@@ -3034,10 +3154,11 @@ class CompleteCacheRequest(_message.Message):
         input_tokens: _builtins.int = ...,
         output_tokens: _builtins.int = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "request_id", b"request_id", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3590,6 +3711,7 @@ class TryAdmitPrefillRequest(_message.Message):
     REPLAYED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     REQUEST_ORIGIN_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id."""
     maximum_sequence_tokens: _builtins.int
@@ -3602,6 +3724,11 @@ class TryAdmitPrefillRequest(_message.Message):
     """Origin."""
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     @_builtins.property
     def input_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Execution context: prompt followed by replayed outputs (after a preemption)."""
@@ -3616,10 +3743,11 @@ class TryAdmitPrefillRequest(_message.Message):
         replayed_output_tokens: _builtins.int = ...,
         request_origin: Global___RequestOrigin.ValueType = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "input_tokens", b"input_tokens", "maximum_sequence_tokens", b"maximum_sequence_tokens", "product_prompt_tokens", b"product_prompt_tokens", "replayed_output_tokens", b"replayed_output_tokens", "request_id", b"request_id", "request_origin", b"request_origin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "input_tokens", b"input_tokens", "maximum_sequence_tokens", b"maximum_sequence_tokens", "product_prompt_tokens", b"product_prompt_tokens", "replayed_output_tokens", b"replayed_output_tokens", "request_id", b"request_id", "request_origin", b"request_origin", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -4621,6 +4749,7 @@ class PreemptExecutionCapacityRequest(_message.Message):
     CACHE_ID_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id."""
     cache_id: _builtins.str
@@ -4629,6 +4758,11 @@ class PreemptExecutionCapacityRequest(_message.Message):
     """Mode."""
     executor_instance_id: _builtins.int
     """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
+    request returns the stored result without running again; a different request under a used
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    """
     def __init__(
         self,
         *,
@@ -4636,10 +4770,11 @@ class PreemptExecutionCapacityRequest(_message.Message):
         cache_id: _builtins.str = ...,
         mode: Global___PreemptionMode.ValueType = ...,
         executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "mode", b"mode", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "executor_instance_id", b"executor_instance_id", "mode", b"mode", "request_id", b"request_id", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -194,6 +194,20 @@ class KvManager:
             seq.block_ids.extend(self.pool.allocate(needed))
         return needed
 
+    def unreserve(self, seq: Sequence, num_blocks: int) -> int:
+        """Give back blocks reserved past the first num_blocks (a step that did not commit).
+
+        Only blocks beyond the committed tokens go: they are fresh, unshared and unhashed.
+        """
+        keep = max(num_blocks, self.blocks_for(seq.num_tokens))
+        dropped = seq.block_ids[keep:]
+        if not dropped:
+            return 0
+        del seq.block_ids[keep:]
+        freed = self.pool.free(dropped)
+        self.clock.bump({KV_BLOCKS} if freed else set())
+        return freed
+
     def commit(self, seq: Sequence, token_ids: list[int]) -> None:
         if self.blocks_for(seq.num_tokens + len(token_ids)) > len(seq.block_ids):
             raise RuntimeError("commit() past the reserved blocks")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
+from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
+from ferrum_kernels.cpu_linear import PackedWeight, packed_linear, prepack_linears
 from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
 from torch import nn
 
@@ -170,9 +172,12 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,  # [T, head_dim/2]
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
+        cpu: _CpuAttention | None = None,
     ) -> torch.Tensor:
         residual = hidden
-        hidden = residual + self._attention(self.input_layernorm(hidden), cos, sin, kv_layer, meta)
+        hidden = residual + self._attention(
+            self.input_layernorm(hidden), cos, sin, kv_layer, meta, cpu
+        )
         residual = hidden
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2I]
         mlp_out: torch.Tensor = self.down_proj(silu_and_mul(gate_up))  # [T, hidden]
@@ -185,6 +190,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
+        cpu: _CpuAttention | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -200,9 +206,20 @@ class DecoderLayer(nn.Module):
         k = apply_rotary(k, cos, sin)
         # Written before attending so each new token sees its own K/V.
         write_kv(kv_layer, k, v, meta.slot_mapping)
-        o = paged_attention(q, kv_layer, meta, self.scale)  # [T, H, D]
+        if cpu is not None:
+            o = cpu_paged_attention(q, k, v, kv_layer, cpu.plan, self.scale, cpu.workspace)
+        else:
+            o = paged_attention(q, kv_layer, meta, self.scale)  # [T, H, D]
         out: torch.Tensor = self.o_proj(o.reshape(t, h * d))  # [T, hidden]
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _CpuAttention:
+    """The CPU attention path's per-forward plan and the model's scratch memory."""
+
+    plan: CpuAttentionPlan
+    workspace: Workspace
 
 
 class LlamaForCausalLM(nn.Module):
@@ -234,6 +251,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.reset_rope_cache(device)
+        # CPU fast paths (see prepack_for_cpu); plain attributes, not registered state.
+        self._cpu_workspace: Workspace | None = None
+        self._tied_head: PackedWeight | None = None
 
     def reset_rope_cache(self, device: torch.device | None = None) -> None:
         """(Re)compute the RoPE tables, e.g. after materialising a meta-device model."""
@@ -256,14 +276,36 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, D/2]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, D/2]
+        cpu = None
+        if self._cpu_workspace is not None and kv_cache.device.type == "cpu":
+            # Built once here, used by every layer: the per-item split is the same for all.
+            plan = CpuAttentionPlan.build(meta, kv_cache.shape[3])
+            cpu = _CpuAttention(plan, self._cpu_workspace)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache[i], meta)
+            hidden = layer(hidden, cos, sin, kv_cache[i], meta, cpu)
         return self.norm(hidden)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+        if self._tied_head is not None and hidden.device.type == "cpu":
+            return self._tied_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def prepack_for_cpu(self) -> int:
+        """Switch a CPU model to its fast paths: oneDNN pre-packed linears (the LM head
+        included, tied or not) and the grouped CPU attention. Idempotent; returns how many
+        linears were packed. A no-op off CPU or where oneDNN is missing."""
+        if self.embed_tokens.weight.device.type != "cpu":
+            return 0
+        count = prepack_linears(self)
+        if self.lm_head is None and self._tied_head is None:
+            self._tied_head = packed_linear(self.embed_tokens.weight)
+            count += int(self._tied_head is not None)
+        if self._cpu_workspace is None:
+            self._cpu_workspace = Workspace()
+        return count
 
     @torch.no_grad()
     def load_hf_weights(self, get_tensor: Callable[[str], torch.Tensor]) -> None:

@@ -1,0 +1,124 @@
+"""Linear layers with weights pre-packed for oneDNN (CPU only).
+
+``F.linear`` on CPU re-lays the weight into the GEMM kernel's blocked format on every call; for
+the small-to-medium M of a serving step that reorder costs about as much as the multiply. Packing
+once at load time (``torch.ops.mkldnn._reorder_linear_weight``) and calling the pre-packed GEMM
+(``torch.ops.mkldnn._linear_pointwise``) roughly doubles float32 throughput and helps bfloat16 too.
+The arithmetic is the same oneDNN GEMM, so results agree with ``F.linear`` to float32 rounding.
+
+``prepack_linears(module)`` swaps every ``nn.Linear`` under ``module`` for a ``PackedLinear`` that
+shares the same ``weight``/``bias`` Parameters (so ``state_dict``/``named_parameters`` and
+weight export are unchanged) and keeps a packed copy beside them. A weight modified in place
+after packing (its version counter moved) is re-packed on the next call, so packing early is
+never wrong, only wasted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PackedLinear", "mkldnn_linear_available", "packed_linear", "prepack_linears"]
+
+# M the packed layout is tuned for: a typical unified step (a prefill chunk plus decodes).
+DEFAULT_BATCH_HINT = 256
+_SUPPORTED = (torch.float32, torch.bfloat16)
+_available: bool | None = None
+
+
+def mkldnn_linear_available() -> bool:
+    """True when this torch build has oneDNN and the pre-packed linear ops (checked once)."""
+    global _available
+    if _available is None:
+        try:
+            w = torch.ones(8, 8)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8), packed, None, "none", [], "")
+            _available = bool(torch.backends.mkldnn.is_available()) and float(out[0, 0]) == 8.0
+        except (AttributeError, RuntimeError):
+            _available = False
+    return _available
+
+
+class PackedWeight:
+    """A weight (and optional bias) with its oneDNN-packed copy, re-packed when it changes."""
+
+    __slots__ = ("_batch_hint", "_packed", "_version", "bias", "weight")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = DEFAULT_BATCH_HINT
+    ) -> None:
+        self.weight = weight  # [N, K]
+        self.bias = bias  # [N] or None
+        self._batch_hint = batch_hint
+        self._packed: torch.Tensor | None = None
+        self._version = -1
+
+    def packed(self) -> torch.Tensor:
+        version = self.weight._version
+        if self._packed is None or version != self._version:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(
+                    self.weight.detach(), self._batch_hint
+                )
+            self._version = version
+        return self._packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        bias = None if self.bias is None else self.bias.detach()
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed(), bias, "none", [], ""
+        )
+        return out
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in _SUPPORTED
+        and weight.dim() == 2
+        and mkldnn_linear_available()
+    )
+
+
+def packed_linear(weight: torch.Tensor) -> PackedWeight | None:
+    """A packed view of a bare [N, K] weight (e.g. a tied LM head), or None if not packable."""
+    return PackedWeight(weight, None) if _packable(weight) else None
+
+
+class PackedLinear(nn.Linear):
+    """``nn.Linear`` whose inference forward runs oneDNN's pre-packed GEMM."""
+
+    _pack: PackedWeight | None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT) -> PackedLinear:
+        # Built on the meta device so nothing is allocated, then handed the original Parameters.
+        module = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        module.weight = linear.weight
+        module.bias = linear.bias
+        module._pack = PackedWeight(linear.weight, linear.bias, batch_hint)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pack = getattr(self, "_pack", None)
+        # Autograd does not flow through the packed op: fall back when a gradient is wanted.
+        if pack is None or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        if not _packable(self.weight):  # moved to another device or dtype after packing
+            return F.linear(x, self.weight, self.bias)
+        out: torch.Tensor = pack(x)
+        return out
+
+
+def prepack_linears(module: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
+    """Replace every packable ``nn.Linear`` below ``module`` in place; return how many."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and _packable(child.weight):
+                setattr(parent, name, PackedLinear.from_linear(child, batch_hint))
+                count += 1
+    return count

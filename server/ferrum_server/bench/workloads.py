@@ -1,0 +1,159 @@
+"""The benchmark workloads: a fixed random-weight model plus a fixed request set.
+
+W1 is the reference: a Llama-architecture model (hidden 768, 12 layers, 12 heads, 4 KV heads,
+intermediate 2048, vocab 32000) with seeded random weights, saved as a Hugging Face folder so
+every compared system loads the very same tensors; 64 requests with prompt lengths uniform in
+[32, 512] and ids uniform in [0, 32000) from ``random.Random(0)``, exactly 64 new greedy tokens
+each (EOS ignored). ``smoke`` is the same shape of experiment on a tiny model, for CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ferrum_server.models import LlamaForCausalLM, ModelConfig, hf_tensor_shapes, save_hf_folder
+
+_INIT_STD = 0.02
+_MARKER = "ferrum-bench.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    model: ModelConfig
+    num_requests: int
+    min_prompt: int
+    max_prompt: int
+    max_new_tokens: int
+    seed: int = 0
+    # KV pool for our executor: room for every request at its full length, as vLLM gets.
+    kv_cache_bytes: int = 1024**3
+
+    def prompts(self) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        out: list[list[int]] = []
+        for _ in range(self.num_requests):
+            length = rng.randint(self.min_prompt, self.max_prompt)
+            out.append([rng.randrange(self.model.vocab_size) for _ in range(length)])
+        return out
+
+    def poisson_arrivals(self, rate_per_s: float) -> list[float]:
+        """Arrival offsets (seconds) of a Poisson process at `rate_per_s`, seeded."""
+        rng = random.Random(self.seed + 1)
+        t, out = 0.0, []
+        for _ in range(self.num_requests):
+            out.append(t)
+            t += rng.expovariate(rate_per_s)
+        return out
+
+
+def _llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hidden // heads,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+
+
+WORKLOADS: dict[str, Workload] = {
+    "w1": Workload("w1", _llama(32000, 768, 2048, 12, 12, 4), 64, 32, 512, 64),
+    "smoke": Workload(
+        # head_dim 64: vLLM's CPU attention has no kernel for the tiny model's 16
+        "smoke",
+        _llama(512, 128, 256, 2, 2, 1),
+        12,
+        8,
+        48,
+        8,
+        kv_cache_bytes=16 * 1024**2,
+    ),
+}
+
+
+def build_weights(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
+    """float32 random weights: N(0, 0.02) in HF-name order from one seeded generator, norms 1."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(hf_tensor_shapes(config).items()):
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape)
+        else:
+            tensors[name] = torch.randn(shape, generator=generator) * _INIT_STD
+    model = LlamaForCausalLM(config, dtype=torch.float32, device=torch.device("cpu"))
+    model.load_hf_weights(tensors.__getitem__)
+    return model.requires_grad_(False).eval()
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "ferrum-executor" / "bench"
+
+
+def ensure_model(workload: Workload, cache_dir: Path | None = None) -> Path:
+    """The workload's HF folder (float32 safetensors), built on first use and reused after."""
+    folder = (cache_dir or default_cache_dir()) / f"{workload.name}-seed{workload.seed}"
+    marker = folder / _MARKER
+    if marker.is_file():
+        return folder
+    model = build_weights(workload.model, workload.seed)
+    save_hf_folder(model, workload.model, folder)
+    # Written last: a folder without it is an interrupted build and is rebuilt.
+    marker.write_text(json.dumps({"workload": workload.name, "seed": workload.seed}) + "\n")
+    return folder
+
+
+def matmul_flops(workload: Workload, prompts: list[list[int]]) -> dict[str, float]:
+    """GEMM work W1 needs: every linear of every layer for each prompt and generated token
+    (the last generated token is never fed back), plus the LM head for each output row only.
+    Attention score/value products are counted separately (they are not GEMMs on weights)."""
+    c = workload.model
+    h, d = c.hidden_size, c.head_dim
+    per_token = (
+        2
+        * c.num_layers
+        * (
+            h * (c.num_heads + 2 * c.num_kv_heads) * d  # qkv
+            + c.num_heads * d * h  # o
+            + h * 2 * c.intermediate_size  # gate/up
+            + c.intermediate_size * h  # down
+        )
+    )
+    head = 2 * h * c.vocab_size
+    prompt_tokens = sum(len(p) for p in prompts)
+    fed_decodes = len(prompts) * (workload.max_new_tokens - 1)
+    outputs = len(prompts) * workload.max_new_tokens
+    attention = 0.0
+    for p in prompts:
+        n, total = len(p), len(p) + workload.max_new_tokens - 1
+        # causal prefill: sum_{i<n} (i+1) keys; decodes: contexts n+1 .. total
+        keys = n * (n + 1) / 2 + sum(range(n + 1, total + 1))
+        attention += 4 * c.num_layers * c.num_heads * d * keys
+    linear = per_token * (prompt_tokens + fed_decodes)
+    return {
+        "linear": float(linear),
+        "lm_head": float(head * outputs),
+        "matmul": float(linear + head * outputs),
+        "attention": attention,
+        # transformers' accounting (LM head on every prompt position too), for reference
+        "matmul_all_rows": float(linear + head * (prompt_tokens + fed_decodes)),
+    }

@@ -1,0 +1,142 @@
+"""`ferrum-executor generate`: run the reference scheduler against a server from the shell.
+
+Prompts are token ids: a JSON file holding a list of lists (or {"prompts": [...]}) or random
+prompts from a seed. Tokens stream to stdout as they are produced ("index<TAB>token"), or, with
+--json, one JSON document with every result is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from ferrum_server.config import DTYPES
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="HOST:PORT of a running executor")
+    where.add_argument(
+        "--local", action="store_true", help="start a server subprocess for this run"
+    )
+    parser.add_argument("--model", default="tiny", help="model for --local")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype for --local")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra `serve` flag for --local (repeatable, e.g. --server-arg=--block-size=32)",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompts", type=Path, help="JSON file: a list of token-id lists")
+    source.add_argument("--random", type=int, default=4, help="number of random prompts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-prompt", type=int, default=8)
+    parser.add_argument("--max-prompt", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--stop-token-ids", default="", help="comma-separated ids")
+    parser.add_argument("--max-step-tokens", type=int, default=512)
+    parser.add_argument("--pipeline-depth", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print all results as JSON at the end")
+
+
+def read_prompt_file(path: Path) -> list[list[int]]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if isinstance(data, dict):
+        data = data.get("prompts")
+    if not isinstance(data, list) or not all(
+        isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in data
+    ):
+        raise ValueError(f"{path}: expected a list of non-empty token-id lists")
+    return [list(p) for p in data]
+
+
+def load_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    if args.prompts is not None:
+        return read_prompt_file(args.prompts)
+    rng = random.Random(args.seed)
+    return [
+        [rng.randrange(vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+        for _ in range(args.random)
+    ]
+
+
+async def _generate(target: str, args: argparse.Namespace) -> dict[str, Any]:
+    from ferrum_client import AsyncExecutorClient
+    from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
+
+    stops = tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip())
+    async with AsyncExecutorClient(target, timeout_s=600) as client:
+        info = await client.get_info()
+        prompts = load_prompts(args, info.model_info.vocab_size)
+        scheduler = Scheduler(
+            client,
+            SchedulerConfig(
+                max_step_tokens=args.max_step_tokens, pipeline_depth=args.pipeline_depth
+            ),
+        )
+        params = GenerationParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
+        results = []
+        if args.json:
+            results = await scheduler.generate(prompts, params)
+        else:
+            async for index, token in scheduler.stream(prompts, params):
+                sys.stdout.write(f"{index}\t{token}\n")
+            sys.stdout.flush()
+    return {
+        "model": info.model_info.model_id,
+        "results": [
+            {
+                "index": r.index,
+                "prompt_tokens": len(prompts[r.index]),
+                "output_ids": r.output_ids,
+                "finish_reason": r.finish_reason,
+                "error": r.error,
+                "ttft_ms": round(r.first_token_s * 1e3, 1),
+            }
+            for r in results
+        ],
+        "steps": scheduler.stats.steps,
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ferrum_server.cli import start_server_process
+
+    process = None
+    target = args.target
+    try:
+        if args.prompts is not None:
+            read_prompt_file(args.prompts)  # fail before starting anything
+        if args.local:
+            process, port = start_server_process(
+                [
+                    "--model", args.model,
+                    "--dtype", args.dtype,
+                    "--metrics-port", "-1",
+                    "--log-level", "warning",
+                    *args.server_arg,
+                ],
+                timeout_s=600,
+            )  # fmt: skip
+            target = f"127.0.0.1:{port}"
+        report = asyncio.run(_generate(target, args))
+    except (ValueError, OSError, RuntimeError) as exc:
+        sys.stderr.write(f"ferrum-executor generate: {exc}\n")
+        return 2
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=60)
+    if args.json:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    return 0 if all(r["finish_reason"] in ("length", "stop") for r in report["results"]) else 1

@@ -1,0 +1,104 @@
+"""Subcommands beyond serving: `generate` (drive a server with the reference scheduler) and
+`bench` (the benchmark harness). `cli.build_parser` registers them through
+`register_tool_commands`, so they live apart from the serving flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ferrum_server.config import DTYPES
+
+
+def _csv_ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def register_tool_commands(sub: Any) -> None:
+    """Add `generate` and `bench` to the `ferrum-executor` subparsers."""
+    from ferrum_server.generate_cli import add_generate_args, cmd_generate
+
+    generate = sub.add_parser(
+        "generate", help="generate with the reference scheduler (against --target or --local)"
+    )
+    add_generate_args(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser(
+        "bench", help="benchmark a fixed workload here and on transformers / vLLM"
+    )
+    bench.add_argument("--workload", default="w1", choices=("w1", "smoke"))
+    bench.add_argument(
+        "--dtype",
+        default="float32,bfloat16",
+        help=f"comma-separated, from {', '.join(DTYPES)} [default float32,bfloat16]",
+    )
+    bench.add_argument(
+        "--compare",
+        default="",
+        help="comma-separated: hf (= hf-static,hf-cb), hf-static, hf-cb, vllm, inproc",
+    )
+    bench.add_argument("--mode", default="offline", choices=("offline", "online"))
+    bench.add_argument("--rate", type=float, default=4.0, help="online: requests per second")
+    bench.add_argument("--max-step-tokens", type=int, default=512, help="scheduler budget")
+    bench.add_argument(
+        "--budgets", type=_csv_ints, default=[], help="extra budgets to run (trade-off table)"
+    )
+    bench.add_argument("--pipeline-depth", type=int, default=1)
+    bench.add_argument(
+        "--extra-depths", type=_csv_ints, default=[], help="extra pipeline depths to run"
+    )
+    bench.add_argument("--hf-batch-size", type=int, default=16)
+    bench.add_argument("--torch-threads", type=int, default=0)
+    bench.add_argument("--vllm-venv", default=None, help="vLLM CPU venv (see scripts/)")
+    bench.add_argument("--cache-dir", type=Path, default=None, help="where W1 weights are kept")
+    bench.add_argument(
+        "--output", type=Path, default=Path("bench-results/bench.json"), help="JSON report"
+    )
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ferrum_server.bench.harness import COMPARE_CHOICES, format_table, run_bench
+
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    compare = [c.strip() for c in args.compare.split(",") if c.strip()]
+    bad = [d for d in dtypes if d not in DTYPES] + [c for c in compare if c not in COMPARE_CHOICES]
+    if bad or not dtypes:
+        sys.stderr.write(f"ferrum-executor bench: unknown choice(s): {', '.join(bad)}\n")
+        return 2
+    report = run_bench(
+        args.workload,
+        dtypes,
+        compare,
+        mode=args.mode,
+        rate=args.rate,
+        max_step_tokens=args.max_step_tokens,
+        budgets=args.budgets,
+        pipeline_depth=args.pipeline_depth,
+        extra_depths=args.extra_depths,
+        hf_batch_size=args.hf_batch_size,
+        torch_threads=args.torch_threads,
+        vllm_venv=args.vllm_venv,
+        cache_dir=args.cache_dir,
+        progress=not args.no_progress,
+    )
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    sys.stdout.write(format_table(report) + "\n")
+    sys.stdout.write(f"report written to {args.output}\n")
+    failed = [
+        name
+        for section in report["by_dtype"].values()
+        for name, why in section["skipped"].items()
+        if why.startswith("failed") and not name.startswith(("vllm", "hf"))
+    ]
+    return (
+        1
+        if failed or not all("ferrum-grpc" in s["results"] for s in report["by_dtype"].values())
+        else 0
+    )

@@ -1,0 +1,97 @@
+"""`ferrum-executor bench --workload smoke` and `ferrum-executor generate` end to end, as CI runs
+them (subprocesses, a server started by the command itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ferrum_server.bench.harness import percentile, summarize
+from ferrum_server.bench.runners import RequestTrace, RunOutput
+from ferrum_server.bench.workloads import WORKLOADS, matmul_flops
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    # The native decode kernel is tested (and built, once) in test_cpu_fast_paths; here the
+    # smoke model would otherwise pay that one-off build inside its time budget.
+    env = {**os.environ, "FERRUM_CPU_NATIVE": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", "ferrum_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+    )
+
+
+def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = _cli(
+        "bench",
+        "--workload", "smoke",
+        "--dtype", "float32",
+        "--compare", "inproc",
+        "--no-progress",
+        "--cache-dir", str(tmp_path / "models"),
+        "--output", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    section = report["by_dtype"]["float32"]
+    for system in ("ferrum-grpc", "ferrum-inproc"):
+        result = section["results"][system]
+        assert result["output_tokens"] == 12 * 8
+        assert result["output_tok_s"] > 0 and result["itl_p99_ms"] >= result["itl_p50_ms"]
+        assert result["steps"]["count"] > 0
+    # Same policy, same numerics: identical greedy outputs with and without gRPC.
+    assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-inproc"] == 1.0
+    assert "ferrum-grpc / ferrum-inproc" in section["derived"]["ratios_output_tok_s"]
+    assert "ferrum-grpc" in done.stdout  # the readable table
+
+
+def test_generate_local_prints_json() -> None:
+    done = _cli("generate", "--local", "--random", "3", "--max-new-tokens", "4", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert [len(r["output_ids"]) for r in report["results"]] == [4, 4, 4]
+    assert {r["finish_reason"] for r in report["results"]} == {"length"}
+
+
+def test_generate_reads_prompts_and_streams(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[1, 2, 3, 4, 5], [9, 8, 7]]))
+    done = _cli("generate", "--local", "--prompts", str(prompts), "--max-new-tokens", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split("\t") for line in done.stdout.splitlines()]
+    assert sorted(int(i) for i, _ in lines) == [0, 0, 0, 1, 1, 1]
+
+
+def test_bad_prompt_file_is_a_clean_error(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [[1, "x"]]}))
+    done = _cli("generate", "--local", "--prompts", str(prompts))
+    assert done.returncode == 2 and "token-id lists" in done.stderr
+
+
+def test_summary_statistics() -> None:
+    assert percentile([], 50) == 0.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    run = RunOutput(
+        "x",
+        2.0,
+        [RequestTrace(0.0, [0.5, 1.0, 2.0], [1, 2, 3]), RequestTrace(0.5, [1.0, 1.5], [4, 5])],
+    )
+    summary = summarize(run, [[1, 2], [3]])
+    assert summary["output_tok_s"] == 2.5
+    assert summary["ttft_p50_ms"] == 500.0
+    assert summary["prefill_tok_s"] == 3.0  # 3 prompt tokens, last first token at 1.0 s
+    flops = matmul_flops(WORKLOADS["w1"], WORKLOADS["w1"].prompts())
+    # W1: ~4.7 TFLOP in transformers' accounting (LM head on every row), less when only the
+    # rows that produce a token go through the head.
+    assert 4.0e12 < flops["matmul_all_rows"] < 5.5e12
+    assert flops["matmul"] < flops["matmul_all_rows"]

@@ -1,0 +1,186 @@
+"""The reference scheduler: continuous batching equals one-at-a-time greedy, budgets and chunking
+hold at every step, steps are pipelined, stop tokens end requests, cancellation frees capacity,
+and the in-process backend runs the same policy to the same outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import pytest
+from conftest import LiveServer, _start
+from ferrum_client import AsyncExecutorClient
+from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
+
+VOCAB = 512
+
+
+def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def _block_bytes(block_size: int) -> int:
+    import torch
+    from ferrum_server.models import tiny_config
+
+    return tiny_config().kv_bytes_per_token(torch.float32) * block_size
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    yield from _start(
+        block_size=4,
+        kv_cache_bytes=2048 * _block_bytes(4),
+        max_batch_tokens=512,
+        max_batch_size=64,
+        prefix_caching=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[LiveServer]:
+    """40 blocks of 4 tokens: one long request leaves no room for another."""
+    yield from _start(
+        block_size=4, kv_cache_bytes=40 * _block_bytes(4), max_batch_tokens=256, max_batch_size=8
+    )
+
+
+def _assert_quiescent(server: LiveServer) -> None:
+    kv = server.engine.kv  # type: ignore[attr-defined]
+    kv.check()
+    assert not kv.sequences
+    assert kv.pool.num_available == kv.pool.num_blocks
+
+
+def _generate(
+    server: LiveServer,
+    prompts: list[list[int]],
+    params: GenerationParams | list[GenerationParams],
+    config: SchedulerConfig,
+) -> tuple[list[list[int]], list[str], Scheduler]:
+    async def scenario() -> tuple[list[list[int]], list[str], Scheduler]:
+        async with AsyncExecutorClient(server.target) as client:
+            scheduler = Scheduler(client, config)
+            results = await scheduler.generate(prompts, params)
+        return [r.output_ids for r in results], [r.finish_reason for r in results], scheduler
+
+    return server.run(scenario())  # type: ignore[return-value]
+
+
+def test_mixed_batches_equal_single_request_greedy(server: LiveServer) -> None:
+    prompts = _prompts(11, 14, 3, 40)
+    lengths = [3 + (i * 5) % 13 for i in range(len(prompts))]  # mixed output lengths
+    params = [GenerationParams(max_new_tokens=n) for n in lengths]
+    config = SchedulerConfig(max_step_tokens=24, pipeline_depth=2)
+    outputs, reasons, scheduler = _generate(server, prompts, params, config)
+    assert reasons == ["length"] * len(prompts)
+    assert [len(o) for o in outputs] == lengths
+    alone_config = SchedulerConfig(max_step_tokens=512, pipeline_depth=1)
+    for prompt, p, got in zip(prompts, params, outputs, strict=True):
+        want, _, _ = _generate(server, [prompt], p, alone_config)
+        assert got == want[0]
+    # The batches really were mixed: some steps carried decodes and prefill chunks together.
+    records = scheduler.stats.records
+    assert any(r.num_decodes and r.num_prefill_tokens for r in records)
+    _assert_quiescent(server)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_budget_and_chunking_hold_at_every_step(server: LiveServer, depth: int) -> None:
+    prompts = _prompts(5, 10, 20, 70)
+    budget = 32
+    config = SchedulerConfig(max_step_tokens=budget, pipeline_depth=depth)
+    _, reasons, scheduler = _generate(server, prompts, GenerationParams(max_new_tokens=6), config)
+    assert reasons == ["length"] * len(prompts)
+    records = scheduler.stats.records
+    assert records and all(r.num_tokens <= budget for r in records)
+    assert all(size <= budget for r in records for size in r.chunk_sizes)
+    # Prompts longer than the budget were split across steps.
+    assert sum(r.num_prefill_tokens for r in records) == sum(len(p) for p in prompts)
+    assert max(len(p) for p in prompts) > budget
+    assert scheduler.stats.max_in_flight == depth
+    _assert_quiescent(server)
+
+
+def test_stop_token_ends_a_request(server: LiveServer) -> None:
+    prompt = _prompts(9, 1, 12, 12)[0]
+    config = SchedulerConfig()
+    full, _, _ = _generate(server, [prompt], GenerationParams(max_new_tokens=12), config)
+    stop = full[0][4]
+    cut = full[0].index(stop) + 1
+    stopped, reasons, _ = _generate(
+        server, [prompt], GenerationParams(max_new_tokens=12, stop_token_ids=(stop,)), config
+    )
+    assert stopped[0] == full[0][:cut] and reasons == ["stop"]
+    _assert_quiescent(server)
+
+
+def test_stream_yields_every_token_in_order(server: LiveServer) -> None:
+    prompts = _prompts(3, 4, 5, 30)
+
+    async def scenario() -> tuple[dict[int, list[int]], list[list[int]]]:
+        async with AsyncExecutorClient(server.target) as client:
+            streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+            async for index, token in Scheduler(client).stream(
+                prompts, GenerationParams(max_new_tokens=5)
+            ):
+                streamed[index].append(token)
+            results = await Scheduler(client).generate(prompts, GenerationParams(5))
+        return streamed, [r.output_ids for r in results]
+
+    streamed, whole = server.run(scenario())  # type: ignore[misc]
+    assert [streamed[i] for i in range(len(prompts))] == whole
+    _assert_quiescent(server)
+
+
+def test_cancellation_frees_capacity_for_a_waiting_request(small: LiveServer) -> None:
+    """A hog holds the pool; the second request waits for capacity; cancelling the hog lets
+    it run, and the pool ends whole."""
+    hog, late = _prompts(4, 2, 100, 100)
+
+    async def scenario() -> tuple[list[str], list[int], int]:
+        async with AsyncExecutorClient(small.target) as client:
+            scheduler = Scheduler(client, SchedulerConfig(max_step_tokens=64))
+            params = [GenerationParams(max_new_tokens=50), GenerationParams(max_new_tokens=4)]
+            late_tokens = 0
+            hog_tokens = 0
+            async for index, _ in scheduler.stream([hog, late], params):
+                if index == 0:
+                    hog_tokens += 1
+                    if hog_tokens == 3:
+                        # Before the cancel, the late request has been deferred, not run.
+                        assert scheduler.stats.admissions_deferred >= 1
+                        assert late_tokens == 0
+                        scheduler.cancel(0)
+                else:
+                    late_tokens += 1
+            reasons = [r.result.finish_reason for r in scheduler._by_index.values()]
+            outputs = [len(r.result.output_ids) for r in scheduler._by_index.values()]
+            return reasons, outputs, late_tokens
+
+    reasons, outputs, late_tokens = small.run(scenario())  # type: ignore[misc]
+    assert reasons == ["cancelled", "length"]
+    assert outputs[0] < 50 and late_tokens == 4
+    _assert_quiescent(small)
+
+
+def test_in_process_backend_matches_grpc(server: LiveServer) -> None:
+    from ferrum_server.bench.inproc import InProcessBackend
+    from ferrum_server.config import EngineConfig
+    from ferrum_server.engine import Engine
+
+    prompts = _prompts(21, 8, 4, 50)
+    config = SchedulerConfig(max_step_tokens=40)
+    params = GenerationParams(max_new_tokens=7)
+    over_grpc, _, _ = _generate(server, prompts, params, config)
+    engine = Engine(
+        EngineConfig(block_size=4, kv_cache_bytes=1024 * _block_bytes(4), prefix_caching=False)
+    )
+    try:
+        results = asyncio.run(Scheduler(InProcessBackend(engine), config).generate(prompts, params))
+    finally:
+        engine.shutdown()
+    assert [r.output_ids for r in results] == over_grpc
+    assert not engine.kv.sequences

@@ -1,0 +1,321 @@
+"""Faults survived in-process: injected device OOM (only the affected items fail), deadlines and
+cancellations before and during a step, and abandoned step streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from ferrum_client import (
+    AsyncExecutorClient,
+    BatchBuilder,
+    ExecutorError,
+    ResourceExhaustedError,
+    item_views,
+    pb,
+)
+from reliability.harness import (
+    Generation,
+    InProcessServer,
+    Tally,
+    code_name,
+    drive,
+    prompt,
+    report,
+    run_scenario,
+    serve_in_process,
+)
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("faults") / "plan.json"
+
+
+@pytest.fixture(scope="module")
+def server(plan_file: pathlib.Path) -> Iterator[InProcessServer]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FERRUM_ENABLE_FAULT_INJECTION", "1")
+        patch.setenv("FERRUM_FAULT_PLAN", str(plan_file))
+        with serve_in_process() as live:
+            yield live
+
+
+@pytest.fixture
+def plan(plan_file: pathlib.Path, server: InProcessServer) -> Iterator[Any]:
+    def write(*rules: dict[str, Any]) -> None:
+        plan_file.write_text(json.dumps({"rules": list(rules)}))
+        # A new mtime is what makes the engine re-read the plan.
+        stamp = time.time_ns() + 1_000_000
+        import os
+
+        os.utime(plan_file, ns=(stamp, stamp))
+
+    yield write
+    plan_file.unlink(missing_ok=True)
+    assert server.blocks_leaked() == 0
+
+
+def _snapshot(server: InProcessServer) -> dict[str, tuple[int, tuple[int, ...]]]:
+    server.settle()
+    return {c: (s.num_tokens, tuple(s.block_ids)) for c, s in server.engine.kv.sequences.items()}
+
+
+def test_injected_oom_fails_only_the_affected_items(server: InProcessServer, plan: Any) -> None:
+    tally = Tally("oom-in-forward")
+
+    async def scenario() -> None:
+        async with AsyncExecutorClient(server.target) as client:
+            # A live sequence that will be extended (and fail) in the faulty batch.
+            warm = Generation("victim-old", prompt(7, 9), 1)
+            await drive(client, [warm], Tally("setup"))
+            opened = await client.prefill(
+                pb.PrefillRequest(request_id="victim-old", input_tokens=prompt(7, 9))
+            )
+            old = opened.completed
+            before = _snapshot(server)
+            plan({"kind": "oom", "request_ids": ["victim-new", "victim-old"]})
+            builder = BatchBuilder()
+            names = ["ok-0", "victim-new", "ok-1", "ok-2", "victim-old"]
+            for i, name in enumerate(names[:4]):
+                tally.send(name)
+                builder.add_prefill_chunk(name, "", prompt(i, 6 + i), 0, 6 + i)
+            tally.send("victim-old")
+            builder.add_decode(
+                "victim-old",
+                old.kv_cache.cache_id,
+                old.output.token.token_id,
+                old.kv_cache.num_tokens,
+            )
+            response = await client.unified_batch(pb.UnifiedBatchRequest(items=builder.build()))
+            views = item_views(response.results)
+            for name, view in zip(names, views, strict=True):
+                tally.resolve(name, "RESOURCE_EXHAUSTED" if view.failed else "OK")
+            assert [v.failed for v in views] == [False, True, False, False, True]
+            assert {e.request_id for e in response.results.errors} == {"victim-new", "victim-old"}
+            exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert all(e.code == exhausted for e in response.results.errors)
+            assert views[1].cache_id == "" and views[4].cache_id == old.kv_cache.cache_id
+            after = _snapshot(server)
+            # The failed decode committed nothing and gave its reserved blocks back.
+            assert after[old.kv_cache.cache_id] == before[old.kv_cache.cache_id]
+            # Single-item and transactional calls fail whole with RESOURCE_EXHAUSTED.
+            with pytest.raises(ResourceExhaustedError):
+                await client.prefill(
+                    pb.PrefillRequest(request_id="victim-new", input_tokens=prompt(1, 7))
+                )
+            plan()  # the fault is gone: the server kept serving and the victims now run
+            retry = await client.prefill(
+                pb.PrefillRequest(request_id="victim-new", input_tokens=prompt(1, 7))
+            )
+            ok_alone = await client.prefill(
+                pb.PrefillRequest(request_id="ok-1-solo", input_tokens=prompt(2, 8))
+            )
+            assert ok_alone.completed.output.token.token_id == views[2].token_id
+            caches = [v.cache_id for v in views if not v.failed]
+            caches += [
+                old.kv_cache.cache_id,
+                retry.completed.kv_cache.cache_id,
+                ok_alone.completed.kv_cache.cache_id,
+            ]
+            for cache_id in caches:
+                await client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id))
+
+    run_scenario(scenario())
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)
+
+
+def test_real_out_of_memory_errors_take_the_same_path(server: InProcessServer) -> None:
+    from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem
+
+    engine = server.engine
+    real_run = engine.runner.run
+
+    def flaky(items: list[Any], seqs: list[Any]) -> Any:
+        if any(item.request_id == "big" for item in items):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_run(items, seqs)
+
+    items = [
+        StepItem(ItemKind.PREFILL_CHUNK, name, "", prompt(i, 5), 0, 5)
+        for i, name in enumerate(["a", "big", "b"])
+    ]
+    engine.runner.run = flaky
+    try:
+        outcome = server.run(engine.call(engine.execute, Step(items)))
+    finally:
+        engine.runner.run = real_run
+    statuses = [r.status for r in outcome.results]
+    assert statuses == [ItemStatus.TOKEN, ItemStatus.FAILED, ItemStatus.TOKEN]
+    server.run(engine.call(engine.release_caches, [r.cache_id for r in outcome.results]))
+    assert server.blocks_leaked() == 0
+
+
+async def _hold_engine(server: InProcessServer, seconds: float) -> asyncio.Future[Any]:
+    """Occupy the engine thread so that the next calls queue behind this one."""
+    return asyncio.wrap_future(
+        asyncio.run_coroutine_threadsafe(server.engine.call(time.sleep, seconds), server.loop)
+    )
+
+
+def _live_requests(server: InProcessServer) -> set[str]:
+    server.settle()
+    return {s.request_id for s in server.engine.kv.sequences.values()}
+
+
+def test_deadline_and_cancel_before_the_step_starts_run_nothing(server: InProcessServer) -> None:
+    tally = Tally("queued-then-cancelled")
+
+    async def scenario() -> None:
+        steps_before = server.engine.stats.steps
+        hold = await _hold_engine(server, 1.5)
+        async with AsyncExecutorClient(server.target, timeout_s=0.3) as short:
+            tally.send("late")
+            with pytest.raises(ExecutorError) as caught:
+                await short.prefill(pb.PrefillRequest(request_id="late", input_tokens=[5, 6, 7]))
+            tally.resolve("late", code_name(caught.value))
+        async with AsyncExecutorClient(server.target) as client:
+            tally.send("gone")
+            call = asyncio.ensure_future(
+                client.prefill(pb.PrefillRequest(request_id="gone", input_tokens=[5, 6, 7]))
+            )
+            await asyncio.sleep(0.3)  # reaches the server, queues behind the held engine
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            tally.resolve("gone", "CANCELLED")
+        await hold
+        assert server.engine.stats.steps == steps_before  # neither step ran
+
+    run_scenario(scenario())
+    assert not _live_requests(server) & {"late", "gone"}
+    assert tally.codes["DEADLINE_EXCEEDED"] == 1
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)
+
+
+def test_caller_gone_during_the_step_releases_what_it_opened(
+    server: InProcessServer, plan: Any
+) -> None:
+    tally = Tally("cancelled-mid-step")
+
+    async def scenario() -> None:
+        async with AsyncExecutorClient(server.target) as client:
+            kept = await client.prefill(pb.PrefillRequest(request_id="kept", input_tokens=[9, 8]))
+            ref = kept.completed.kv_cache
+            plan({"kind": "slow", "request_ids": ["slow-open"], "delay_s": 0.8})
+            builder = BatchBuilder()
+            builder.add_prefill_chunk("slow-open", "", [1, 2, 3], 0, 3)
+            builder.add_decode("kept", ref.cache_id, kept.completed.output.token.token_id, 2)
+            for name in ("slow-open", "kept-step"):
+                tally.send(name)
+            async with AsyncExecutorClient(server.target, timeout_s=0.3) as short:
+                with pytest.raises(ExecutorError) as caught:
+                    await short.unified_batch(pb.UnifiedBatchRequest(items=builder.build()))
+            for name in ("slow-open", "kept-step"):
+                tally.resolve(name, code_name(caught.value))
+            assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(1.0)  # the step finishes after its caller left
+            plan()
+            assert _live_requests(server) == {"kept"}  # the opened cache was released
+            # The other sequence of that batch is intact and usable (its step committed).
+            seq = server.engine.kv.sequences[ref.cache_id]
+            assert seq.num_tokens == 3
+            await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
+
+    run_scenario(scenario())
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)
+
+
+@pytest.mark.parametrize("release_on_disconnect", [True, False])
+def test_abandoned_step_stream_drops_queued_steps(
+    server: InProcessServer, plan: Any, release_on_disconnect: bool
+) -> None:
+    tally = Tally(f"stream-abandoned[release_on_disconnect={release_on_disconnect}]")
+    server.running.servicer.release_on_disconnect = release_on_disconnect
+
+    async def scenario() -> None:
+        async with AsyncExecutorClient(server.target) as client:
+            old = await client.prefill(pb.PrefillRequest(request_id="old", input_tokens=[4, 4]))
+            ref = old.completed.kv_cache
+            plan({"kind": "slow", "request_ids": ["s1"], "delay_s": 0.8})
+            steps_before = server.engine.stats.steps
+            stream = client.step_stream()
+            await stream.__aenter__()
+            first = BatchBuilder()
+            first.add_prefill_chunk("s1", "", [1, 2, 3], 0, 3)
+            first.add_decode("old", ref.cache_id, old.completed.output.token.token_id, 2)
+            futures = [stream.submit(pb.UnifiedBatchRequest(items=first.build()))]
+            tally.send("s1")
+            for k in range(2, 5):
+                builder = BatchBuilder()
+                builder.add_prefill_chunk(f"s{k}", "", [k, k, k], 0, 3)
+                futures.append(stream.submit(pb.UnifiedBatchRequest(items=builder.build())))
+                tally.send(f"s{k}")
+            await asyncio.sleep(0.3)  # step 1 runs; steps 2-4 queue
+            stream.cancel()  # the scheduler vanishes
+            for k, future in enumerate(futures, 1):
+                try:
+                    await future
+                    tally.resolve(f"s{k}")
+                except ExecutorError as exc:
+                    tally.resolve(f"s{k}", code_name(exc))
+            await asyncio.sleep(1.0)
+            plan()
+            assert server.engine.stats.steps == steps_before + 1  # only step 1 ran
+            live = _live_requests(server)
+            assert not live & {"s1", "s2", "s3", "s4"}
+            assert ("old" in live) is not release_on_disconnect
+            if not release_on_disconnect:
+                await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
+
+    try:
+        run_scenario(scenario())
+    finally:
+        server.running.servicer.release_on_disconnect = True
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)
+
+
+def test_retry_after_a_mid_step_deadline_replays_the_stored_result(
+    server: InProcessServer, plan: Any
+) -> None:
+    tally = Tally("retry-after-deadline[step id]")
+
+    async def scenario() -> None:
+        async with AsyncExecutorClient(server.target) as client:
+            opened = await client.prefill(pb.PrefillRequest(request_id="d", input_tokens=[6, 7]))
+            ref = opened.completed.kv_cache
+            request = pb.DecodeRequest(
+                request_id="d",
+                cache_id=ref.cache_id,
+                input_token=opened.completed.output.token.token_id,
+                position=ref.num_tokens,
+                step_id=4242,
+            )
+            plan({"kind": "slow", "request_ids": ["d"], "delay_s": 0.8})
+            tally.send("d")
+            async with AsyncExecutorClient(server.target, timeout_s=0.3) as short:
+                with pytest.raises(ExecutorError) as caught:
+                    await short.decode(request)
+            assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            retry = await client.decode(request)  # joins or replays: never runs twice
+            plan()
+            again = await client.decode(request)
+            tally.resolve("d")
+            assert retry == again
+            assert retry.completed.kv_cache.num_tokens == ref.num_tokens + 1
+            assert server.engine.kv.sequences[ref.cache_id].num_tokens == ref.num_tokens + 1
+            await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
+
+    run_scenario(scenario())
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)

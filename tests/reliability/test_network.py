@@ -1,0 +1,176 @@
+"""Network faults through the loopback proxy: latency, resets mid-call, half-open links."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from ferrum_client import AsyncExecutorClient, BatchBuilder, ExecutorError, pb
+from reliability.harness import (
+    Generation,
+    InProcessServer,
+    Tally,
+    code_name,
+    drive,
+    prompt,
+    report,
+    run_scenario,
+    serve_in_process,
+    solo_outputs,
+)
+from reliability.proxy import TcpProxy
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[InProcessServer]:
+    with serve_in_process() as live:
+        yield live
+
+
+def _hold(server: InProcessServer, seconds: float) -> asyncio.Future[object]:
+    return asyncio.wrap_future(
+        asyncio.run_coroutine_threadsafe(server.engine.call(time.sleep, seconds), server.loop)
+    )
+
+
+def _live_requests(server: InProcessServer) -> set[str]:
+    server.settle()
+    return {s.request_id for s in server.engine.kv.sequences.values()}
+
+
+def test_added_latency_changes_nothing_but_time(server: InProcessServer) -> None:
+    tally = Tally("proxy-latency[20ms/chunk]")
+
+    async def scenario() -> None:
+        prompts = {"a": prompt(1, 11), "b": prompt(2, 19)}
+        reference = await solo_outputs(server.target, prompts, 4)
+        proxy = TcpProxy(server.running.port, latency_s=0.02)
+        await proxy.start()
+        try:
+            async with AsyncExecutorClient(proxy.target) as client:
+                gens = [Generation(f"lat-{n}", p, 4) for n, p in prompts.items()]
+                await drive(client, gens, tally)
+            assert [g.tokens for g in gens] == [reference["a"], reference["b"]]
+        finally:
+            await proxy.close()
+
+    run_scenario(scenario())
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)
+
+
+def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer) -> None:
+    tally = Tally("proxy-reset-mid-call")
+
+    async def scenario() -> None:
+        proxy = TcpProxy(server.running.port)
+        await proxy.start()
+        try:
+            async with AsyncExecutorClient(proxy.target, timeout_s=20) as client:
+                first = await client.prefill(pb.PrefillRequest(request_id="r", input_tokens=[5, 9]))
+                ref = first.completed.kv_cache
+                steps = server.engine.stats.steps
+                decode = pb.DecodeRequest(
+                    request_id="r",
+                    cache_id=ref.cache_id,
+                    input_token=first.completed.output.token.token_id,
+                    position=ref.num_tokens,
+                    step_id=777,
+                )
+                opener = BatchBuilder()
+                opener.add_prefill_chunk("no-step-id", "", [1, 2, 3], 0, 3)
+                hold = _hold(server, 0.6)
+                tally.send("with-step-id")
+                tally.send("without-step-id")
+                with_id = asyncio.ensure_future(client.decode(decode))
+                without_id = asyncio.ensure_future(
+                    client.unified_batch(pb.UnifiedBatchRequest(items=opener.build()))
+                )
+                await asyncio.sleep(0.3)
+                assert proxy.reset() >= 1  # both calls lose their connection mid-flight
+                answer = await with_id  # retried by the client on UNAVAILABLE, deduplicated
+                tally.resolve("with-step-id")
+                with pytest.raises(ExecutorError) as caught:
+                    await without_id  # never retried: it carries no step id
+                tally.resolve("without-step-id", code_name(caught.value))
+                assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+                await hold
+                assert answer.completed.kv_cache.num_tokens == ref.num_tokens + 1
+                assert server.engine.kv.sequences[ref.cache_id].num_tokens == ref.num_tokens + 1
+                assert server.engine.stats.steps - steps <= 2  # decode once (+ the orphan)
+                assert "no-step-id" not in _live_requests(server)  # orphan's cache released
+                await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
+        finally:
+            await proxy.close()
+
+    run_scenario(scenario())
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)
+
+
+def test_reset_of_a_step_stream_releases_its_caches(server: InProcessServer) -> None:
+    tally = Tally("proxy-reset-stream")
+
+    async def scenario() -> None:
+        proxy = TcpProxy(server.running.port)
+        await proxy.start()
+        try:
+            async with AsyncExecutorClient(proxy.target) as client:
+                stream = client.step_stream()
+                await stream.__aenter__()
+                builder = BatchBuilder()
+                builder.add_prefill_chunk("streamed", "", [3, 1, 4, 1, 5], 0, 5)
+                tally.send("streamed")
+                await stream.run(pb.UnifiedBatchRequest(items=builder.build()))
+                tally.resolve("streamed")
+                assert "streamed" in _live_requests(server)
+                proxy.reset()
+                await asyncio.sleep(0.5)
+                assert "streamed" not in _live_requests(server)
+                await stream.__aexit__(None, None, None)
+        finally:
+            await proxy.close()
+
+    run_scenario(scenario())
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)
+
+
+def test_half_open_link_times_out_and_recovers(server: InProcessServer) -> None:
+    tally = Tally("proxy-half-open")
+
+    async def scenario() -> None:
+        proxy = TcpProxy(server.running.port)
+        await proxy.start()
+        try:
+            async with AsyncExecutorClient(proxy.target, timeout_s=1.0) as client:
+                await client.get_status()  # connected
+                proxy.blackhole = True
+                tally.send("silent")
+                started = time.monotonic()
+                with pytest.raises(ExecutorError) as caught:
+                    await client.prefill(pb.PrefillRequest(request_id="silent", input_tokens=[1]))
+                tally.resolve("silent", code_name(caught.value))
+                assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert time.monotonic() - started < 3
+                proxy.blackhole = False
+                proxy.reset()  # the dead link goes away; the channel reconnects
+                tally.send("after")
+                answer = await client.prefill(
+                    # A step id makes the call safe to retry while the channel reconnects.
+                    pb.PrefillRequest(request_id="after", input_tokens=[2], step_id=31)
+                )
+                tally.resolve("after")
+                await client.release_cache(
+                    pb.ReleaseCacheRequest(cache_id=answer.completed.kv_cache.cache_id)
+                )
+        finally:
+            await proxy.close()
+
+    run_scenario(scenario())
+    assert "silent" not in _live_requests(server)
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)

@@ -1,0 +1,162 @@
+"""Process-level faults on a real server subprocess: SIGTERM mid-batch, SIGKILL and restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import time
+
+import grpc
+import pytest
+from ferrum_client import (
+    AsyncExecutorClient,
+    ExecutorClient,
+    ExecutorError,
+    NotFoundError,
+    StaleExecutorError,
+    pb,
+)
+from ferrum_server.cli import start_server_process
+from reliability.harness import Tally, code_name, prompt, report, run_scenario
+
+SERVING, NOT_SERVING = 1, 2
+
+
+def _start(tmp_path: pathlib.Path, *args: str, slow_s: float = 0.0) -> tuple[object, int]:
+    env = dict(os.environ)
+    if slow_s:
+        plan = tmp_path / "plan.json"
+        plan.write_text(json.dumps({"rules": [{"kind": "slow", "delay_s": slow_s}]}))
+        env.update(FERRUM_ENABLE_FAULT_INJECTION="1", FERRUM_FAULT_PLAN=str(plan))
+    log = open(tmp_path / "server.log", "ab")  # noqa: SIM115 - owned by the child
+    return start_server_process(
+        ["--metrics-port", "-1", "--log-level", "warning", *args],
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+
+
+def test_sigterm_mid_batch_finishes_in_flight_work_and_exits_zero(tmp_path: pathlib.Path) -> None:
+    process, port = _start(tmp_path, "--grace-s", "10", slow_s=0.3)
+    target = f"127.0.0.1:{port}"
+    tally = Tally("sigterm-mid-batch")
+
+    async def scenario() -> None:
+        async with AsyncExecutorClient(target, timeout_s=30) as client:
+
+            async def one(k: int) -> None:
+                name = f"term-{k}"
+                tally.send(name)
+                try:
+                    await client.prefill(
+                        pb.PrefillRequest(request_id=name, input_tokens=prompt(k, 20))
+                    )
+                    tally.resolve(name)  # the drain releases its cache
+                except ExecutorError as exc:
+                    tally.resolve(name, code_name(exc))
+
+            calls = [asyncio.ensure_future(one(k)) for k in range(4)]
+            await asyncio.sleep(0.2)  # one step running, three queued behind it
+            sent = time.monotonic()
+            process.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+            await asyncio.sleep(0.1)
+            # Health flips first; once the listener stops, new calls cannot even connect.
+            try:
+                assert await client.health() == NOT_SERVING
+            except ExecutorError as exc:
+                assert exc.code == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(ExecutorError) as late:
+                await client.prefill(pb.PrefillRequest(request_id="late", input_tokens=[1]))
+            assert late.value.code == grpc.StatusCode.UNAVAILABLE
+            await asyncio.gather(*calls)
+            assert time.monotonic() - sent < 10
+
+    try:
+        run_scenario(scenario(), 60)
+        assert process.wait(timeout=30) == 0  # type: ignore[attr-defined]
+    finally:
+        process.kill()  # type: ignore[attr-defined]
+    assert tally.completed == 4  # every in-flight step finished within the grace period
+    report(tally)
+
+
+def test_sigkill_then_restart_fences_stale_callers(tmp_path: pathlib.Path) -> None:
+    tally = Tally("sigkill-restart")
+    process, port = _start(tmp_path, slow_s=0.5)
+    try:
+        with ExecutorClient(f"127.0.0.1:{port}", timeout_s=10) as old:
+            instance = old.get_info().executor_instance_id
+            opened = old.prefill(
+                pb.PrefillRequest(
+                    request_id="pre-crash", input_tokens=[1, 2, 3], executor_instance_id=instance
+                )
+            )
+
+            async def in_flight() -> str:
+                async with AsyncExecutorClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+                    try:
+                        await client.prefill(
+                            pb.PrefillRequest(request_id="mid", input_tokens=[4, 5, 6])
+                        )
+                        return "OK"
+                    except ExecutorError as exc:
+                        return code_name(exc)
+
+            async def crash_mid_step() -> str:
+                call = asyncio.ensure_future(in_flight())
+                await asyncio.sleep(0.25)
+                process.kill()  # type: ignore[attr-defined]
+                return await call
+
+            tally.send("mid")
+            tally.resolve("mid", run_scenario(crash_mid_step(), 30))
+            assert tally.codes["UNAVAILABLE"] == 1
+    finally:
+        process.kill()  # type: ignore[attr-defined]
+        process.wait(timeout=10)  # type: ignore[attr-defined]
+    process, port = _start(tmp_path)
+    try:
+        with ExecutorClient(f"127.0.0.1:{port}", timeout_s=10) as new:
+            assert new.get_info().executor_instance_id != instance
+            stale_calls = {
+                "prefill": lambda: new.prefill(
+                    pb.PrefillRequest(
+                        request_id="stale", input_tokens=[1], executor_instance_id=instance
+                    )
+                ),
+                "decode": lambda: new.decode(
+                    pb.DecodeRequest(
+                        cache_id=opened.completed.kv_cache.cache_id,
+                        input_token=1,
+                        position=3,
+                        executor_instance_id=instance,
+                        step_id=5,
+                    )
+                ),
+                "release": lambda: new.release_cache(
+                    pb.ReleaseCacheRequest(
+                        cache_id=opened.completed.kv_cache.cache_id, executor_instance_id=instance
+                    )
+                ),
+            }
+            for name, call in stale_calls.items():
+                tally.send(name)
+                with pytest.raises(StaleExecutorError) as caught:
+                    call()
+                tally.resolve(name, caught.value.code.name)
+            # Nothing from before the crash is reachable, and the refusals changed nothing.
+            with pytest.raises(NotFoundError):
+                new.release_cache(
+                    pb.ReleaseCacheRequest(cache_id=opened.completed.kv_cache.cache_id)
+                )
+            status = new.get_status()
+            assert status.status.active_sequences == 0 and status.status.steps_executed == 1
+            tally.blocks_leaked = int(new.get_kv_slot_capacity().snapshot.used_blocks)
+    finally:
+        process.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+        process.wait(timeout=30)  # type: ignore[attr-defined]
+    report(tally)

@@ -1,0 +1,157 @@
+"""The CPU fast paths (pre-packed oneDNN linears, grouped paged attention) against the torch
+reference path and transformers, on mixed unified batches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ferrum_kernels.cpu_linear import PackedLinear, mkldnn_linear_available, prepack_linears
+from ferrum_server.models import ModelConfig, build_tiny, load_model, tiny_config
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers_models import PagedRunner
+
+needs_mkldnn = pytest.mark.skipif(not mkldnn_linear_available(), reason="no oneDNN")
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 200, bias=bias, dtype=dtype)
+    holder = torch.nn.Sequential(linear)
+    assert prepack_linears(holder) == 1
+    packed = holder[0]
+    assert isinstance(packed, PackedLinear) and packed.weight is linear.weight
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 96, dtype=dtype)
+        want = torch.nn.functional.linear(x.float(), linear.weight.float(), None)
+        if bias:
+            want += linear.bias.float()
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        torch.testing.assert_close(packed(x).float(), want, atol=tol, rtol=0)
+    # An in-place weight update is picked up (re-packed), never served stale.
+    linear.weight.mul_(2.0)
+    x = torch.randn(3, 96, dtype=dtype)
+    want = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    torch.testing.assert_close(packed(x).float(), want.float(), atol=0.2, rtol=0.02)
+
+
+@needs_mkldnn
+def test_packing_keeps_parameter_names() -> None:
+    model = build_tiny(torch.float32, "cpu")
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert model.prepack_for_cpu() == 2 * 4 + 1  # qkv, o, gate_up, down per layer + LM head
+    assert model.prepack_for_cpu() == 0  # idempotent
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    assert set(model.hf_state_dict()) == set(build_tiny(torch.float32, "cpu").hf_state_dict())
+
+
+def _mixed_steps(runner: PagedRunner, vocab: int) -> list[torch.Tensor]:
+    """Prefill several prompts in chunks, then mixed decode + chunk steps; all logits."""
+    torch.manual_seed(7)
+    prompts = {i: torch.randint(0, vocab, (3 + 11 * i,)).tolist() for i in range(5)}
+    outputs: list[torch.Tensor] = []
+    # step 1: first chunks of 0..3 (item 3 split), step 2: rest of 3 + all of 4
+    first = [(i, prompts[i][: 20 if i == 3 else None]) for i in range(4)]
+    outputs += runner.step(first)
+    outputs += runner.step([(3, prompts[3][20:]), (4, prompts[4][:30])])
+    tokens = {i: int(outputs[i][-1].argmax()) for i in range(3)}
+    for _ in range(6):
+        got = runner.step([(i, [t]) for i, t in tokens.items()] + [(4, prompts[4][30:31])])
+        outputs += got
+        tokens = {i: int(g[-1].argmax()) for i, g in zip(tokens, got, strict=False)}
+        prompts[4] = prompts[4][:30] + prompts[4][31:]
+    return outputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_fast_path_matches_reference_on_mixed_batches(dtype: torch.dtype) -> None:
+    config = tiny_config()
+    reference = PagedRunner(build_tiny(dtype, "cpu"), config, num_blocks=128, block_size=4)
+    fast_model = build_tiny(dtype, "cpu")
+    fast_model.prepack_for_cpu()
+    fast = PagedRunner(fast_model, config, num_blocks=128, block_size=4, seed=3)
+    want = _mixed_steps(reference, config.vocab_size)
+    got = _mixed_steps(fast, config.vocab_size)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, atol=tol, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@torch.no_grad()
+def test_fast_path_matches_transformers_greedy(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.08,
+    )
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model, config = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(config, ModelConfig)
+    model.prepack_for_cpu()
+    runner = PagedRunner(model, config, num_blocks=64, block_size=4, shuffle=True)
+    prompt = torch.randint(0, 256, (19,))
+    ours = runner.step([(0, prompt.tolist())])[0][-1]
+    out = hf(input_ids=prompt[None], use_cache=True)
+    ref, past = out.logits[0, -1].float(), out.past_key_values
+    for _ in range(12):
+        assert (ours - ref).abs().max().item() <= 1e-3
+        token = int(ref.argmax())
+        assert int(ours.argmax()) == token
+        ours = runner.step([(0, [token])])[0][-1]
+        out = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        ref, past = out.logits[0, -1].float(), out.past_key_values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_kernel_matches_reference(dtype: torch.dtype) -> None:
+    import math
+    import random
+
+    from ferrum_kernels.attention import AttentionMetadata, paged_attention
+    from ferrum_kernels.cpu_decode import decode_attention, native_available
+
+    if not native_available():
+        pytest.skip("no C++ toolchain for the native kernel")
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    block, kv_heads, head_dim, heads = 16, 2, 64, 6
+    contexts = [rng.randint(1, 90) for _ in range(9)]
+    num_blocks = sum(math.ceil(c / block) for c in contexts) + 3
+    kv = torch.randn(2, num_blocks, block, kv_heads, head_dim, dtype=dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for c in contexts:
+        n = math.ceil(c / block)
+        tables.append(free[:n])
+        free = free[n:]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query = torch.randn(len(contexts), heads, head_dim, dtype=dtype)
+    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block for t, c in
+                          zip(tables, contexts, strict=True)])  # fmt: skip
+    meta = AttentionMetadata.build(list(range(len(contexts) + 1)), contexts, table, slots)
+    want = paged_attention(query, kv, meta, head_dim**-0.5)
+    got = decode_attention(
+        query, kv, table, torch.tensor(contexts), torch.arange(len(contexts)), head_dim**-0.5
+    )
+    assert got is not None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
