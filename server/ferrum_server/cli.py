@@ -64,6 +64,13 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("max-batch-size", int, "256", "most items in one forward, and most live sequences"),
     Flag("max-sequence-length", int, "0", "longest sequence; 0 = the model's positions"),
     Flag("torch-threads", int, "0", "CPU intra-op threads; 0 = torch's default"),
+    Flag(
+        "kernel-backend",
+        str,
+        "auto",
+        "attention/sampling kernels: auto (Triton on CUDA), torch, triton",
+        ("auto", "torch", "triton"),
+    ),
     Flag("prefix-caching", _bool, "true", "reuse KV blocks of shared prompt prefixes"),
     Flag(
         "swap-space-bytes",
@@ -148,6 +155,7 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         max_batch_size=args.max_batch_size,
         max_sequence_length=args.max_sequence_length,
         torch_threads=args.torch_threads,
+        kernel_backend=args.kernel_backend,
         prefix_caching=args.prefix_caching,
         swap_space_bytes=args.swap_space_bytes,
         require_fencing=args.require_fencing,

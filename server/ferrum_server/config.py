@@ -30,6 +30,9 @@ class EngineConfig:
     seed: int = 0
     # CPU intra-op threads for torch; 0 = leave torch's default.
     torch_threads: int = 0
+    # Attention/KV-write/sampling kernels: "auto" (Triton on CUDA when installed, else the torch
+    # reference), "torch", or "triton".
+    kernel_backend: str = "auto"
     # Reuse full KV blocks across requests that share a prompt prefix.
     prefix_caching: bool = True
     # Host memory for swapped-out KV of preempted sequences; 0 = recompute only.

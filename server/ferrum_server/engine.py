@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from ferrum_kernels.backend import select_backend
 
 from ferrum_server import faults
 from ferrum_server.calls import Ticket
@@ -108,8 +109,14 @@ class Engine:
             self.instance_id,
             prefix_caching=config.prefix_caching,
         )
+        self.kernels = select_backend(self.device, config.kernel_backend)
         self.runner = ModelRunner(
-            self.model, self.kv_cache, config.block_size, mc.vocab_size, self.device
+            self.model,
+            self.kv_cache,
+            config.block_size,
+            mc.vocab_size,
+            self.device,
+            self.kernels,
         )
         self.limits = Limits(
             vocab_size=mc.vocab_size,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.backend import KernelBackend
 from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors, sample
 
 from ferrum_server.domain import ItemKind, OutputPolicy, StepItem
@@ -40,8 +41,14 @@ class ModelRunner:
         block_size: int,
         vocab_size: int,
         device: torch.device,
+        kernels: KernelBackend | None = None,
     ) -> None:
         self.model = model
+        # Device kernels (Triton on CUDA) for attention, the KV write and sampling; the torch
+        # reference (and on CPU its fast paths) otherwise.
+        self.kernels = kernels if kernels is not None and kernels.name != "torch" else None
+        model.use_kernels(self.kernels)
+        self._sample = self.kernels.sample if self.kernels is not None else sample
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -137,7 +144,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        return sample(selected, tensors), token_rows, logits_rows
+        return self._sample(selected, tensors), token_rows, logits_rows
 
 
 def _penalty_context(row_items: list[tuple[StepItem, Sequence, int]]) -> list[list[int]]:

@@ -536,3 +536,30 @@ def test_backends_agree_on_an_attention_block() -> None:
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[0][1], outs[1][1])
     torch.testing.assert_close(outs[0][2], outs[1][2], atol=1e-5, rtol=1e-5)
+
+
+def test_engine_on_triton_kernels_matches_the_torch_engine() -> None:
+    """The whole executor path (attention, KV write, sampling) on the Triton backend, run by
+    the interpreter, gives the torch engine's tokens and logits."""
+    from ferrum_server.config import EngineConfig
+    from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, Step, StepItem
+    from ferrum_server.engine import Engine
+
+    logits = Sampling(policy=OutputPolicy.LOGITS)
+    outputs = []
+    for backend in ("torch", "triton"):
+        engine = Engine(EngineConfig(block_size=4, kv_cache_bytes=1 << 20, kernel_backend=backend))
+        assert (engine.runner.kernels is None) == (backend == "torch")
+        prompt = [(7 * i + 3) % 512 for i in range(11)]
+        first = engine.execute(Step([StepItem(ItemKind.PREFILL_CHUNK, "r", "", prompt, 0, 11)]))
+        result = first.results[0]
+        steps = [result.token_ids[0]]
+        for position in range(11, 14):
+            item = StepItem(ItemKind.DECODE, "r", result.cache_id, [steps[-1]], position)
+            steps.append(engine.execute(Step([item])).results[0].token_ids[0])
+        item = StepItem(ItemKind.DECODE, "r", result.cache_id, [steps[-1]], 14, sampling=logits)
+        row = engine.execute(Step([item])).results[0].logits
+        outputs.append((steps, torch.frombuffer(bytearray(row), dtype=torch.float32)))
+        engine.shutdown()
+    assert outputs[0][0] == outputs[1][0]
+    torch.testing.assert_close(outputs[1][1], outputs[0][1], atol=1e-4, rtol=1e-4)

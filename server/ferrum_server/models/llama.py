@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
+from ferrum_kernels.backend import KernelBackend
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
 from ferrum_kernels.cpu_linear import PackedWeight, packed_linear, prepack_linears
 from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
@@ -173,10 +174,11 @@ class DecoderLayer(nn.Module):
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
         cpu: _CpuAttention | None = None,
+        kernels: KernelBackend | None = None,
     ) -> torch.Tensor:
         residual = hidden
         hidden = residual + self._attention(
-            self.input_layernorm(hidden), cos, sin, kv_layer, meta, cpu
+            self.input_layernorm(hidden), cos, sin, kv_layer, meta, cpu, kernels
         )
         residual = hidden
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2I]
@@ -191,6 +193,7 @@ class DecoderLayer(nn.Module):
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         cpu: _CpuAttention | None = None,
+        kernels: KernelBackend | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -205,6 +208,10 @@ class DecoderLayer(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         # Written before attending so each new token sees its own K/V.
+        if kernels is not None:  # device kernels (Triton on CUDA): fused write, paged attention
+            kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
+            o = kernels.attention(q, kv_layer, meta, self.scale)
+            return self.o_proj(o.reshape(t, h * d))  # type: ignore[no-any-return]
         write_kv(kv_layer, k, v, meta.slot_mapping)
         if cpu is not None:
             o = cpu_paged_attention(q, k, v, kv_layer, cpu.plan, self.scale, cpu.workspace)
@@ -254,6 +261,12 @@ class LlamaForCausalLM(nn.Module):
         # CPU fast paths (see prepack_for_cpu); plain attributes, not registered state.
         self._cpu_workspace: Workspace | None = None
         self._tied_head: PackedWeight | None = None
+        # Device kernels for attention and the KV write (None = the torch reference path).
+        self._kernels: KernelBackend | None = None
+
+    def use_kernels(self, kernels: KernelBackend | None) -> None:
+        """Run attention and the KV write with `kernels` (e.g. Triton on CUDA)."""
+        self._kernels = kernels
 
     def reset_rope_cache(self, device: torch.device | None = None) -> None:
         """(Re)compute the RoPE tables, e.g. after materialising a meta-device model."""
@@ -282,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
             plan = CpuAttentionPlan.build(meta, kv_cache.shape[3])
             cpu = _CpuAttention(plan, self._cpu_workspace)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache[i], meta, cpu)
+            hidden = layer(hidden, cos, sin, kv_cache[i], meta, cpu, self._kernels)
         return self.norm(hidden)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
