@@ -322,33 +322,11 @@ class Engine:
             needed = kv.blocks_needed(seq, item.end)
             opens = seq is None
             if opens and free_slots < 1:
-                deferrals[index] = self._deferral(
-                    index,
-                    item,
-                    STAGE_STEP_ADMISSION,
-                    SHORTFALL_SEQUENCE_CEILING,
-                    UNIT_SEQUENCES,
-                    1,
-                    0,
-                    kv.max_sequences,
-                    {SEQUENCE_SLOTS},
-                    seq,
-                    free_blocks,
-                )
+                deferrals[index] = self._slots_deferral(index, item.request_id)
             elif needed > free_blocks:
                 stage = STAGE_STEP_ADMISSION if opens else STAGE_SEQUENCE_EXTENSION
-                deferrals[index] = self._deferral(
-                    index,
-                    item,
-                    stage,
-                    SHORTFALL_IMMEDIATE,
-                    UNIT_BLOCKS,
-                    needed,
-                    free_blocks,
-                    kv.pool.num_blocks,
-                    {KV_BLOCKS},
-                    seq,
-                    free_blocks,
+                deferrals[index] = self._blocks_deferral(
+                    index, item.request_id, stage, needed, free_blocks, item, seq
                 )
             else:
                 plan.append((index, needed))
@@ -367,35 +345,56 @@ class Engine:
             kv.grow(seq, item.end)
         return deferrals
 
-    def _deferral(
+    def _slots_deferral(self, index: int, request_id: str) -> CapacityDeferral:
+        """No sequence slot is free for a new cache."""
+        ceiling = self.kv.max_sequences
+        shortfall = Shortfall(SHORTFALL_SEQUENCE_CEILING, UNIT_SEQUENCES, 1, 0, ceiling, ceiling)
+        return self._capacity_deferral(
+            index, request_id, STAGE_STEP_ADMISSION, shortfall, {SEQUENCE_SLOTS}
+        )
+
+    def _blocks_deferral(
         self,
         index: int,
-        item: StepItem,
+        request_id: str,
         stage: int,
-        kind: int,
-        unit: int,
         requested: int,
-        available: int,
-        total: int,
-        sources: set[SourceKey],
-        seq: Sequence | None,
         free_blocks: int,
+        chunk: StepItem | None,
+        seq: Sequence | None,
     ) -> CapacityDeferral:
+        """Not enough KV blocks; for a prefill chunk, hint a narrower width that fits now."""
+        total = self.kv.pool.num_blocks
+        shortfall = Shortfall(
+            SHORTFALL_IMMEDIATE, UNIT_BLOCKS, requested, free_blocks, total, total
+        )
         narrower = 0
-        count = len(item.token_ids)
-        if item.kind == ItemKind.PREFILL_CHUNK and unit == UNIT_BLOCKS and count > 1:
+        if chunk is not None and chunk.kind == ItemKind.PREFILL_CHUNK:
+            count = len(chunk.token_ids)
             held = len(seq.block_ids) if seq else 0
-            fits = (held + free_blocks) * self.kv.block_size - item.position
-            if fits >= 1:
+            fits = (held + free_blocks) * self.kv.block_size - chunk.position
+            if count > 1 and fits >= 1:
+                # Shrink by at least a quarter each time, like the contract's narrowing rule.
                 narrower = min(fits, count - -(-count // 4))
+        return self._capacity_deferral(index, request_id, stage, shortfall, {KV_BLOCKS}, narrower)
+
+    def _capacity_deferral(
+        self,
+        index: int,
+        request_id: str,
+        stage: int,
+        shortfall: Shortfall,
+        sources: set[SourceKey],
+        narrower: int = 0,
+    ) -> CapacityDeferral:
         return CapacityDeferral(
             item_index=index,
-            request_id=item.request_id,
+            request_id=request_id,
             stage=stage,
-            shortfall=Shortfall(kind, unit, requested, available, total, total),
+            shortfall=shortfall,
             epochs=self.kv.clock.snapshot(),
             observed=self.kv.clock.observed(sources),
-            narrower_prefill_tokens=max(0, narrower),
+            narrower_prefill_tokens=narrower,
         )
 
     def _commit(
@@ -603,36 +602,13 @@ class Engine:
         for index, ((_, request_id, target, admission), seq) in enumerate(
             zip(requests, sequences, strict=True)
         ):
-            item = StepItem(ItemKind.DECODE, request_id, "", [0], max(0, target - 1))
             if seq is None and slots < 1:
-                return self._deferral(
-                    index,
-                    item,
-                    STAGE_STEP_ADMISSION,
-                    SHORTFALL_SEQUENCE_CEILING,
-                    UNIT_SEQUENCES,
-                    1,
-                    0,
-                    kv.max_sequences,
-                    {SEQUENCE_SLOTS},
-                    None,
-                    free,
-                )
+                return self._slots_deferral(index, request_id)
             needed = kv.blocks_needed(seq, target)
             fit = max(needed, kv.blocks_needed(seq, max(admission, target)))
             if fit > free:
-                return self._deferral(
-                    index,
-                    item,
-                    STAGE_SEQUENCE_EXTENSION,
-                    SHORTFALL_IMMEDIATE,
-                    UNIT_BLOCKS,
-                    fit,
-                    free,
-                    kv.pool.num_blocks,
-                    {KV_BLOCKS},
-                    seq,
-                    free,
+                return self._blocks_deferral(
+                    index, request_id, STAGE_SEQUENCE_EXTENSION, fit, free, None, seq
                 )
             free -= needed
             slots -= int(seq is None)
