@@ -41,6 +41,21 @@ class SamplingOptions:
 GREEDY = SamplingOptions()
 
 
+def fill_sampling_columns(columns: pb.SamplingColumns, options: Sequence[SamplingOptions]) -> None:
+    """Write per-item sampling as parallel columns; nothing at all when every item is greedy
+    (the executor's default), so an all-greedy step sends no sampling bytes."""
+    if all(o == GREEDY for o in options):
+        return
+    columns.logits_return_policies.extend([o.to_pb().logits_return_policy for o in options])
+    columns.temperatures.extend([o.temperature for o in options])
+    columns.top_ks.extend([o.top_k for o in options])
+    columns.top_ps.extend([o.top_p for o in options])
+    columns.seeds.extend([o.seed for o in options])
+    columns.repetition_penalties.extend([o.repetition_penalty for o in options])
+    columns.num_logprobs.extend([o.num_logprobs for o in options])
+    columns.token_masks.extend([o.token_mask for o in options])
+
+
 class BatchBuilder:
     """Accumulates items column by column; sampling columns are sent only if some item
     deviates from greedy."""
@@ -115,18 +130,7 @@ class BatchBuilder:
     def build(self) -> pb.BatchItems:
         items = pb.BatchItems()
         items.CopyFrom(self.items)
-        if any(s != GREEDY for s in self._sampling):
-            columns = items.sampling
-            for s in self._sampling:
-                params = s.to_pb()
-                columns.logits_return_policies.append(params.logits_return_policy)
-                columns.temperatures.append(s.temperature)
-                columns.top_ks.append(s.top_k)
-                columns.top_ps.append(s.top_p)
-                columns.seeds.append(s.seed)
-                columns.repetition_penalties.append(s.repetition_penalty)
-                columns.num_logprobs.append(s.num_logprobs)
-                columns.token_masks.append(s.token_mask)
+        fill_sampling_columns(items.sampling, self._sampling)
         return items
 
 

@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ferrum_client.batch import GREEDY, SamplingOptions
+from ferrum_client.batch import GREEDY, SamplingOptions, fill_sampling_columns
 from ferrum_client.handles import AsyncExecutorClient, StepStream
 from ferrum_client.pb import executor_pb2 as pb
 
@@ -262,18 +262,7 @@ def encode_items(items: Sequence[PlannedItem]) -> pb.BatchItems:
     out.positions.extend([i.position for i in items])
     out.total_prompt_tokens.extend([i.total_prompt_tokens for i in items])
     out.maximum_sequence_tokens.extend([i.maximum_sequence_tokens for i in items])
-    if any(i.sampling != GREEDY for i in items):
-        columns = out.sampling
-        for item in items:
-            s = item.sampling
-            columns.logits_return_policies.append(s.to_pb().logits_return_policy)
-            columns.temperatures.append(s.temperature)
-            columns.top_ks.append(s.top_k)
-            columns.top_ps.append(s.top_p)
-            columns.seeds.append(s.seed)
-            columns.repetition_penalties.append(s.repetition_penalty)
-            columns.num_logprobs.append(s.num_logprobs)
-            columns.token_masks.append(s.token_mask)
+    fill_sampling_columns(out.sampling, [i.sampling for i in items])
     return out
 
 

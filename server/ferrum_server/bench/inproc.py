@@ -21,11 +21,11 @@ from ferrum_client.scheduler import (
 )
 
 from ferrum_server.capacity import Admitted, Deferred, PreemptionMode
+from ferrum_server.convert import sampling_from_pb
 from ferrum_server.domain import (
     GREEDY,
     DeferralMode,
     ItemKind,
-    OutputPolicy,
     Sampling,
     Step,
     StepItem,
@@ -36,18 +36,8 @@ _POLL_S = 0.002  # capacity re-check interval when parked (only our own releases
 
 
 def _sampling(options: SamplingOptions) -> Sampling:
-    if options == SamplingOptions():
-        return GREEDY
-    return Sampling(
-        policy=OutputPolicy.LOGITS if options.full_logits else OutputPolicy.TOKEN,
-        temperature=options.temperature,
-        top_k=options.top_k,
-        top_p=options.top_p or 1.0,
-        seed=options.seed,
-        repetition_penalty=options.repetition_penalty or 1.0,
-        num_logprobs=options.num_logprobs,
-        token_mask=options.token_mask,
-    )
+    # The same mapping the servicer applies to the wire form, so both paths sample alike.
+    return GREEDY if options == SamplingOptions() else sampling_from_pb(options.to_pb())
 
 
 class InProcessBackend:
