@@ -55,6 +55,11 @@ class CapacityNotifier:
         self.num_wakeups = 0
         kv.clock.listeners.append(self._on_bump)
 
+    def close(self) -> None:
+        """Stop listening (the loop may be about to close)."""
+        if self._on_bump in self._kv.clock.listeners:
+            self._kv.clock.listeners.remove(self._on_bump)
+
     def _on_bump(self) -> None:
         """Engine thread: snapshot now, publish on the loop."""
         state = _state_of(self._kv)

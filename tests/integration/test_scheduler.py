@@ -184,3 +184,31 @@ def test_in_process_backend_matches_grpc(server: LiveServer) -> None:
         engine.shutdown()
     assert [r.output_ids for r in results] == over_grpc
     assert not engine.kv.sequences
+
+
+def test_in_process_backend_waits_for_capacity_without_polling(server: LiveServer) -> None:
+    """A pool too small for the workload: deferred admissions park on the engine's epoch
+    bumps (CapacityNotifier), and the outputs still equal the roomy gRPC run."""
+    from ferrum_server.bench.inproc import InProcessBackend
+    from ferrum_server.config import EngineConfig
+    from ferrum_server.engine import Engine
+
+    prompts = _prompts(23, 8, 6, 20)
+    config = SchedulerConfig(max_step_tokens=32)
+    params = GenerationParams(max_new_tokens=10)
+    expected, _, _ = _generate(server, prompts, params, config)
+    engine = Engine(
+        EngineConfig(block_size=4, kv_cache_bytes=24 * _block_bytes(4), prefix_caching=False)
+    )
+    try:
+        scheduler = Scheduler(InProcessBackend(engine), config)
+        results = asyncio.run(scheduler.generate(prompts, params))
+    finally:
+        engine.shutdown()
+    assert [r.output_ids for r in results] == expected
+    assert scheduler.stats.admissions_deferred > 0
+    assert scheduler.stats.admissions_deferred <= scheduler.stats.wakeups + (
+        scheduler.stats.own_releases
+    )
+    # The backend's notifier unsubscribed on close; only the engine's gauge listener is left.
+    assert engine.kv.clock.listeners == [engine.publish_gauges]

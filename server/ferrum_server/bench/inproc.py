@@ -31,8 +31,7 @@ from ferrum_server.domain import (
     StepItem,
 )
 from ferrum_server.engine import Engine
-
-_POLL_S = 0.002  # capacity re-check interval when parked (only our own releases move it)
+from ferrum_server.waits import CapacityNotifier
 
 
 def _sampling(options: SamplingOptions) -> Sampling:
@@ -43,12 +42,16 @@ def _sampling(options: SamplingOptions) -> Sampling:
 class InProcessBackend:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._notifier: CapacityNotifier | None = None
 
     async def open(self) -> None:
-        return None
+        # The server's own wait mechanism: woken by the engine's epoch bumps, never polled.
+        self._notifier = CapacityNotifier(self.engine.kv, asyncio.get_running_loop())
 
     async def close(self) -> None:
-        return None
+        if self._notifier is not None:
+            self._notifier.close()
+            self._notifier = None
 
     async def admit(
         self, request_id: str, tokens: Sequence[int], maximum_tokens: int, prompt_tokens: int
@@ -69,15 +72,11 @@ class InProcessBackend:
         return Admission("rejected", reason=decision.reason)
 
     async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool:
-        assert isinstance(wait, Deferred)
-        clock = self.engine.kv.clock
-        sources = {source for source, _ in wait.observed}
-        deadline = time.monotonic() + timeout_ms / 1000
-        while time.monotonic() < deadline:
-            if clock.observed(sources) != sorted(wait.observed):
-                return True
-            await asyncio.sleep(_POLL_S)
-        return False
+        assert isinstance(wait, Deferred) and self._notifier is not None
+        result = await self._notifier.wait(
+            wait.epochs.coordinator_id, wait.observed, timeout_ms / 1000
+        )
+        return result.changed
 
     def submit(self, items: Sequence[PlannedItem]) -> Awaitable[StepResult]:
         step = Step(
