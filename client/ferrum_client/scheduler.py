@@ -443,9 +443,11 @@ class Scheduler:
                 elif pending:
                     await asyncio.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
                 elif self._running or self._waiting:
-                    # Everyone running is blocked and nothing could be planned: let a
-                    # released source or a pending cancellation move things on.
-                    await asyncio.sleep(0.001)
+                    # Unreachable: with nothing in flight every running request can be planned
+                    # (a positive budget always fits a decode or a chunk), and a waiting head
+                    # either was admitted, was rejected, or holds a wait condition. Fail loudly
+                    # rather than spin.
+                    raise RuntimeError("scheduler stalled: nothing to run and nothing to wait on")
         finally:
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)

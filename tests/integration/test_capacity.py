@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import LiveServer, _start
 from ferrum_client import AsyncExecutorClient, ExecutorClient, ExecutorError, pb
 from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
+from helpers_server import LiveServer, start_live_server
 
 VOCAB = 512
 
@@ -32,21 +32,21 @@ def _block_bytes(block_size: int) -> int:
 @pytest.fixture(scope="module")
 def tight() -> Iterator[LiveServer]:
     """24 blocks of 4 tokens: room for about three of the test's requests at once."""
-    yield from _start(
+    yield from start_live_server(
         block_size=4, kv_cache_bytes=24 * _block_bytes(4), max_batch_tokens=256, max_batch_size=16
     )
 
 
 @pytest.fixture(scope="module")
 def roomy() -> Iterator[LiveServer]:
-    yield from _start(
+    yield from start_live_server(
         block_size=4, kv_cache_bytes=4096 * _block_bytes(4), max_batch_tokens=256, max_batch_size=64
     )
 
 
 @pytest.fixture(scope="module")
 def prefix_server() -> Iterator[LiveServer]:
-    yield from _start(
+    yield from start_live_server(
         block_size=16,
         kv_cache_bytes=1024 * _block_bytes(16),
         max_batch_tokens=2048,
@@ -56,7 +56,7 @@ def prefix_server() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def no_prefix_server() -> Iterator[LiveServer]:
-    yield from _start(
+    yield from start_live_server(
         block_size=16,
         kv_cache_bytes=1024 * _block_bytes(16),
         max_batch_tokens=2048,

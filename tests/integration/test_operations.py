@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from conftest import LiveServer
 from ferrum_client import ExecutorClient, ExecutorError, UnavailableError, pb
 from ferrum_server.cli import start_server_process
 from ferrum_server.metrics import METRIC_DOCS
+from helpers_server import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
 SERVING, NOT_SERVING = 1, 2

@@ -9,9 +9,9 @@ import random
 from collections.abc import Iterator
 
 import pytest
-from conftest import LiveServer, _start
 from ferrum_client import AsyncExecutorClient
 from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
+from helpers_server import LiveServer, start_live_server
 
 VOCAB = 512
 
@@ -30,7 +30,7 @@ def _block_bytes(block_size: int) -> int:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    yield from _start(
+    yield from start_live_server(
         block_size=4,
         kv_cache_bytes=2048 * _block_bytes(4),
         max_batch_tokens=512,
@@ -42,7 +42,7 @@ def server() -> Iterator[LiveServer]:
 @pytest.fixture(scope="module")
 def small() -> Iterator[LiveServer]:
     """40 blocks of 4 tokens: one long request leaves no room for another."""
-    yield from _start(
+    yield from start_live_server(
         block_size=4, kv_cache_bytes=40 * _block_bytes(4), max_batch_tokens=256, max_batch_size=8
     )
 

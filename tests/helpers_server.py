@@ -1,0 +1,50 @@
+"""A live in-process executor on 127.0.0.1:0 for tests, driven from a background loop.
+
+Kept out of conftest.py so test modules can import it by a unique name (tests/reliability has
+a conftest.py of its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass
+class LiveServer:
+    target: str
+    engine: object  # ferrum_server.engine.Engine
+    loop: asyncio.AbstractEventLoop
+    metrics_url: str = ""
+
+    def run(self, coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)  # type: ignore[arg-type]
+
+
+def start_live_server(**engine_kwargs: object) -> Iterator[LiveServer]:
+    from ferrum_server.app import start_server
+    from ferrum_server.config import EngineConfig, ServerConfig
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    config = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
+    running = asyncio.run_coroutine_threadsafe(
+        start_server(
+            config, ServerConfig(host="127.0.0.1", port=0, metrics_port=0, metrics_host="127.0.0.1")
+        ),
+        loop,
+    ).result(timeout=120)
+    try:
+        yield LiveServer(
+            f"127.0.0.1:{running.port}",
+            running.engine,
+            loop,
+            f"http://127.0.0.1:{running.metrics_port}/metrics",
+        )
+    finally:
+        asyncio.run_coroutine_threadsafe(running.drain(1.0), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
