@@ -83,7 +83,28 @@ class Engine:
         self.instance_id = secrets.randbits(63) | 1
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]
+        # Every torch call runs on this one thread, construction included: on CPU, an OpenMP
+        # team opened by any second thread (the asyncio thread here) makes libgomp throttle
+        # its spin-waits for all teams, which costs about a quarter of every forward.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-engine")
+        try:
+            self._thread.submit(self._build).result()
+        except BaseException:
+            self._thread.shutdown(wait=True)
+            raise
+        self.stats = EngineStats()
+        self.metrics: Metrics | None = None
+        # Releases, truncations and prefix publications move the gauges too.
+        self.kv.clock.listeners.append(self.publish_gauges)
+        self.warmed_up = False
+        # None in production: set only when FERRUM_ENABLE_FAULT_INJECTION=1 (tests).
+        self.faults = faults.from_environment()
+
+    def _build(self) -> None:
+        """Load the model and allocate the KV pool (on the engine thread)."""
+        config = self.config
         if config.torch_threads:
+            # Per thread under OpenMP: it must be set on the thread that runs the forwards.
             torch.set_num_threads(config.torch_threads)
         self.model, self.model_config = load_model(
             config.model, dtype=self.dtype, device=self.device
@@ -130,14 +151,6 @@ class Engine:
         self.capacity = CapacityManager(
             self.kv, self.kv_cache, self.limits, config.swap_space_bytes
         )
-        self.stats = EngineStats()
-        self.metrics: Metrics | None = None
-        # Releases, truncations and prefix publications move the gauges too.
-        self.kv.clock.listeners.append(self.publish_gauges)
-        self.warmed_up = False
-        # None in production: set only when FERRUM_ENABLE_FAULT_INJECTION=1 (tests).
-        self.faults = faults.from_environment()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-engine")
 
     def _plan_num_blocks(self) -> int:
         budget = self.config.kv_cache_bytes
@@ -174,6 +187,10 @@ class Engine:
         """Run fn(*args) on the engine thread, after everything submitted before it."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, fn, *args)
+
+    def call_sync(self, fn: Callable[..., T], *args: object) -> T:
+        """Blocking form of `call`, for callers outside an event loop (tools, tests)."""
+        return self._thread.submit(fn, *args).result()
 
     async def run(
         self,

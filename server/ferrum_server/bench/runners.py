@@ -230,7 +230,7 @@ def run_ferrum_inproc(spec: RunSpec) -> RunOutput:
             torch_threads=spec.torch_threads,
         )
     )
-    engine.warmup(0)
+    engine.call_sync(engine.warmup, 0)
     try:
         wall, traces, steps, notes = _scheduler_run(
             lambda: InProcessBackend(engine), spec, "ferrum-inproc"
