@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
-from ferrum_kernels.backend import KernelBackend
+from ferrum_kernels.backend import KernelBackend, RmsNormResidualFn, RotaryFn
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
+from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
 from ferrum_kernels.cpu_linear import PackedWeight, packed_linear, prepack_linears
 from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
 from torch import nn
@@ -168,22 +169,26 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor,  # [T, hidden]: the previous layer's output (embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream, None for layer 0
         cos: torch.Tensor,  # [T, head_dim/2]
         sin: torch.Tensor,  # [T, head_dim/2]
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
+        ops: LayerOps,
         cpu: _CpuAttention | None = None,
         kernels: KernelBackend | None = None,
-    ) -> torch.Tensor:
-        residual = hidden
-        hidden = residual + self._attention(
-            self.input_layernorm(hidden), cos, sin, kv_layer, meta, cpu, kernels
-        )
-        residual = hidden
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2I]
-        mlp_out: torch.Tensor = self.down_proj(silu_and_mul(gate_up))  # [T, hidden]
-        return residual + mlp_out
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's output [T, hidden], residual stream [T, hidden]); the layer's
+        result is their sum, which the next norm forms (fused with it where a kernel can)."""
+        norm = self.input_layernorm
+        x, residual = ops.norm_residual(hidden, residual, norm.weight, norm.eps)
+        attention = self._attention(x, cos, sin, kv_layer, meta, ops, cpu, kernels)
+        norm = self.post_attention_layernorm
+        x, residual = ops.norm_residual(attention, residual, norm.weight, norm.eps)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        mlp_out: torch.Tensor = self.down_proj(ops.silu_and_mul(gate_up))  # [T, hidden]
+        return mlp_out, residual
 
     def _attention(
         self,
@@ -192,6 +197,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
+        ops: LayerOps,
         cpu: _CpuAttention | None = None,
         kernels: KernelBackend | None = None,
     ) -> torch.Tensor:
@@ -205,8 +211,7 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = ops.rotary(q, k, cos, sin)  # may rotate in place (q, k are views of qkv)
         # Written before attending so each new token sees its own K/V.
         if kernels is not None:  # device kernels (Triton on CUDA): fused write, paged attention
             kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
@@ -219,6 +224,34 @@ class DecoderLayer(nn.Module):
             o = paged_attention(q, kv_layer, meta, self.scale)  # [T, H, D]
         out: torch.Tensor = self.o_proj(o.reshape(t, h * d))  # [T, hidden]
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """The elementwise layers a decoder runs with (contracts of ``ferrum_kernels.backend``)."""
+
+    norm_residual: RmsNormResidualFn
+    rotary: RotaryFn
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _norm_residual_torch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = x if residual is None else residual + x  # [T, N]
+    return rms_norm(hidden, weight, eps), hidden
+
+
+def _rotary_torch(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+# The reference (transformers numerics, any device) and the fused native CPU kernels, which
+# fall back to the reference per call when they cannot serve an input.
+TORCH_OPS = LayerOps(_norm_residual_torch, _rotary_torch, silu_and_mul)
+CPU_OPS = LayerOps(rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,10 +296,16 @@ class LlamaForCausalLM(nn.Module):
         self._tied_head: PackedWeight | None = None
         # Device kernels for attention and the KV write (None = the torch reference path).
         self._kernels: KernelBackend | None = None
+        self._ops = TORCH_OPS
 
     def use_kernels(self, kernels: KernelBackend | None) -> None:
-        """Run attention and the KV write with `kernels` (e.g. Triton on CUDA)."""
+        """Run attention, the KV write, norms and rotary with `kernels` (e.g. Triton on CUDA);
+        None returns to the torch reference (or, after prepack_for_cpu, the CPU fast paths)."""
         self._kernels = kernels
+        if kernels is not None:
+            self._ops = LayerOps(kernels.rms_norm_residual, kernels.rotary, silu_and_mul)
+        else:
+            self._ops = CPU_OPS if self._cpu_workspace is not None else TORCH_OPS
 
     def reset_rope_cache(self, device: torch.device | None = None) -> None:
         """(Re)compute the RoPE tables, e.g. after materialising a meta-device model."""
@@ -294,9 +333,13 @@ class LlamaForCausalLM(nn.Module):
             # Built once here, used by every layer: the per-item split is the same for all.
             plan = CpuAttentionPlan.build(meta, kv_cache.shape[3])
             cpu = _CpuAttention(plan, self._cpu_workspace)
+        ops = self._ops
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache[i], meta, cpu, self._kernels)
-        return self.norm(hidden)  # type: ignore[no-any-return]
+            hidden, residual = layer(
+                hidden, residual, cos, sin, kv_cache[i], meta, ops, cpu, self._kernels
+            )
+        return ops.norm_residual(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
@@ -318,6 +361,8 @@ class LlamaForCausalLM(nn.Module):
             count += int(self._tied_head is not None)
         if self._cpu_workspace is None:
             self._cpu_workspace = Workspace()
+        if self._kernels is None:
+            self._ops = CPU_OPS
         return count
 
     @torch.no_grad()

@@ -1,0 +1,177 @@
+// Fused elementwise layers for the CPU path: RMSNorm (optionally with the residual add), SwiGLU
+// and in-place rotary embedding. Each replaces a chain of 4-8 ATen ops (each a pass over memory
+// and, in bfloat16, a conversion to float32 and back) with one pass.
+//
+// Numerics follow ferrum_kernels.layers (the transformers formulation) op by op: every point
+// where the reference rounds to the activation dtype rounds here too, and the build does not
+// contract a*b+c into FMAs, so float32 results differ from the reference only by summation
+// order in the RMS statistic.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common.h"
+
+namespace {
+
+using ferrum::Elem;
+
+// Rows per parallel chunk such that a chunk holds at least ~16k elements.
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t out_stride,
+                   T* residual, const T* delta, int64_t rows, int64_t width, float eps) {
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      if (residual != nullptr) {
+        // residual <- residual + delta (rounded to T, as the reference's add), then normalised.
+        T* rr = residual + r * width;
+        const T* dr = delta + r * width;
+        for (int64_t i = 0; i < width; ++i)
+          Elem<T>::store(rr, i, Elem<T>::load(rr, i) + Elem<T>::load(dr, i));
+        xr = rr;
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < width; ++i) {
+        const float v = Elem<T>::load(xr, i);
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+      T* orow = out + r * out_stride;
+      for (int64_t i = 0; i < width; ++i) {
+        const float normed = Elem<T>::round(Elem<T>::load(xr, i) * inv);
+        Elem<T>::store(orow, i, Elem<T>::load(w, i) * normed);
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = Elem<T>::load(g, i);
+        const float act = Elem<T>::round(x / (1.f + ferrum::fast_exp(-x)));
+        Elem<T>::store(o, i, act * Elem<T>::load(u, i));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rotary_rows(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t rows,
+                 int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, row_grain(heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * half;
+      const T* s = sin + r * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = x + r * row_stride + h * head_dim;
+        T* x2 = x1 + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = Elem<T>::load(x1, i), b = Elem<T>::load(x2, i);
+          const float ci = Elem<T>::load(c, i), si = Elem<T>::load(s, i);
+          // (x1*c - x2*s, x2*c + x1*s), each product and sum rounded like the reference.
+          const float first = Elem<T>::round(a * ci) - Elem<T>::round(b * si);
+          const float second = Elem<T>::round(b * ci) + Elem<T>::round(a * si);
+          Elem<T>::store(x1, i, first);
+          Elem<T>::store(x2, i, second);
+        }
+      }
+    }
+  });
+}
+
+template <typename F>
+void by_dtype(const torch::Tensor& t, F&& body) {
+  if (t.scalar_type() == torch::kFloat) {
+    body(static_cast<float*>(nullptr));
+  } else if (t.scalar_type() == torch::kBFloat16) {
+    body(static_cast<uint16_t*>(nullptr));
+  } else {
+    TORCH_CHECK(false, "ferrum fused ops: unsupported dtype ", t.scalar_type());
+  }
+}
+
+template <typename T>
+T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit inner stride");
+}
+
+}  // namespace
+
+// x [T, H] (rows may be strided), weight [H] -> [T, H]
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [H]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype must match x");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  by_dtype(x, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_rows<T>(ptr<T>(x), x.stride(0), ptr<T>(weight), ptr<T>(out), x.size(1), nullptr,
+                     nullptr, x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual [T, H] += delta [T, H] (in place), then RMSNorm of the sum -> [T, H]
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight,
+                            double eps) {
+  TORCH_CHECK(residual.is_contiguous() && delta.is_contiguous(), "residual/delta contiguous");
+  TORCH_CHECK(residual.sizes() == delta.sizes() && residual.dim() == 2, "shapes must match");
+  TORCH_CHECK(residual.scalar_type() == delta.scalar_type(), "dtypes must match");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "weight [H]");
+  TORCH_CHECK(weight.scalar_type() == residual.scalar_type(), "weight dtype must match");
+  auto out = torch::empty_like(residual);
+  by_dtype(residual, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_rows<T>(ptr<T>(residual), residual.size(1), ptr<T>(weight), ptr<T>(out),
+                     residual.size(1), ptr<T>(residual), ptr<T>(delta), residual.size(0),
+                     residual.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I]
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be contiguous [T, 2I]");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  by_dtype(gate_up, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    silu_mul_rows<T>(ptr<T>(gate_up), ptr<T>(out), gate_up.size(0), inter);
+  });
+  return out;
+}
+
+// Rotates, in place, the first `heads` heads of every row of x [T, W] (W >= heads * D), e.g.
+// the q and k parts of a fused qkv projection. cos/sin [T, D/2] in x's dtype.
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+             int64_t head_dim) {
+  check_rows(x, "x");
+  TORCH_CHECK(head_dim % 2 == 0 && heads * head_dim <= x.size(1), "heads * head_dim > width");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos/sin contiguous");
+  TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) == head_dim / 2 && cos.sizes() == sin.sizes(),
+              "cos/sin must be [T, D/2]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos/sin dtype must match x");
+  by_dtype(x, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rotary_rows<T>(ptr<T>(x), x.stride(0), ptr<T>(cos), ptr<T>(sin), x.size(0), heads, head_dim);
+  });
+}

@@ -1,0 +1,89 @@
+"""The fused native CPU elementwise kernels against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrum_kernels import native
+from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
+from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(dtype: torch.dtype) -> dict[str, float]:
+    # float32: summation order only; bfloat16: at most one unit in the last place, rarely.
+    return {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm_matches_reference_and_updates_the_residual(
+    dtype: torch.dtype, rows: int
+) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 96, dtype=dtype)
+    residual = torch.randn(rows, 96, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(96)).to(dtype)
+    want_sum = residual + x
+    want = rms_norm(want_sum, weight, 1e-5)
+    stream = residual.clone()
+    got, got_sum = rms_norm_residual_cpu(x, stream, weight, 1e-5)
+    assert torch.equal(got_sum, want_sum)  # the add rounds exactly like torch's
+    assert got_sum.data_ptr() == stream.data_ptr()  # and lands in the residual stream
+    torch.testing.assert_close(got, want, **_close(dtype))
+    alone, passed = rms_norm_residual_cpu(x, None, weight, 1e-5)
+    assert passed is x
+    torch.testing.assert_close(alone, rms_norm(x, weight, 1e-5), **_close(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(33, 2 * 160, dtype=dtype) * 4  # wide range: both tails of the exp
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    got = silu_and_mul_cpu(gate_up)
+    want = silu_and_mul(gate_up)
+    if dtype == torch.bfloat16:
+        # The float32 value differs from torch's by at most an ulp, which bf16 rounding absorbs
+        # except on rare ties.
+        assert (got != want).float().mean() < 1e-3
+    torch.testing.assert_close(got, want, **_close(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_qkv_views_is_bit_identical(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    t, h, hkv, d = 19, 6, 2, 64
+    qkv = torch.randn(t, (h + 2 * hkv) * d, dtype=dtype)
+    cos = torch.randn(t, d // 2).to(dtype)
+    sin = torch.randn(t, d // 2).to(dtype)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.reshape(t, h, d), k.reshape(t, hkv, d)
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    v_before = v.clone()
+    got_q, got_k = rotary_cpu(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(v, v_before)  # the V part of the row is left alone
+
+
+def test_inputs_the_kernels_do_not_serve_fall_back_to_the_reference() -> None:
+    x = torch.randn(4, 8, dtype=torch.float16)
+    weight = torch.ones(8, dtype=torch.float16)
+    got, _ = rms_norm_residual_cpu(x, None, weight, 1e-6)
+    assert torch.equal(got, rms_norm(x, weight, 1e-6))
+    strided = torch.randn(8, 6)[:, ::2]  # not contiguous
+    assert torch.equal(silu_and_mul_cpu(strided), silu_and_mul(strided))
+
+
+def test_the_model_runs_the_fused_kernels_after_prepacking() -> None:
+    from ferrum_server.models.llama import CPU_OPS, TORCH_OPS
+    from ferrum_server.models.tiny import build_tiny
+
+    model = build_tiny(torch.float32, torch.device("cpu"))
+    assert model._ops is TORCH_OPS
+    model.prepack_for_cpu()
+    assert model._ops is CPU_OPS
