@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrum_kernels import native
 from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.cpu_decode import decode_attention
 
@@ -182,16 +183,21 @@ def _chunk(
     # scales such as 1/8 at head_dim 64), instead of a permute and a scaling pass per block.
     qh = (q.permute(1, 2, 0, 3) * scale).contiguous()  # [Hkv, G, n, D]
     oh = torch.empty_like(qh)  # [Hkv, G, n, D]
+    fused = native.load() if q.dtype in (torch.float32, torch.bfloat16) else None
     for s0 in range(0, n, Q_BLOCK):
         s1 = min(n, s0 + Q_BLOCK)
         m, visible = s1 - s0, offset + s1  # keys [0, visible) can be seen by this block
         qb = qh[:, :, s0:s1].reshape(num_kv_heads, group * m, head_dim)
-        scores = torch.bmm(qb, kt[:, :, :visible]).view(num_kv_heads, group, m, visible)
-        scores = scores.float()  # a no-op in float32
-        # Only the block's own diagonal square is partly hidden; keys before it are all seen.
-        diagonal = scores[..., visible - m :]  # [Hkv, G, m, m]
-        diagonal.masked_fill_(_upper(m), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * m, visible)
+        scores = torch.bmm(qb, kt[:, :, :visible])  # [Hkv, G*m, visible]
+        if fused is not None:
+            # One pass: float32 softmax of each row's visible keys, rounded back in place.
+            fused.causal_softmax_(scores.view(-1, visible), m, visible - m)
+            probs = scores
+        else:
+            wide = scores.view(num_kv_heads, group, m, visible).float()  # no-op in float32
+            # Only the block's own diagonal square is partly hidden; keys before it are seen.
+            wide[..., visible - m :].masked_fill_(_upper(m), float("-inf"))
+            probs = torch.softmax(wide, dim=-1).to(q.dtype).view(num_kv_heads, group * m, visible)
         oh[:, :, s0:s1] = torch.bmm(probs, vt[:, :visible]).view(num_kv_heads, group, m, -1)
     out.copy_(oh.permute(2, 0, 1, 3).reshape(n, num_kv_heads * group, head_dim))
 

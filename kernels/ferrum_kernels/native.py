@@ -26,7 +26,14 @@ __all__ = ["available", "load"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("decode_attention.cpp", "fused_ops.cpp")
-_FUNCTIONS = ["decode_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_"]
+_FUNCTIONS = [
+    "decode_attention",
+    "rms_norm",
+    "add_rms_norm_",
+    "silu_and_mul",
+    "rotary_",
+    "causal_softmax_",
+]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]
 
 _lock = threading.Lock()

@@ -23,31 +23,6 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
 }
 
-// exp(x) to about 1 ulp, written so loops over it vectorise (std::exp is a scalar libm call
-// unless -ffast-math): x = n*ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial, 2^n by
-// building the exponent bits. Inputs below -87.3 flush to 0 and above 88.7 saturate to +inf.
-inline float fast_exp(float x) {
-  const float hi = 88.7228f, lo = -87.3365f;
-  const bool over = x > hi, under = x < lo;
-  x = x > hi ? hi : (x < lo ? lo : x);
-  const float n = __builtin_rintf(x * 1.44269504088896341f);
-  // ln2 split in two so n*ln2 is exact enough for the subtraction (Cody-Waite).
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const float result = p * scale;
-  return over ? __builtin_inff() : (under ? 0.f : result);
-}
-
 // Element access that reads and writes float32 or bfloat16 storage as float.
 template <typename T>
 struct Elem;

@@ -5,11 +5,14 @@
 // Numerics follow ferrum_kernels.layers (the transformers formulation) op by op: every point
 // where the reference rounds to the activation dtype rounds here too, and the build does not
 // contract a*b+c into FMAs, so float32 results differ from the reference only by summation
-// order in the RMS statistic.
+// order in the RMS statistic and by exp's last bit. Also the causal softmax of the CPU prefill
+// attention (scores in the activation dtype, float32 inside, probabilities rounded back).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 
 #include "common.h"
@@ -60,7 +63,9 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
       T* o = out + r * inter;
       for (int64_t i = 0; i < inter; ++i) {
         const float x = Elem<T>::load(g, i);
-        const float act = Elem<T>::round(x / (1.f + ferrum::fast_exp(-x)));
+        // exp's argument is capped so it stays finite (-ffast-math assumes no infinities);
+        // below -87 silu is ~1e-36 either way.
+        const float act = Elem<T>::round(x / (1.f + std::exp(-std::max(x, -87.f))));
         Elem<T>::store(o, i, act * Elem<T>::load(u, i));
       }
     }
@@ -173,5 +178,41 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t head
   by_dtype(x, [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rotary_rows<T>(ptr<T>(x), x.stride(0), ptr<T>(cos), ptr<T>(sin), x.size(0), heads, head_dim);
+  });
+}
+
+namespace {
+
+template <typename T>
+void causal_softmax_rows(T* scores, int64_t rows, int64_t width, int64_t block_rows,
+                         int64_t offset) {
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* row = scores + i * width;
+      // Row r of a block of queries sees keys [0, offset + r]; the rest are the future.
+      const int64_t seen = std::min<int64_t>(width, offset + i % block_rows + 1);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < seen; ++j) mx = std::max(mx, Elem<T>::load(row, j));
+      float sum = 0.f;
+      for (int64_t j = 0; j < seen; ++j) sum += std::exp(Elem<T>::load(row, j) - mx);
+      const float inv = 1.f / sum;
+      for (int64_t j = 0; j < seen; ++j)
+        Elem<T>::store(row, j, std::exp(Elem<T>::load(row, j) - mx) * inv);
+      for (int64_t j = seen; j < width; ++j) Elem<T>::store(row, j, 0.f);
+    }
+  });
+}
+
+}  // namespace
+
+// In place over scores [R, V] (contiguous): float32 softmax of each row's visible prefix, the
+// rest zeroed, the result rounded to the scores' dtype. Rows come in blocks of `block_rows`
+// queries; row r of a block sees keys [0, offset + r] (a causal diagonal at `offset`).
+void causal_softmax_(torch::Tensor scores, int64_t block_rows, int64_t offset) {
+  TORCH_CHECK(scores.dim() == 2 && scores.is_contiguous(), "scores must be contiguous [R, V]");
+  TORCH_CHECK(block_rows > 0 && offset >= 0, "block_rows > 0 and offset >= 0");
+  by_dtype(scores, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    causal_softmax_rows<T>(ptr<T>(scores), scores.size(0), scores.size(1), block_rows, offset);
   });
 }
