@@ -8,11 +8,16 @@ Sections (each printed as a table row and stored in the JSON written to ``--out`
   and for sampling over the full vocabulary (greedy, top-p).
 * ``decode``: one decode step (forward + LM head + greedy sample) at batch 1/8/64/256 with ~512
   tokens of context each, against the weight-read floor = weight bytes / copy bandwidth (and the
-  same floor including the KV bytes the step must read).
+  same floor including the KV bytes the step must read); eager and replayed from a CUDA graph
+  (``graph_step_ms``; on the CPU dry run the graph is an eager stand-in).
 * ``prefill``: tokens/s of a fresh 8192-token prefill step, against the floor set by the
   measured GEMM rate for the step's matmul FLOPs.
 * ``engine``: offline throughput through the in-process ``Engine`` with a simple continuous
-  batching loop (decodes first, then chunked prefill up to the token budget), greedy.
+  batching loop (decodes first, then chunked prefill up to the token budget), greedy; on CUDA
+  the engine sizes its own KV pool (measured activations and CUDA graphs) and decode steps
+  replay its graphs (``graph_steps``).
+* ``memory_plan``: how that engine divided device memory (total, budget, weights, peak
+  activations, CUDA graphs reserved / measured, KV pool).
 
 The model runs whatever kernels ``ferrum_server`` wires in; the ``backend`` field records what
 ``select_backend`` picks on this device. ``--dry-run`` runs every code path on CPU with a tiny
@@ -30,20 +35,29 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
-from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.attention import AttentionMetadata, reference_decode_attention
 from ferrum_kernels.backend import KernelBackend, select_backend
 from ferrum_kernels.sampling import SamplingTensors, build_sampling_tensors
 from ferrum_server import engine as engine_module
 from ferrum_server.config import EngineConfig
+from ferrum_server.cuda_graphs import (
+    DecodeGraphLayout,
+    DecodeGraphs,
+    EagerCapturer,
+    GraphCapturer,
+    graph_batch_sizes,
+    graph_capturer_for,
+)
 from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem
 from ferrum_server.models import LlamaForCausalLM, ModelConfig, tiny_config
+from ferrum_server.runner import model_kernels
 
 GIB = 1024**3
 
@@ -219,6 +233,7 @@ class Batch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     out_rows: torch.Tensor  # [B] last row of every item
+    tables: list[list[int]]  # host block table of every item
 
 
 def make_batch(plan: Plan, items: list[tuple[int, int]], vocab: int) -> Batch:
@@ -249,6 +264,7 @@ def make_batch(plan: Plan, items: list[tuple[int, int]], vocab: int) -> Batch:
         positions=torch.tensor(positions, dtype=torch.int64, device=dev),
         meta=meta,
         out_rows=torch.tensor(query_start[1:], device=dev) - 1,
+        tables=[row[: math.ceil(c / bs)] for row, c in zip(tables, context_lens, strict=True)],
     )
 
 
@@ -266,8 +282,46 @@ def run_step(
     return backend.sample(logits, params).token_ids
 
 
+def build_decode_graphs(
+    plan: Plan, model: LlamaForCausalLM, kv: torch.Tensor, scratch_block: int
+) -> DecodeGraphs:
+    """Decode graphs over the benchmark's pool, captured for exactly the benchmarked batches.
+
+    Real CUDA graphs on CUDA; on the CPU dry run an eager stand-in. Without a graph-safe decode
+    kernel (no Triton) the torch reference stands in: the tables here are only as wide as the
+    benchmark's contexts, so its full-width gather stays cheap.
+    """
+    backend = select_backend(plan.device)
+    graph_backend = backend
+    if backend.decode_attention is None:
+        graph_backend = replace(backend, decode_attention=reference_decode_attention)
+    capturer: GraphCapturer = graph_capturer_for(plan.device) or EagerCapturer()
+    layout = DecodeGraphLayout(
+        block_size=plan.block_size,
+        max_blocks_per_sequence=math.ceil((plan.decode_context + 1) / plan.block_size),
+        scratch_block=scratch_block,
+        batch_sizes=graph_batch_sizes(max(plan.decode_batches)),
+    )
+    graphs = DecodeGraphs(model, kv, layout, graph_backend, capturer, model_kernels(backend))
+    graphs.capture(tuple(plan.decode_batches))
+    return graphs
+
+
+@torch.inference_mode()
+def run_graph_step(graphs: DecodeGraphs, batch: Batch, backend: KernelBackend) -> torch.Tensor:
+    logits = graphs.run(
+        batch.input_ids.tolist(), batch.positions.tolist(), batch.tables
+    )  # [B, V]; the host copies of inputs and tables are part of a real step too
+    params = SamplingTensors.greedy(logits.shape[0], logits.device)
+    return backend.sample(logits, params).token_ids
+
+
 def bench_decode(
-    plan: Plan, model: LlamaForCausalLM, kv: torch.Tensor, rates: dict[str, float]
+    plan: Plan,
+    model: LlamaForCausalLM,
+    kv: torch.Tensor,
+    rates: dict[str, float],
+    graphs: DecodeGraphs | None = None,
 ) -> list[dict[str, Any]]:
     backend = select_backend(plan.device)
     bw = rates["copy_bandwidth_gbps"] * 1e9
@@ -277,6 +331,9 @@ def bench_decode(
         items = [(plan.decode_context, 1)] * batch_size
         batch = make_batch(plan, items, plan.config.vocab_size)
         step_s = time_it(lambda batch=batch: run_step(model, kv, batch, backend), plan)
+        graph_s = 0.0
+        if graphs is not None:
+            graph_s = time_it(lambda batch=batch: run_graph_step(graphs, batch, backend), plan)
         kv_read = (
             batch_size * (plan.decode_context + 1) * kv_bytes_per_token(plan.config, plan.dtype)
         )
@@ -290,6 +347,11 @@ def bench_decode(
                 "weight_kv_floor_ms": (w_bytes + kv_read) / bw * 1e3,
                 "vs_weight_floor": step_s / floor,
                 "tokens_per_s": batch_size / step_s,
+                **(
+                    {"graph_step_ms": graph_s * 1e3, "graph_speedup": step_s / graph_s}
+                    if graph_s
+                    else {}
+                ),
             }
         )
     return rows
@@ -436,6 +498,7 @@ def make_requests(plan: Plan) -> list[Request]:
 
 
 def run_engine(plan: Plan, model: LlamaForCausalLM, kv_budget_bytes: int) -> dict[str, Any]:
+    """kv_budget_bytes: 0 lets the engine size its pool from measurements (CUDA)."""
     config = EngineConfig(
         model="injected",
         device=str(plan.device),
@@ -451,7 +514,14 @@ def run_engine(plan: Plan, model: LlamaForCausalLM, kv_budget_bytes: int) -> dic
     with mock.patch.object(engine_module, "load_model", return_value=(model, plan.config)):
         engine = engine_module.Engine(config)
     try:
-        return _drive(plan, engine, make_requests(plan))
+        report = _drive(plan, engine, make_requests(plan))
+        report["graph_steps"] = engine.stats.graph_steps
+        report["cuda_graph_batch_sizes"] = list(engine.graph_batch_sizes)
+        report["memory_plan"] = {
+            **engine.memory_plan.parts(),
+            "kv_blocks": engine.memory_plan.num_blocks,
+        }
+        return report
     finally:
         engine.shutdown()
 
@@ -579,13 +649,17 @@ def run(plan: Plan, *, skip_engine: bool = False) -> dict[str, Any]:
     _print_table("kernels (torch vs triton)", report["kernels"])
 
     model = build_model(plan)
+    # The kernels the server would wire in (Triton on CUDA), for eager and graph steps alike.
+    model.use_kernels(model_kernels(select_backend(plan.device)))
     report["weight_bytes"] = weight_bytes(model)
     decode_items = [(plan.decode_context, 1)] * max(plan.decode_batches)
     prefill_items = [(0, n) for n in plan.prefill_items]
     num_blocks = max(blocks_for(plan, decode_items), blocks_for(plan, prefill_items))
-    kv = make_kv_cache(plan, num_blocks)
-    report["decode"] = bench_decode(plan, model, kv, rates)
-    _print_table("decode step (context ~512)", report["decode"])
+    kv = make_kv_cache(plan, num_blocks + 1)  # + the graphs' scratch block
+    graphs = build_decode_graphs(plan, model, kv, scratch_block=num_blocks)
+    report["decode"] = bench_decode(plan, model, kv, rates, graphs)
+    _print_table("decode step (context ~512; eager and CUDA graph)", report["decode"])
+    del graphs
     report["prefill"] = bench_prefill(plan, model, kv, rates)
     _print_table("prefill", [report["prefill"]])
     del kv
@@ -593,13 +667,14 @@ def run(plan: Plan, *, skip_engine: bool = False) -> dict[str, Any]:
         torch.cuda.empty_cache()
 
     if not skip_engine:
-        if plan.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(plan.device)
-            budget = int(free * 0.8)
-        else:
-            budget = 4 * 1024**2
-        report["engine"] = run_engine(plan, model, budget)
+        # CUDA: the engine measures and plans its own pool; CPU: a small fixed one.
+        budget = 0 if plan.device.type == "cuda" else 4 * 1024**2
+        engine = run_engine(plan, model, budget)
+        report["memory_plan"] = engine.pop("memory_plan")
+        report["engine"] = engine
         _print_table("offline throughput (engine, greedy)", [report["engine"]])
+        gib = {k: v / GIB if k != "kv_blocks" else v for k, v in report["memory_plan"].items()}
+        _print_table("engine memory plan (GiB)", [gib])
     return report
 
 

@@ -12,12 +12,21 @@ possibly on top of cached history) are attended one at a time with an offset cau
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+__all__ = [
+    "AttentionMetadata",
+    "DecodeAttentionFn",
+    "DecodeBatch",
+    "decode_attention_reference",
+    "paged_attention",
+    "reference_decode_attention",
+    "write_kv",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,3 +249,80 @@ def _chunk_attention(
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [Hkv, n*G, Dh]
     o = o.view(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3)  # [n, Hkv, G, Dh]
     return o.reshape(n, num_heads, head_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode-only batches described by device tensors alone (CUDA-graph safe)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """A decode-only batch (one query row per item) held entirely in device tensors.
+
+    Kernels launched over it read no host values, so their launches can be captured in a CUDA
+    graph once and replayed with new contents: the shapes are fixed, the values are not.
+    """
+
+    block_tables: torch.Tensor  # [B, W] int64; entries past an item's context are never read
+    context_lens: torch.Tensor  # [B] int32: KV length per item, this step's token included (>= 1)
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_tables.dim() != 2 or self.block_tables.stride(-1) != 1:
+            raise ValueError("block_tables must be [B, W] and contiguous in its last dimension")
+        if self.context_lens.shape != (self.block_tables.shape[0],):
+            raise ValueError(
+                f"context_lens must be [B={self.block_tables.shape[0]}], "
+                f"got {tuple(self.context_lens.shape)}"
+            )
+        if self.context_lens.dtype != torch.int32:
+            raise ValueError(f"context_lens must be int32, got {self.context_lens.dtype}")
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the tables can describe: fixes every launch shape."""
+        return int(self.block_tables.shape[1]) * self.block_size
+
+
+# (query [B, H, D], kv_layer [2, NB, BS, Hkv, D], scale) -> [B, H, D]
+DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def decode_attention_reference(
+    query: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
+    """Torch reference of graph-safe decode attention: every item over its whole table width.
+
+    The gather covers all W blocks of every row (the widest context the graph allows), so its
+    cost grows with the model's maximum sequence length rather than the live contexts: fine for
+    tests and tiny models, too slow for production graphs (the Triton path reads in place).
+
+    query:   [B, num_heads, head_dim], one row per item
+    returns  [B, num_heads, head_dim] in query's dtype
+    """
+    num_items, num_heads, head_dim = query.shape
+    num_kv_heads = kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    keys_values = _gather_blocks(kv_layer, batch.block_tables, query.dtype)  # [2, B, S, Hkv, Dh]
+    k = keys_values[0].transpose(1, 2)  # [B, Hkv, S, Dh]
+    v = keys_values[1].transpose(1, 2)  # [B, Hkv, S, Dh]
+    q = query.reshape(num_items, num_kv_heads, group, head_dim)  # [B, Hkv, G, Dh]
+    positions = torch.arange(k.shape[2], device=kv_layer.device)  # [S]
+    # A tensor comparison, not a Python branch on lengths: no host sync inside a graph.
+    mask = positions[None, :] < batch.context_lens[:, None]  # [B, S]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(num_items, num_heads, head_dim)  # [B, H, Dh]
+
+
+def reference_decode_attention(
+    batch: DecodeBatch, num_heads: int, num_kv_heads: int
+) -> DecodeAttentionFn:
+    """Bind ``decode_attention_reference`` to one batch (the factory form backends expose)."""
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+
+    def attend(query: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+        return decode_attention_reference(query, kv_layer, batch, scale)
+
+    return attend

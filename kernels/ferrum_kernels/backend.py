@@ -18,6 +18,12 @@ five functions whatever was selected:
         tensors; callers must use the returned tensors and not rely on either behaviour)
     sample(logits [N,V] float32, SamplingTensors) -> SampleOutput
 
+plus, optionally, ``decode_attention(DecodeBatch, num_heads, num_kv_heads)``: a factory for a
+CUDA-graph-safe decode-only attention (see ``DecodeBatch``). Only the Triton backend has one:
+the torch reference (``attention.reference_decode_attention``) gathers every row's whole table
+width, which is fine in tests but far too slow and large for production graphs, so the torch
+backend leaves it None and the engine then runs decode steps eagerly.
+
 Third-party attention (FlashInfer, flash-attn) plugs in through ``register_attention_provider``:
 a factory that, given the device, returns an attention callable with the signature above (or
 None when it cannot serve that device). Nothing is registered by default: FlashInfer's paged API
@@ -37,12 +43,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
+from ferrum_kernels.attention import (
+    AttentionMetadata,
+    DecodeAttentionFn,
+    DecodeBatch,
+    paged_attention,
+    write_kv,
+)
 from ferrum_kernels.layers import apply_rotary, rms_norm
 from ferrum_kernels.sampling import SampleOutput, SamplingTensors, sample
 
 __all__ = [
     "AttentionFn",
+    "DecodeAttentionFactory",
     "KernelBackend",
     "register_attention_provider",
     "select_backend",
@@ -60,6 +73,9 @@ RotaryFn = Callable[
 ]
 SampleFn = Callable[[torch.Tensor, SamplingTensors], SampleOutput]
 AttentionProvider = Callable[[torch.device], AttentionFn | None]
+# (batch, num_heads, num_kv_heads) -> graph-safe attend(query, kv_layer, scale); called outside
+# graph capture (it may allocate and copy), the returned callable is what gets captured.
+DecodeAttentionFactory = Callable[[DecodeBatch, int, int], DecodeAttentionFn]
 
 _ENV = "FERRUM_KERNEL_BACKEND"
 
@@ -74,6 +90,7 @@ class KernelBackend:
     rms_norm_residual: RmsNormResidualFn
     rotary: RotaryFn
     sample: SampleFn
+    decode_attention: DecodeAttentionFactory | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,7 +135,11 @@ def triton_available() -> bool:
 
 def _triton_backend() -> KernelBackend:
     # Imported lazily: CPU-only installs never need triton.
-    from ferrum_kernels.triton_attention import paged_attention_triton, triton_write_kv
+    from ferrum_kernels.triton_attention import (
+        paged_attention_triton,
+        prepare_decode_triton,
+        triton_write_kv,
+    )
     from ferrum_kernels.triton_norm import rms_norm_residual_triton, rotary_triton
     from ferrum_kernels.triton_sampling import sample_triton
 
@@ -129,6 +150,7 @@ def _triton_backend() -> KernelBackend:
         rms_norm_residual=rms_norm_residual_triton,
         rotary=rotary_triton,
         sample=sample_triton,
+        decode_attention=prepare_decode_triton,
     )
 
 

@@ -19,6 +19,12 @@ mostly idle, so the KV range of every tile is cut into ``num_splits`` partitions
 separate programs; each writes a normalised partial output plus its log-sum-exp, and a small
 reduce kernel merges them.
 
+CUDA graphs: ``prepare_decode_triton(DecodeBatch, ...)`` returns a decode-only entry point whose
+launches depend on device tensors alone (no per-step host metadata, no host sync). Its split
+count is fixed when it is prepared (sized for the longest context the block tables allow), and
+the kernel cuts each item's *actual* context into that many spans itself, so one captured graph
+serves every mix of context lengths.
+
 Constraints (checked by the wrappers):
   * any pool block size >= 1 (positions are mapped to blocks per KV position, so block sizes need
     not be powers of two or match the kernel's KV tile);
@@ -38,12 +44,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.attention import AttentionMetadata, DecodeAttentionFn, DecodeBatch
 
 __all__ = [
     "TritonAttentionMetadata",
     "choose_num_splits",
     "paged_attention_triton",
+    "prepare_decode_triton",
     "triton_attention_metadata",
     "triton_write_kv",
 ]
@@ -233,6 +240,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per tile
     BLOCK_N: tl.constexpr,  # KV positions per inner step
     SPLIT: tl.constexpr,
+    SPAN_FROM_CONTEXT: tl.constexpr,  # derive each tile's split span from its context (graphs)
     DOT_F32: tl.constexpr,  # upcast dot operands (fp32 inputs, or the CPU interpreter)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -268,8 +276,16 @@ def _unified_attention_kernel(
     q_pos = ctx - n_q + tl.minimum(tok, n_q - 1)  # [M]
     # Exclusive end of the positions any row of this tile can see.
     tile_end = ctx - n_q + tl.minimum(q_lo + BLOCK_Q, n_q)
-    lo = split * kv_span
-    hi = tl.minimum(tile_end, lo + kv_span)
+    if SPAN_FROM_CONTEXT:
+        # Graph launches fix the split count whatever the contexts are, so each tile shares
+        # its own range evenly (same alignment rule as the host-side span).
+        num_splits = tl.num_programs(2)
+        span = (tile_end + num_splits - 1) // num_splits
+        span = tl.where(span > BLOCK_N, (span + BLOCK_N - 1) // BLOCK_N * BLOCK_N, span)
+    else:
+        span = kv_span
+    lo = split * span
+    hi = tl.minimum(tile_end, lo + span)
 
     if DOT_F32:
         q = q.to(tl.float32)
@@ -491,14 +507,9 @@ def paged_attention_triton(
     num_splits: force the KV partition count (1 = never split); None = heuristic
     returns     [T, num_heads, head_dim] in query's dtype
     """
-    num_tokens, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, kv_head_dim = kv_layer.shape
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if kv_head_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != pool head_dim {kv_head_dim}")
-    if head_dim > _MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim} > {_MAX_HEAD_DIM} is not supported")
+    num_tokens, num_heads, _ = query.shape
+    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    _check_shapes(query, kv_layer)
     if num_tokens != meta.num_tokens:
         raise ValueError(f"query has {num_tokens} rows but metadata describes {meta.num_tokens}")
     needed_blocks = math.ceil(meta.max_context / block_size)
@@ -507,21 +518,10 @@ def paged_attention_triton(
             f"block_tables has {meta.block_tables.shape[1]} columns but a context of "
             f"{meta.max_context} needs {needed_blocks} blocks of {block_size}"
         )
-    if kv_layer.stride(-1) != 1:
-        raise ValueError("kv_layer must be contiguous in its last dimension")
-    out = torch.empty_like(query)
     if num_tokens == 0:
-        return out
-    query = _last_dim_contiguous(query)
-
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+        return torch.empty_like(query)
     derived = triton_attention_metadata(meta, num_heads, num_kv_heads)
-    interpret = _interpreting()
-    # Larger KV steps mean fewer interpreter iterations; on GPU keep the tile in registers.
-    block_n = 64 if head_dim_pad <= 128 or interpret else 32
-
+    block_n = _block_n(query.shape[2])
     if num_splits is None:
         num_splits = choose_num_splits(
             derived.num_tiles * num_kv_heads, meta.max_context, _num_sms(query.device)
@@ -536,6 +536,91 @@ def paged_attention_triton(
         num_splits = triton.cdiv(meta.max_context, kv_span)  # drop partitions nobody reaches
     else:
         kv_span = _NO_SPLIT_SPAN
+    return _launch(query, kv_layer, derived, scale, num_splits, kv_span, span_from_context=False)
+
+
+def prepare_decode_triton(
+    batch: DecodeBatch, num_heads: int, num_kv_heads: int, *, num_splits: int | None = None
+) -> DecodeAttentionFn:
+    """Graph-safe decode attention over ``batch``: every launch value is fixed here.
+
+    The per-item index tensors are built once (not per call) and the split count is chosen for
+    the longest context the tables allow; the kernel then divides each item's actual context
+    among the splits itself. The returned ``attend(query [B, H, D], kv_layer, scale)`` makes no
+    host->device copy and reads no device value on the host, so it can be captured in a CUDA
+    graph and replayed after new values are copied into ``batch``'s tensors.
+    """
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    num_items = batch.block_tables.shape[0]
+    device = batch.block_tables.device
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    # One query row per item: item i is tile i, its row is row i.
+    arange = torch.arange(num_items + 1, dtype=torch.int32, device=device)  # [B+1]
+    derived = TritonAttentionMetadata(
+        query_start=arange,
+        context_lens=batch.context_lens,
+        tile_item=arange[:num_items],
+        tile_q_start=torch.zeros(num_items, dtype=torch.int32, device=device),
+        block_tables=batch.block_tables,
+        num_tiles=num_items,
+        block_q=_choose_block_q(1, group_pad),
+    )
+    max_context = batch.max_context
+    if num_splits is None:
+        num_splits = choose_num_splits(num_items * num_kv_heads, max_context, _num_sms(device))
+    splits = max(1, min(num_splits, max_context))
+
+    def attend(query: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+        _check_shapes(query, kv_layer)
+        if query.shape[0] != num_items:
+            raise ValueError(f"query has {query.shape[0]} rows but the batch has {num_items}")
+        return _launch(
+            query, kv_layer, derived, scale, splits, _NO_SPLIT_SPAN, span_from_context=True
+        )
+
+    return attend
+
+
+def _check_shapes(query: torch.Tensor, kv_layer: torch.Tensor) -> None:
+    _, num_heads, head_dim = query.shape
+    num_kv_heads, kv_head_dim = kv_layer.shape[3], kv_layer.shape[4]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if kv_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != pool head_dim {kv_head_dim}")
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} > {_MAX_HEAD_DIM} is not supported")
+    if kv_layer.stride(-1) != 1:
+        raise ValueError("kv_layer must be contiguous in its last dimension")
+
+
+def _block_n(head_dim: int) -> int:
+    # Larger KV steps mean fewer interpreter iterations; on GPU keep the tile in registers.
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    return 64 if head_dim_pad <= 128 or _interpreting() else 32
+
+
+def _launch(
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    derived: TritonAttentionMetadata,
+    scale: float,
+    num_splits: int,
+    kv_span: int,
+    *,
+    span_from_context: bool,
+) -> torch.Tensor:
+    """One attention launch (+ the split reduce); allocates only device tensors, so it is
+    graph-safe whenever ``derived`` already lives on the device."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
+    out = torch.empty_like(query)
+    query = _last_dim_contiguous(query)
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    interpret = _interpreting()
     split = num_splits > 1
 
     fp32 = query.dtype == torch.float32
@@ -583,8 +668,9 @@ def paged_attention_triton(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_Q=derived.block_q,
-        BLOCK_N=block_n,
+        BLOCK_N=_block_n(head_dim),
         SPLIT=split,
+        SPAN_FROM_CONTEXT=span_from_context and split,
         # The interpreter's dot is wrong for bf16 operands, so it always computes in fp32.
         DOT_F32=fp32 or interpret,
         # fp32 models (tests, CPU parity) must not silently drop to TF32 on Ampere+.

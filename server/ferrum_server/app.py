@@ -176,6 +176,13 @@ async def bind_server(
     engine = engine or Engine(engine_config)
     metrics = Metrics()
     metrics.set_cache_config(engine.kv.block_size, engine.kv.pool.num_blocks)
+    metrics.set_memory_plan(engine.memory_plan.parts(), len(engine.graph_batch_sizes))
+    _LOG.info(
+        "memory_plan",
+        **{f"{part}_bytes": value for part, value in engine.memory_plan.parts().items()},
+        kv_blocks=engine.memory_plan.num_blocks,
+        cuda_graph_batch_sizes=list(engine.graph_batch_sizes),
+    )
     engine.metrics = metrics
     engine.capacity.metrics = metrics
     engine.limit_responses(message_limits(engine, server_config)[1])

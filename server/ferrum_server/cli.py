@@ -57,9 +57,15 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "kv-cache-bytes",
         int,
         "0",
-        "KV pool bytes; 0 = free GPU memory x utilisation (CUDA) or 256 MiB (CPU)",
+        "KV pool bytes; 0 = what GPU memory x utilisation leaves after weights, activations "
+        "and graphs (CUDA) or 256 MiB (CPU)",
     ),
-    Flag("gpu-memory-utilization", float, "0.9", "fraction of free GPU memory for the KV pool"),
+    Flag(
+        "gpu-memory-utilization",
+        float,
+        "0.9",
+        "fraction of total GPU memory for weights, peak activations, CUDA graphs and the KV pool",
+    ),
     Flag("max-batch-tokens", int, "4096", "most tokens in one forward"),
     Flag("max-batch-size", int, "256", "most items in one forward, and most live sequences"),
     Flag("max-sequence-length", int, "0", "longest sequence; 0 = the model's positions"),
@@ -72,6 +78,18 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         ("auto", "torch", "triton"),
     ),
     Flag("prefix-caching", _bool, "true", "reuse KV blocks of shared prompt prefixes"),
+    Flag(
+        "cuda-graphs",
+        _bool,
+        "true",
+        "replay decode-only steps from CUDA graphs captured at start-up (CUDA only)",
+    ),
+    Flag(
+        "cuda-graph-max-batch",
+        int,
+        "256",
+        "largest decode batch captured as a CUDA graph; larger steps run eagerly",
+    ),
     Flag(
         "swap-space-bytes",
         int,
@@ -126,6 +144,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     for flag in SERVE_FLAGS:
+        # Booleans also work as bare switches: --cuda-graphs / --no-cuda-graphs.
+        switch = flag.kind is _bool
         # argparse applies `type` to string defaults too, so a bad environment value fails
         # with the same one-line usage error as a bad flag.
         parser.add_argument(
@@ -134,7 +154,18 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
             default=os.environ.get(flag.env, flag.default),
             choices=flag.choices,
             help=f"{flag.help} [env {flag.env}, default {flag.default}]",
+            nargs="?" if switch else None,
+            const=True if switch else None,
         )
+        if switch:
+            parser.add_argument(
+                f"--no-{flag.name}",
+                dest=flag.name.replace("-", "_"),
+                action="store_const",
+                const=False,
+                default=argparse.SUPPRESS,
+                help=f"same as --{flag.name} false",
+            )
     parser.add_argument(
         "--port-file",
         type=pathlib.Path,
@@ -159,6 +190,8 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         prefix_caching=args.prefix_caching,
         swap_space_bytes=args.swap_space_bytes,
         require_fencing=args.require_fencing,
+        cuda_graphs=args.cuda_graphs,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
     if engine.model != "tiny" and not pathlib.Path(engine.model).is_dir():
         raise ValueError(f"model path {engine.model} is not a folder")

@@ -20,7 +20,8 @@ class EngineConfig:
     block_size: int = 16
     # Explicit KV pool size in bytes; 0 = size from free device memory (CUDA) or a default (CPU).
     kv_cache_bytes: int = 0
-    # Fraction of free device memory the KV pool may take after warmup (CUDA only).
+    # Fraction of the device's total memory the executor plans within: weights, the measured
+    # peak activations, CUDA graphs and the KV pool (CUDA only).
     gpu_memory_utilization: float = 0.9
     max_batch_tokens: int = 4096
     max_batch_size: int = 256
@@ -39,6 +40,11 @@ class EngineConfig:
     swap_space_bytes: int = 1024**3
     # Refuse mutating calls whose executor_instance_id is 0 (unfenced) with FAILED_PRECONDITION.
     require_fencing: bool = False
+    # Capture decode-only forwards as CUDA graphs at start-up (CUDA with graph-safe kernels only;
+    # ignored on CPU).
+    cuda_graphs: bool = True
+    # Largest decode batch run from a graph (capped at max_batch_size); larger ones run eagerly.
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -57,6 +63,13 @@ class EngineConfig:
             raise ValueError("swap space bytes must be >= 0")
         if self.max_sequence_length < 0 or self.max_num_logprobs < 0:
             raise ValueError("max sequence length and max logprobs must be >= 0")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError("the largest CUDA graph batch must be >= 1")
+
+    @property
+    def graph_max_batch(self) -> int:
+        """The largest captured decode batch: no step holds more than max_batch_size items."""
+        return min(self.cuda_graph_max_batch, self.max_batch_size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -20,10 +20,17 @@ from typing import Any, TypeVar
 import torch
 from ferrum_kernels.backend import select_backend
 
-from ferrum_server import faults
+from ferrum_server import faults, logs
 from ferrum_server.calls import Ticket
 from ferrum_server.capacity import CapacityManager, Decision
 from ferrum_server.config import EngineConfig
+from ferrum_server.cuda_graphs import (
+    DecodeGraphLayout,
+    DecodeGraphs,
+    GraphCapturer,
+    graph_batch_sizes,
+    graph_capturer_for,
+)
 from ferrum_server.domain import (
     CapacityDeferral,
     DeferralMode,
@@ -41,12 +48,23 @@ from ferrum_server.domain import (
 from ferrum_server.errors import DeviceOutOfMemory, ExecutionFailed, InvalidArgument
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, SourceKey
 from ferrum_server.kv.manager import KvManager, ReleaseResult, Sequence
+from ferrum_server.memory_plan import MemoryPlan, plan_memory
 from ferrum_server.metrics import Metrics
 from ferrum_server.models import ModelConfig, load_model
-from ferrum_server.runner import ForwardOutput, ModelRunner
+from ferrum_server.profiling import (
+    ProfileShape,
+    StartupProfile,
+    device_free_bytes,
+    device_total_bytes,
+    device_used_bytes,
+    model_bytes,
+    profile_startup,
+)
+from ferrum_server.runner import ForwardOutput, ModelRunner, model_kernels
 from ferrum_server.validate import Limits, check_instance, validate_step
 
 is_out_of_memory = faults.is_out_of_memory
+_LOG = logs.get(__name__)
 
 T = TypeVar("T")
 
@@ -75,6 +93,7 @@ class EngineStats:
     decode_tokens: int = 0
     items: int = 0
     current_batch_size: int = 0
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph
 
 
 class Engine:
@@ -117,9 +136,21 @@ class Engine:
                 f"{mc.max_position_embeddings} positions"
             )
         self.block_bytes = mc.kv_bytes_per_token(self.dtype) * config.block_size
-        num_blocks = self._plan_num_blocks()
+        self.kernels = select_backend(self.device, config.kernel_backend)
+        capturer = self._graph_capturer()
+        graph_sizes = graph_batch_sizes(config.graph_max_batch) if capturer is not None else ()
+        plan = self._plan_memory(capturer, graph_sizes)
+        num_blocks = plan.num_blocks
+        # Blocks past num_blocks (the graphs' scratch block) are never handed to a sequence.
         self.kv_cache = torch.zeros(
-            (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
+            (
+                mc.num_layers,
+                2,
+                num_blocks + plan.reserved_blocks,
+                config.block_size,
+                mc.num_kv_heads,
+                mc.head_dim,
+            ),
             dtype=self.dtype,
             device=self.device,
         )
@@ -130,7 +161,6 @@ class Engine:
             self.instance_id,
             prefix_caching=config.prefix_caching,
         )
-        self.kernels = select_backend(self.device, config.kernel_backend)
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -139,6 +169,20 @@ class Engine:
             self.device,
             self.kernels,
         )
+        if capturer is not None:
+            before = device_used_bytes(self.device)
+            graphs = self._decode_graphs(capturer, self.kv_cache, num_blocks, graph_sizes)
+            graphs.capture()
+            self.runner.graphs = graphs
+            plan = plan.with_cuda_graph_bytes(device_used_bytes(self.device) - before)
+            if not plan.graphs_within_reservation:
+                # The device keeps (1 - utilisation) spare, so this is a warning, not a failure.
+                _LOG.warning(
+                    "cuda_graphs_over_reservation",
+                    measured_bytes=plan.cuda_graph_bytes,
+                    reserved_bytes=plan.cuda_graph_reserved_bytes,
+                )
+        self.memory_plan: MemoryPlan = plan
         self.limits = Limits(
             vocab_size=mc.vocab_size,
             max_sequence_length=self.max_sequence_length,
@@ -152,25 +196,105 @@ class Engine:
             self.kv, self.kv_cache, self.limits, config.swap_space_bytes
         )
 
-    def _plan_num_blocks(self) -> int:
-        budget = self.config.kv_cache_bytes
-        if budget == 0:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.gpu_memory_utilization)
-            else:
-                budget = _CPU_DEFAULT_KV_BYTES
-        limit = _device_memory_bytes(self.device)
-        if budget > limit:
-            raise ValueError(
-                f"KV budget of {budget} bytes exceeds the {limit} bytes of {self.device}"
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes replayed from CUDA graphs (empty when graphs are off)."""
+        graphs = self.runner.graphs
+        return graphs.batch_sizes if graphs is not None else ()
+
+    def _graph_capturer(self) -> GraphCapturer | None:
+        """How decode graphs get captured here, or None to run every step eagerly."""
+        if not self.config.cuda_graphs:
+            return None
+        capturer = graph_capturer_for(self.device)
+        if capturer is None:
+            return None
+        if self.kernels.decode_attention is None:
+            _LOG.info(
+                "cuda_graphs_off",
+                reason=f"the {self.kernels.name} kernels have no graph-safe decode attention",
             )
-        num_blocks = budget // self.block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"KV budget of {budget} bytes holds no block of {self.block_bytes} bytes"
+            return None
+        return capturer
+
+    def _decode_graphs(
+        self,
+        capturer: GraphCapturer,
+        kv_cache: torch.Tensor,
+        scratch_block: int,
+        sizes: tuple[int, ...],
+    ) -> DecodeGraphs:
+        layout = DecodeGraphLayout(
+            block_size=self.config.block_size,
+            max_blocks_per_sequence=math.ceil(self.max_sequence_length / self.config.block_size),
+            scratch_block=scratch_block,
+            batch_sizes=sizes,
+        )
+        return DecodeGraphs(
+            self.model, kv_cache, layout, self.kernels, capturer, model_kernels(self.kernels)
+        )
+
+    def _plan_memory(
+        self, capturer: GraphCapturer | None, graph_sizes: tuple[int, ...]
+    ) -> MemoryPlan:
+        """Size the KV pool: on CUDA from measurements of the largest steps (see memory_plan)."""
+        config = self.config
+        reserved = 1 if capturer is not None else 0  # the graphs' scratch block
+        common = {
+            "total_bytes": device_total_bytes(self.device),
+            "weights_bytes": model_bytes(self.model),
+            "block_bytes": self.block_bytes,
+            "reserved_blocks": reserved,
+        }
+        if self.device.type != "cuda":
+            # Host memory: a fixed default pool that only has to fit beside the weights.
+            return plan_memory(
+                utilization=1.0,
+                activation_peak_bytes=0,
+                cuda_graph_bytes=0,
+                requested_kv_bytes=config.kv_cache_bytes or _CPU_DEFAULT_KV_BYTES,
+                **common,
             )
-        return int(num_blocks)
+        profile = self._profile(capturer, graph_sizes)
+        return plan_memory(
+            utilization=config.gpu_memory_utilization,
+            activation_peak_bytes=profile.activation_peak_bytes,
+            cuda_graph_bytes=profile.cuda_graph_bytes,
+            requested_kv_bytes=config.kv_cache_bytes,
+            free_bytes=device_free_bytes(self.device),
+            **common,
+        )
+
+    def _profile(
+        self, capturer: GraphCapturer | None, graph_sizes: tuple[int, ...]
+    ) -> StartupProfile:
+        config = self.config
+        shape = ProfileShape(
+            block_size=config.block_size,
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_size=config.max_batch_size,
+            max_sequence_length=self.max_sequence_length,
+            max_num_logprobs=config.max_num_logprobs,
+        )
+        graphs = None
+        if capturer is not None:
+
+            def build(pool: torch.Tensor, scratch: int, sizes: tuple[int, ...]) -> DecodeGraphs:
+                # A capturer (and memory pool) of its own, freed with the trial graphs.
+                trial = graph_capturer_for(self.device)
+                assert trial is not None
+                return self._decode_graphs(trial, pool, scratch, sizes)
+
+            graphs = (build, graph_sizes)
+        return profile_startup(
+            self.model,
+            self.model_config,
+            self.kernels,
+            dtype=self.dtype,
+            device=self.device,
+            shape=shape,
+            graphs=graphs,
+        )
 
     def limit_responses(self, max_bytes: int) -> None:
         """Refuse steps whose results could not be sent in max_bytes (set by the server)."""
@@ -228,6 +352,7 @@ class Engine:
         ran_items: list[StepItem] = []
         ran_seqs: list[Sequence | None] = []
         forward_ns = sample_ns = 0
+        graphed = False
         if runnable:
             groups, failed = self._forward(step, sequences, runnable, held)
             for indices, forward in groups:
@@ -239,6 +364,7 @@ class Engine:
                 ran_seqs += seqs
                 forward_ns += forward.forward_ns
                 sample_ns += forward.sample_ns
+                graphed = graphed or forward.graphed
             for index in failed:
                 seq = sequences[index]
                 results[index] = ItemResult(
@@ -250,7 +376,7 @@ class Engine:
                     ),
                 )
         if self.metrics is not None:
-            total = ForwardOutput(None, [], {}, forward_ns, sample_ns)
+            total = ForwardOutput(None, [], {}, forward_ns, sample_ns, graphed)
             self._observe(step, deferrals, ran_items, ran_seqs, total)
         finished = time.perf_counter_ns()
         timings = Timings(
@@ -468,6 +594,7 @@ class Engine:
         else:
             stats.decode_steps += 1
             stats.decode_time_ns += elapsed
+        stats.graph_steps += int(forward.graphed)
 
     def _observe(
         self,
@@ -497,6 +624,8 @@ class Engine:
                 verify,
                 (forward.forward_ns + forward.sample_ns) / 1e9,
             )
+            if forward.graphed:
+                metrics.record_cuda_graph_replay()
             now = time.monotonic()
             for item, seq in zip(items, sequences, strict=True):
                 if seq is None or not item.num_outputs:
@@ -643,12 +772,6 @@ class Engine:
             free_blocks_after=kv.pool.num_available,
             allocations=allocations,
         )
-
-
-def _device_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 @dataclass(frozen=True, slots=True)

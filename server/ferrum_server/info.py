@@ -77,6 +77,24 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
             maximum_scheduled_tokens=engine.config.max_batch_tokens,
         ),
         block_size=engine.config.block_size,
+        memory_plan=memory_plan(engine),
+        cuda_graph_batch_sizes=list(engine.graph_batch_sizes),
+    )
+
+
+def memory_plan(engine: Engine) -> pb.MemoryPlan:
+    plan = engine.memory_plan
+    return pb.MemoryPlan(
+        total_bytes=plan.total_bytes,
+        utilization=plan.utilization,
+        weights_bytes=plan.weights_bytes,
+        activation_peak_bytes=plan.activation_peak_bytes,
+        cuda_graph_reserved_bytes=plan.cuda_graph_reserved_bytes,
+        cuda_graph_bytes=plan.cuda_graph_bytes,
+        kv_cache_bytes=plan.kv_cache_bytes,
+        kv_blocks=plan.num_blocks,
+        reserved_kv_blocks=plan.reserved_blocks,
+        explicit_kv_cache_bytes=plan.explicit_kv,
     )
 
 
@@ -98,7 +116,9 @@ def executor_config(engine: Engine) -> pb.ExecutorConfig:
             memory_pool_size=engine.kv_cache.numel() * engine.kv_cache.element_size(),
             max_memory_usage=cfg.gpu_memory_utilization * 100,
         ),
-        optimization_config=pb.OptimizationConfig(),
+        optimization_config=pb.OptimizationConfig(
+            enable_cuda_graphs=bool(engine.graph_batch_sizes)
+        ),
         executor_options={"max_batch_tokens": json.dumps(cfg.max_batch_tokens)},
     )
 

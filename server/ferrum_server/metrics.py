@@ -32,6 +32,15 @@ STEP_KINDS = ("prefill", "decode", "mixed")
 ADMISSION_OUTCOMES = ("admitted", "deferred", "maintenance_deferred", "rejected")
 DEFERRAL_REASONS = ("kv_blocks", "sequence_slots", "request_state")
 PREEMPTION_MODES = ("recompute", "swap")
+MEMORY_PARTS = (
+    "total",
+    "budget",
+    "weights",
+    "activation_peak",
+    "cuda_graphs_reserved",
+    "cuda_graphs",
+    "kv_cache",
+)
 GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 
 # Buckets, in seconds or counts: from one fast decode step to a long prefill or a slow RPC.
@@ -69,10 +78,17 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
      "Device memory allocated by torch tensors (0 on CPU)."),
     (f"{PREFIX}_device_memory_reserved_bytes", "gauge", (),
      "Device memory reserved by torch's caching allocator (0 on CPU)."),
+    (f"{PREFIX}_memory_plan_bytes", "gauge", ("part",),
+     "Start-up memory plan: total, budget (total x utilisation), weights, activation_peak, "
+     "cuda_graphs_reserved, cuda_graphs (measured), kv_cache. On CPU total is host memory."),
+    (f"{PREFIX}_cuda_graphs", "gauge", (),
+     "Decode batch sizes captured as CUDA graphs (0 = every step runs eagerly)."),
     (f"{PREFIX}_ready", "gauge", (), "1 while the executor reports SERVING, else 0."),
     (f"{PREFIX}_tokens_total", "counter", ("kind",),
      "Tokens run through the model, by kind (prefill, decode, verify)."),
     (f"{PREFIX}_steps_total", "counter", (), "Batched forward steps executed."),
+    (f"{PREFIX}_cuda_graph_replays_total", "counter", (),
+     "Decode steps run by replaying a CUDA graph."),
     (f"{PREFIX}_admissions_total", "counter", ("outcome",),
      "Admission decisions (admitted, deferred, maintenance_deferred, rejected)."),
     (f"{PREFIX}_deferrals_total", "counter", ("reason",),
@@ -149,9 +165,17 @@ class Metrics:
         )
         self.device_allocated = self._gauge(f"{p}_device_memory_allocated_bytes")
         self.device_reserved = self._gauge(f"{p}_device_memory_reserved_bytes")
+        self.memory_plan = Gauge(
+            f"{p}_memory_plan_bytes",
+            _help(f"{p}_memory_plan_bytes"),
+            ("part",),
+            registry=self.registry,
+        )
+        self.cuda_graphs = self._gauge(f"{p}_cuda_graphs")
         self.ready = self._gauge(f"{p}_ready")
         self.tokens = self._counter(f"{p}_tokens", "kind")
         self.steps = self._counter(f"{p}_steps")
+        self.cuda_graph_replays = self._counter(f"{p}_cuda_graph_replays")
         self.admissions = self._counter(f"{p}_admissions", "outcome")
         self.deferrals = self._counter(f"{p}_deferrals", "reason")
         self.preemptions = self._counter(f"{p}_preemptions", "mode")
@@ -180,6 +204,8 @@ class Metrics:
             self.deferrals.labels(reason)
         for mode in PREEMPTION_MODES:
             self.preemptions.labels(mode)
+        for part in MEMORY_PARTS:
+            self.memory_plan.labels(part)
 
     def _gauge(self, name: str) -> Gauge:
         return Gauge(name, _help(name), registry=self.registry)
@@ -223,6 +249,15 @@ class Metrics:
         self.cache_config.info(
             {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)}
         )
+
+    def set_memory_plan(self, parts: dict[str, int], num_cuda_graphs: int) -> None:
+        """The start-up memory plan (MemoryPlan.parts()) and how many graphs were captured."""
+        for part, value in parts.items():
+            self.memory_plan.labels(_check(part, MEMORY_PARTS, "memory part")).set(value)
+        self.cuda_graphs.set(num_cuda_graphs)
+
+    def record_cuda_graph_replay(self) -> None:
+        self.cuda_graph_replays.inc()
 
     def set_sequences(self, running: int, waiting: int) -> None:
         self.sequences_running.set(running)

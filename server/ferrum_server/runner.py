@@ -17,6 +17,7 @@ from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.backend import KernelBackend
 from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors, sample
 
+from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.domain import ItemKind, OutputPolicy, StepItem
 from ferrum_server.kv.manager import Sequence
 from ferrum_server.models import LlamaForCausalLM
@@ -31,6 +32,7 @@ class ForwardOutput:
     logits_rows: dict[int, bytes]  # output row index -> float32 logits bytes
     forward_ns: int
     sample_ns: int
+    graphed: bool = False  # the forward replayed a CUDA graph
 
 
 class ModelRunner:
@@ -44,9 +46,7 @@ class ModelRunner:
         kernels: KernelBackend | None = None,
     ) -> None:
         self.model = model
-        # Device kernels (Triton on CUDA) for attention, the KV write and sampling; the torch
-        # reference (and on CPU its fast paths) otherwise.
-        self.kernels = kernels if kernels is not None and kernels.name != "torch" else None
+        self.kernels = model_kernels(kernels)
         model.use_kernels(self.kernels)
         self._sample = self.kernels.sample if self.kernels is not None else sample
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -57,11 +57,15 @@ class ModelRunner:
             _keep_freed_memory()
             # Pre-packed oneDNN weights and the grouped CPU attention (see ferrum_kernels).
             self.packed_linears = model.prepack_for_cpu()
+        # Captured decode forwards (set by the engine after capture); None = always eager.
+        self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def run(self, items: list[StepItem], sequences: list[Sequence]) -> ForwardOutput:
         """Run one forward over `items` whose sequences already hold blocks for the new tokens."""
         started = time.perf_counter_ns()
+        if self._graphable(items, sequences):
+            return self._run_graph(items, sequences, started)
         counts = [len(item.token_ids) for item in items]
         query_start = [0, *itertools.accumulate(counts)]
         context_lens = [item.end for item in items]
@@ -108,6 +112,31 @@ class ModelRunner:
             sampled, token_rows, logits_rows, forwarded - started, finished - forwarded
         )
 
+    def _graphable(self, items: list[StepItem], sequences: list[Sequence]) -> bool:
+        """Decode-only steps within the captured buckets replay a graph; the rest run eagerly."""
+        graphs = self.graphs
+        if graphs is None or not all(
+            item.kind == ItemKind.DECODE and len(item.token_ids) == 1 for item in items
+        ):
+            return False
+        return graphs.accepts(len(items), max(len(seq.block_ids) for seq in sequences))
+
+    def _run_graph(
+        self, items: list[StepItem], sequences: list[Sequence], started: int
+    ) -> ForwardOutput:
+        assert self.graphs is not None
+        logits = self.graphs.run(
+            [item.token_ids[0] for item in items],
+            [item.position for item in items],
+            [seq.block_ids for seq in sequences],
+        )  # [B, vocab] float32: every decode item has exactly one output row
+        forwarded = time.perf_counter_ns()
+        sampled, token_rows, logits_rows = self._select(items, sequences, logits)
+        finished = time.perf_counter_ns()
+        return ForwardOutput(
+            sampled, token_rows, logits_rows, forwarded - started, finished - forwarded, True
+        )
+
     def _select(
         self, items: list[StepItem], sequences: list[Sequence], logits: torch.Tensor
     ) -> tuple[SampleOutput | None, list[int], dict[int, bytes]]:
@@ -145,6 +174,12 @@ class ModelRunner:
             device=self.device,
         )
         return self._sample(selected, tensors), token_rows, logits_rows
+
+
+def model_kernels(kernels: KernelBackend | None) -> KernelBackend | None:
+    """What the model runs with: device kernels (Triton on CUDA) for attention, the KV write
+    and sampling, or None for the torch reference (and on CPU its fast paths)."""
+    return kernels if kernels is not None and kernels.name != "torch" else None
 
 
 def _penalty_context(row_items: list[tuple[StepItem, Sequence, int]]) -> list[list[int]]:

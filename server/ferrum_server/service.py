@@ -148,6 +148,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             total_blocks=kv.pool.num_blocks,
             block_size=kv.block_size,
             max_supported_total_tokens=kv.pool.num_blocks * kv.block_size,
+            peak_activation_bytes=self.engine.memory_plan.activation_peak_bytes,
         )
 
     # -- execution ------------------------------------------------------------------------

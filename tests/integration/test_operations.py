@@ -113,6 +113,31 @@ def test_every_documented_metric_is_exported_and_moves(
     }  # type: ignore[attr-defined]
 
 
+def test_memory_plan_in_capabilities_and_metrics(
+    live_server: LiveServer, client: ExecutorClient
+) -> None:
+    """On CPU: a fixed 4 MiB pool beside the weights, no activations measured, no graphs."""
+    engine = live_server.engine
+    caps = client.get_capabilities().capabilities
+    plan = caps.memory_plan
+    assert plan.total_bytes > plan.weights_bytes > 0
+    assert plan.utilization == 1.0 and plan.explicit_kv_cache_bytes
+    assert plan.kv_cache_bytes == 4 * 1024**2
+    assert plan.kv_blocks == engine.kv.pool.num_blocks  # type: ignore[attr-defined]
+    assert plan.activation_peak_bytes == plan.cuda_graph_bytes == plan.reserved_kv_blocks == 0
+    assert list(caps.cuda_graph_batch_sizes) == []
+    info = client.get_info()
+    assert not info.config.optimization_config.enable_cuda_graphs
+    assert client.warmup(pb.WarmupRequest(num_tokens=8)).peak_activation_bytes == 0
+    samples = _scrape(live_server.metrics_url)
+    assert _value(samples, "ferrum_executor_memory_plan_bytes", part="kv_cache") == 4 * 1024**2
+    assert _value(samples, "ferrum_executor_memory_plan_bytes", part="weights") == (
+        plan.weights_bytes
+    )
+    assert _value(samples, "ferrum_executor_memory_plan_bytes", part="total") == plan.total_bytes
+    assert _value(samples, "ferrum_executor_cuda_graphs") == 0
+
+
 def test_health_warmup_serving_drain_and_liveness() -> None:
     from ferrum_server.app import LIVENESS_SERVICE, SERVICE_NAME, bind_server
     from ferrum_server.config import EngineConfig, ServerConfig

@@ -23,7 +23,12 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'triton>=3.7')")
 
-from ferrum_kernels.attention import paged_attention, write_kv
+from ferrum_kernels.attention import (
+    DecodeBatch,
+    decode_attention_reference,
+    paged_attention,
+    write_kv,
+)
 from ferrum_kernels.backend import (
     KernelBackend,
     register_attention_provider,
@@ -39,6 +44,7 @@ from ferrum_kernels.sampling import (
 from ferrum_kernels.triton_attention import (
     choose_num_splits,
     paged_attention_triton,
+    prepare_decode_triton,
     triton_attention_metadata,
     triton_write_kv,
 )
@@ -152,6 +158,78 @@ def test_attention_split_k_matches_reference(num_splits: int, group: int) -> Non
     )
     got = paged_attention_triton(q, kv, meta, 0.25, num_splits=num_splits)
     torch.testing.assert_close(got, paged_attention(q, kv, meta, 0.25), **_TOL[torch.float32])
+
+
+def _decode_batch(
+    contexts: list[int], width: int, block_size: int, num_blocks: int, seed: int
+) -> tuple[DecodeBatch, list[list[int]]]:
+    """Tables `width` wide: each item's blocks, then stale (valid, unrelated) block ids."""
+    gen = torch.Generator().manual_seed(seed)
+    allocator = BlockAllocator(num_blocks - 1, shuffle=True, seed=seed)
+    rows = []
+    for ctx in contexts:
+        blocks = allocator.allocate(math.ceil(ctx / block_size))
+        stale = torch.randint(0, num_blocks, (width - len(blocks),), generator=gen).tolist()
+        rows.append(blocks + stale)
+    batch = DecodeBatch(
+        torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(contexts, dtype=torch.int32),
+        block_size,
+    )
+    return batch, rows
+
+
+@pytest.mark.parametrize(("num_splits", "group"), [(1, 2), (3, 1), (4, 4), (None, 2)])
+def test_graph_decode_entry_matches_reference(num_splits: int | None, group: int) -> None:
+    """The graph-safe decode entry: device-only metadata, tables wider than any context with
+    stale entries past it, a padding row (context 1 on the last, scratch, block), and the
+    kernel spreading each item's own context over a split count fixed in advance."""
+    block_size, num_kv_heads, head_dim = 4, 2, 16
+    contexts = [1, 37, 200, 130, 5, 1]
+    width = 64  # 256 positions: more than any context
+    num_blocks = sum(math.ceil(c / block_size) for c in contexts) + 5
+    gen = torch.Generator().manual_seed(group)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    batch, rows = _decode_batch(contexts, width, block_size, num_blocks, seed=group)
+    rows[-1] = [num_blocks - 1] * width  # the padding row reads only the scratch block
+    batch.block_tables[-1] = num_blocks - 1
+    q = torch.randn(len(contexts), num_kv_heads * group, head_dim, generator=gen)
+    attend = prepare_decode_triton(batch, num_kv_heads * group, num_kv_heads, num_splits=num_splits)
+    got = attend(q, kv, 0.25)
+    want = decode_attention_reference(q, kv, batch, 0.25)
+    torch.testing.assert_close(got, want, **_TOL[torch.float32])
+    # The unified kernel over the same items agrees too.
+    meta = build_meta(
+        [r[: math.ceil(c / block_size)] for r, c in zip(rows, contexts, strict=True)],
+        [1] * len(contexts),
+        contexts,
+        block_size,
+    )
+    torch.testing.assert_close(got, paged_attention(q, kv, meta, 0.25), **_TOL[torch.float32])
+
+    # A "replay": new contents in the same tensors, the same prepared callable.
+    new_contexts = [9, 1, 250, 4, 64, 1]
+    new_batch, _ = _decode_batch(new_contexts, width, block_size, num_blocks, seed=group + 10)
+    batch.block_tables.copy_(new_batch.block_tables)
+    batch.context_lens.copy_(new_batch.context_lens)
+    q2 = torch.randn(q.shape, generator=gen)
+    torch.testing.assert_close(
+        attend(q2, kv, 0.25),
+        decode_attention_reference(q2, kv, batch, 0.25),
+        **_TOL[torch.float32],
+    )
+
+
+def test_graph_decode_entry_checks_its_inputs() -> None:
+    batch, _ = _decode_batch([3, 4], 2, 4, 8, seed=0)
+    with pytest.raises(ValueError, match="int32"):
+        DecodeBatch(batch.block_tables, batch.context_lens.long(), 4)
+    with pytest.raises(ValueError, match="context_lens"):
+        DecodeBatch(batch.block_tables, batch.context_lens[:1], 4)
+    kv = torch.zeros(2, 8, 4, 2, 16)
+    attend = prepare_decode_triton(batch, 4, 2)
+    with pytest.raises(ValueError, match="rows"):
+        attend(torch.zeros(3, 4, 16), kv, 1.0)
 
 
 def test_attention_split_k_half_precision() -> None:
@@ -563,3 +641,72 @@ def test_engine_on_triton_kernels_matches_the_torch_engine() -> None:
         engine.shutdown()
     assert outputs[0][0] == outputs[1][0]
     torch.testing.assert_close(outputs[1][1], outputs[0][1], atol=1e-4, rtol=1e-4)
+
+
+def test_engine_decode_graphs_on_triton_match_the_eager_torch_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode steps replayed through the graph path (eager stand-in for the CUDA graph) on the
+    Triton kernels, run by the interpreter: same tokens and logits as the torch engine."""
+    from dataclasses import replace
+
+    from ferrum_server import engine as engine_module
+    from ferrum_server.config import EngineConfig
+    from ferrum_server.cuda_graphs import EagerCapturer
+    from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, Step, StepItem
+
+    monkeypatch.setattr(engine_module, "graph_capturer_for", lambda device: EagerCapturer())
+    logits = Sampling(policy=OutputPolicy.LOGITS)
+    config = EngineConfig(
+        block_size=4,
+        kv_cache_bytes=1 << 20,
+        max_sequence_length=32,
+        max_batch_size=4,
+        cuda_graph_max_batch=2,
+    )
+    outputs = []
+    for backend in ("torch", "triton"):
+        engine = engine_module.Engine(replace(config, kernel_backend=backend))
+        assert engine.graph_batch_sizes == (() if backend == "torch" else (1, 2))
+        prompts = [[(7 * i + 3 + r) % 512 for i in range(9 + 4 * r)] for r in range(3)]
+        first = engine.execute(
+            Step(
+                [
+                    StepItem(ItemKind.PREFILL_CHUNK, f"r{r}", "", p, 0, len(p))
+                    for r, p in enumerate(prompts)
+                ]
+            )
+        )
+        caches = [res.cache_id for res in first.results]
+        tokens = [[res.token_ids[0]] for res in first.results]
+        for step in range(3):
+            live = range(3) if step == 2 else range(1, 3)  # 2 items replay, 3 run eagerly
+            items = [
+                StepItem(
+                    ItemKind.DECODE,
+                    f"r{r}",
+                    caches[r],
+                    [tokens[r][-1]],
+                    len(prompts[r]) + len(tokens[r]) - 1,
+                    sampling=logits if step == 1 else Sampling(),
+                )
+                for r in live
+            ]
+            results = engine.execute(Step(items)).results
+            for r, res in zip(live, results, strict=True):
+                if res.logits:
+                    row = torch.frombuffer(bytearray(res.logits), dtype=torch.float32)
+                    outputs.append((backend, r, row))
+                    tokens[r].append(int(row.argmax()))
+                else:
+                    tokens[r].append(res.token_ids[0])
+        outputs.append((backend, -1, tokens))
+        assert engine.stats.graph_steps == (0 if backend == "torch" else 2)
+        engine.shutdown()
+    half = len(outputs) // 2
+    for (_, r_a, a), (_, r_b, b) in zip(outputs[:half], outputs[half:], strict=True):
+        assert r_a == r_b
+        if r_a < 0:
+            assert a == b
+        else:
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)

@@ -812,6 +812,8 @@ class ExecutorCapabilities(_message.Message):
     MAX_NUM_LOGPROBS_FIELD_NUMBER: _builtins.int
     ADMISSION_LIMITS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    MEMORY_PLAN_FIELD_NUMBER: _builtins.int
+    CUDA_GRAPH_BATCH_SIZES_FIELD_NUMBER: _builtins.int
     max_batch_size: _builtins.int
     """Most sequences in one forward."""
     max_sequence_length: _builtins.int
@@ -860,6 +862,17 @@ class ExecutorCapabilities(_message.Message):
     def admission_limits(self) -> Global___AdmissionLimits:
         """Admission ceilings."""
 
+    @_builtins.property
+    def memory_plan(self) -> Global___MemoryPlan:
+        """How device memory was divided at start-up."""
+
+    @_builtins.property
+    def cuda_graph_batch_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Decode batch sizes replayed from CUDA graphs (empty when decode runs eagerly). A decode-only
+        step is padded up to the smallest of these that holds it; mixed steps and larger decode
+        steps run eagerly.
+        """
+
     def __init__(
         self,
         *,
@@ -882,14 +895,77 @@ class ExecutorCapabilities(_message.Message):
         max_num_logprobs: _builtins.int = ...,
         admission_limits: Global___AdmissionLimits | None = ...,
         block_size: _builtins.int = ...,
+        memory_plan: Global___MemoryPlan | None = ...,
+        cuda_graph_batch_sizes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "memory_requirements", b"memory_requirements"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "execution_resource_authority", b"execution_resource_authority", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_requirements", b"memory_requirements", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExecutorCapabilities: _TypeAlias = ExecutorCapabilities  # noqa: Y015
+
+@_typing.final
+class MemoryPlan(_message.Message):
+    """The start-up division of memory, in bytes (measured, not estimated, where noted). On CUDA the KV
+    pool gets total * utilization - weights - activation peak - CUDA graphs unless its size was
+    given explicitly. On CPU total is the host's physical memory and activations and graphs are 0.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    UTILIZATION_FIELD_NUMBER: _builtins.int
+    WEIGHTS_BYTES_FIELD_NUMBER: _builtins.int
+    ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _builtins.int
+    CUDA_GRAPH_RESERVED_BYTES_FIELD_NUMBER: _builtins.int
+    CUDA_GRAPH_BYTES_FIELD_NUMBER: _builtins.int
+    KV_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    RESERVED_KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    EXPLICIT_KV_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    total_bytes: _builtins.int
+    """Device memory (CUDA) or physical host memory (CPU)."""
+    utilization: _builtins.float
+    """Fraction of total the plan stays within (1.0 on CPU)."""
+    weights_bytes: _builtins.int
+    """Model weights and buffers."""
+    activation_peak_bytes: _builtins.int
+    """Measured peak activation memory of the largest prefill and decode steps (0 on CPU)."""
+    cuda_graph_reserved_bytes: _builtins.int
+    """Memory set aside for CUDA graphs when the KV pool was sized (an estimate from a trial capture)."""
+    cuda_graph_bytes: _builtins.int
+    """Memory the captured CUDA graphs take, measured after capture."""
+    kv_cache_bytes: _builtins.int
+    """KV pool as allocated, reserved blocks included."""
+    kv_blocks: _builtins.int
+    """KV blocks sequences may use."""
+    reserved_kv_blocks: _builtins.int
+    """Pool blocks no sequence uses (the CUDA graphs' scratch block for padding rows)."""
+    explicit_kv_cache_bytes: _builtins.bool
+    """The KV size was given explicitly (or is the CPU default) rather than sized from the budget."""
+    def __init__(
+        self,
+        *,
+        total_bytes: _builtins.int = ...,
+        utilization: _builtins.float = ...,
+        weights_bytes: _builtins.int = ...,
+        activation_peak_bytes: _builtins.int = ...,
+        cuda_graph_reserved_bytes: _builtins.int = ...,
+        cuda_graph_bytes: _builtins.int = ...,
+        kv_cache_bytes: _builtins.int = ...,
+        kv_blocks: _builtins.int = ...,
+        reserved_kv_blocks: _builtins.int = ...,
+        explicit_kv_cache_bytes: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_peak_bytes", b"activation_peak_bytes", "cuda_graph_bytes", b"cuda_graph_bytes", "cuda_graph_reserved_bytes", b"cuda_graph_reserved_bytes", "explicit_kv_cache_bytes", b"explicit_kv_cache_bytes", "kv_blocks", b"kv_blocks", "kv_cache_bytes", b"kv_cache_bytes", "reserved_kv_blocks", b"reserved_kv_blocks", "total_bytes", b"total_bytes", "utilization", b"utilization", "weights_bytes", b"weights_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemoryPlan: _TypeAlias = MemoryPlan  # noqa: Y015
 
 @_typing.final
 class AdmissionLimits(_message.Message):
