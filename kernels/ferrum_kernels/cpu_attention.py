@@ -181,7 +181,8 @@ def _chunk(
     vt = v.transpose(0, 1)  # [Hkv, ctx, D]
     # One copy into head-major order, with the softmax scale folded in (exact for power-of-two
     # scales such as 1/8 at head_dim 64), instead of a permute and a scaling pass per block.
-    qh = (q.permute(1, 2, 0, 3) * scale).contiguous()  # [Hkv, G, n, D]
+    qh = q.new_empty((num_kv_heads, group, n, head_dim))  # [Hkv, G, n, D]
+    torch.mul(q.permute(1, 2, 0, 3), scale, out=qh)
     oh = torch.empty_like(qh)  # [Hkv, G, n, D]
     fused = native.load() if q.dtype in (torch.float32, torch.bfloat16) else None
     for s0 in range(0, n, Q_BLOCK):

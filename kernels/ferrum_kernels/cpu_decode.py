@@ -50,7 +50,8 @@ def decode_attention(
     if module is None:
         return None
     out: torch.Tensor = module.decode_attention(
-        query.contiguous(),
+        # Rows may be strided (a view of the fused qkv projection): the kernel takes a row stride.
+        query if query.stride(2) == 1 and query.stride(1) == query.shape[2] else query.contiguous(),
         kv_layer[0],
         kv_layer[1],
         block_tables,
