@@ -16,6 +16,14 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// Prefetch one token's row of one head (D elements) into the cache.
+template <typename T>
+inline void prefetch_rows(const T* pool, int64_t slot, int64_t kv_row, int64_t offset,
+                          int64_t d) {
+  const char* p = reinterpret_cast<const char*>(pool + slot * kv_row + offset);
+  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
+
 template <typename T, int D>
 void decode_impl(const T* __restrict q, const T* __restrict k_pool, const T* __restrict v_pool,
                  const int64_t* __restrict tables, const int64_t* __restrict lens,
@@ -36,6 +44,11 @@ void decode_impl(const T* __restrict q, const T* __restrict k_pool, const T* __r
       for (int64_t t = 0; t < ctx; ++t) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         const T* kr = k_pool + slot * kv_row + h * D;
+        // Blocks sit anywhere in the pool: fetch this head's rows of the block after next
+        // ahead of time (a row a token), since the hardware prefetchers stop at block edges.
+        if (t + 2 * block_size < ctx)
+          prefetch_rows(k_pool, table[t / block_size + 2] * block_size + t % block_size, kv_row,
+                        h * D, D);
         float kf[D];
         for (int d = 0; d < D; ++d) kf[d] = to_float(kr[d]);
         for (int64_t g = 0; g < group; ++g) {
@@ -59,6 +72,11 @@ void decode_impl(const T* __restrict q, const T* __restrict k_pool, const T* __r
       for (int64_t t = 0; t < ctx; ++t) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         const T* vr = v_pool + slot * kv_row + h * D;
+        // Blocks sit anywhere in the pool: fetch this head's rows of the block after next
+        // ahead of time (a row a token), since the hardware prefetchers stop at block edges.
+        if (t + 2 * block_size < ctx)
+          prefetch_rows(v_pool, table[t / block_size + 2] * block_size + t % block_size, kv_row,
+                        h * D, D);
         float vf[D];
         for (int d = 0; d < D; ++d) vf[d] = to_float(vr[d]);
         for (int64_t g = 0; g < group; ++g) {
