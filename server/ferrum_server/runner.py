@@ -198,6 +198,9 @@ def _penalty_context(row_items: list[tuple[StepItem, Sequence, int]]) -> list[li
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 * 1024**2  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+# mallopt takes a C int: 4 GiB would wrap to 0, which means "trim on every free", the opposite
+# of the intent (that bug cost ~750k page faults per W1 run).
+_TRIM_THRESHOLD = 2**31 - 1
 
 
 def _keep_freed_memory() -> None:
@@ -213,7 +216,8 @@ def _keep_freed_memory() -> None:
         return
     try:
         libc = ctypes.CDLL(name)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-        libc.mallopt(_M_TRIM_THRESHOLD, 4 * 1024**3)
+        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     except (OSError, AttributeError):
         return
