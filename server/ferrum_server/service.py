@@ -32,6 +32,13 @@ _LOG = logs.get(__name__)
 R = TypeVar("R")
 Handler = Callable[..., Awaitable[R]]
 
+# grpc.aio ends a stream handler's request iterator the same way whether the client half-closed
+# or the connection was lost (a failed read is reported as the end of the stream); the lost
+# connection's cancellation follows a moment later (0.2 ms typical, 2 ms worst seen on a loaded
+# 2-core machine) and only reaches a handler that is still running. A StepStream whose caches
+# are still open waits this long at the end of its requests before it counts as ended normally.
+HALF_CLOSE_GRACE_S = 0.25
+
 
 def _ids(request: Any) -> dict[str, object]:
     """Request and cache ids of a request, for logs (never tokens)."""
@@ -87,12 +94,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         *,
         step_ledger_size: int = 4096,
         release_on_disconnect: bool = True,
+        half_close_grace_s: float = HALF_CLOSE_GRACE_S,
     ) -> None:
         self.engine = engine
         self.notifier = notifier
         self.accepting = False  # flipped on after warmup, off when draining
         self.dispatch = Dispatcher(engine, step_ledger_size)
         self.release_on_disconnect = release_on_disconnect
+        self.half_close_grace_s = half_close_grace_s
 
     def _require_ready(self) -> None:
         if not self.accepting:
@@ -308,7 +317,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
         If the stream ends abnormally (cancelled, connection lost), steps not yet started are
         dropped, and with release_on_disconnect every cache the stream's steps opened or
-        touched is released once the running step has finished.
+        touched is released once the running step has finished. A lost connection can look
+        like a half-close at first, so a normal end waits `half_close_grace_s` for a late
+        cancellation while any of those caches is still open.
         """
         Pending = tuple[int, Ticket[Any] | None, asyncio.Future[pb.UnifiedBatchResponse]]
         # Steps read but not answered yet, oldest first; abandoned if the stream dies.
@@ -352,11 +363,24 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 yield response
                 # Only once delivered: a stream cancelled at the yield still abandons this step.
                 unanswered.popleft()
+            if not broken and self.release_on_disconnect and await self._holds_any(touched):
+                # The requests ended: a half-close, or a lost connection whose cancellation is
+                # still on its way (see HALF_CLOSE_GRACE_S). Stay cancellable until it would
+                # have arrived, or the caches of a dead stream would be kept forever.
+                await asyncio.sleep(self.half_close_grace_s)
             ended_normally = not broken
         finally:
             reader.cancel()
             if not ended_normally:
                 self._abandon_stream(unanswered, touched)
+
+    async def _holds_any(self, cache_ids: set[str]) -> bool:
+        """Whether any of the caches is still open (a client that completed or released them
+        all has nothing a late cancellation could release, so it need not wait)."""
+        if not cache_ids:
+            return False
+        sequences = self.engine.kv.sequences
+        return await self.engine.call(lambda: any(c in sequences for c in cache_ids))
 
     def _abandon_stream(self, unanswered: collections.deque[Any], touched: set[str]) -> None:
         futures = []

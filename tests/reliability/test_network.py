@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -111,10 +111,6 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
     report(tally)
 
 
-# Disconnect detection through the proxy is reliable in its own process but not after dozens
-# of other grpc.aio servers on other event loops have run in the same process (seen in the
-# full suite): .ci/run runs these in a separate `pytest -m isolated` invocation.
-@pytest.mark.isolated
 def test_reset_of_a_step_stream_releases_its_caches(server: InProcessServer) -> None:
     tally = Tally("proxy-reset-stream")
 
@@ -133,7 +129,9 @@ def test_reset_of_a_step_stream_releases_its_caches(server: InProcessServer) -> 
                 assert "streamed" in _live_requests(server)
                 proxy.reset()
                 # The server learns of the reset from its transport; under load that can take
-                # longer than any fixed sleep, so wait for the release, bounded.
+                # longer than any fixed sleep, so wait for the release, bounded. (grpc.aio first
+                # reports the reset as the end of the requests, as for a half-close, and the
+                # cancellation after it: see test_stream_cancelled_just_after_its_requests_end.)
                 for _ in range(300):  # up to 15 s
                     if "streamed" not in _live_requests(server):
                         break
@@ -148,7 +146,6 @@ def test_reset_of_a_step_stream_releases_its_caches(server: InProcessServer) -> 
     report(tally)
 
 
-@pytest.mark.isolated
 def test_half_open_link_times_out_and_recovers(server: InProcessServer) -> None:
     tally = Tally("proxy-half-open")
 
@@ -184,3 +181,70 @@ def test_half_open_link_times_out_and_recovers(server: InProcessServer) -> None:
     assert "silent" not in _live_requests(server)
     tally.blocks_leaked = server.blocks_leaked()
     report(tally)
+
+
+class _Context:
+    """The one thing StepStream asks of its grpc.aio context: no deadline."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+def _stream_after_requests_end(
+    server: InProcessServer, request_id: str, grace_s: float, *, cancel: bool
+) -> None:
+    """Drive StepStream as grpc.aio does: one step, the end of the requests, then (cancel=True)
+    the handler task cancelled a moment later, as when the connection was lost."""
+    from ferrum_server.service import ExecutorServicer
+
+    servicer = ExecutorServicer(
+        server.engine, server.running.servicer.notifier, half_close_grace_s=grace_s
+    )
+    servicer.accepting = True
+    builder = BatchBuilder()
+    builder.add_prefill_chunk(request_id, "", [3, 1, 4, 1, 5], 0, 5)
+    step = pb.StepStreamRequest(step_id=1, batch=pb.UnifiedBatchRequest(items=builder.build()))
+
+    async def scenario() -> None:
+        requests_ended = asyncio.Event()
+
+        async def requests() -> AsyncIterator[pb.StepStreamRequest]:
+            yield step
+            requests_ended.set()
+
+        responses = servicer.StepStream(requests(), _Context())
+        first = await anext(responses)
+        assert first.step_id == 1 and first.HasField("result")
+        rest = asyncio.ensure_future(anext(responses, None))
+        await requests_ended.wait()
+        if not cancel:
+            assert await rest is None  # a half-close ends the stream after the grace
+            return
+        await asyncio.sleep(0.05)  # the cancellation comes after the end of the requests
+        assert not rest.done(), "the stream ended before a late cancellation could reach it"
+        rest.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await rest
+        await servicer.dispatch.settle()
+
+    server.run(scenario())
+
+
+def test_stream_cancelled_just_after_its_requests_end_releases_its_caches(
+    server: InProcessServer,
+) -> None:
+    """grpc.aio reports a lost connection to the request iterator as a plain end of the
+    requests and cancels the handler only afterwards; the stream must still be running then,
+    or the lost stream's caches would be kept (the old flake of the proxy reset test)."""
+    _stream_after_requests_end(server, "late-cancel", 30.0, cancel=True)
+    assert "late-cancel" not in _live_requests(server)
+    assert server.blocks_leaked() == 0
+
+
+def test_stream_half_closed_keeps_its_caches(server: InProcessServer) -> None:
+    """A client that half-closes after its answers keeps its caches (it releases them)."""
+    _stream_after_requests_end(server, "half-closed", 0.01, cancel=False)
+    live = {s.request_id: c for c, s in server.engine.kv.sequences.items()}
+    assert "half-closed" in live
+    server.run(server.engine.call(server.engine.release_caches, [live["half-closed"]]))
+    assert server.blocks_leaked() == 0
