@@ -80,7 +80,17 @@ def test_every_documented_metric_is_exported_and_moves(
     client.release_cache(pb.ReleaseCacheRequest(cache_id=again.cache_id))
     with pytest.raises(ExecutorError):
         client.decode(pb.DecodeRequest(cache_id="missing", input_token=1))
+    # A failed call's handled counter moves when the aborted handler unwinds, which can be just
+    # after the client already holds the status: scrape until it shows (bounded).
+    not_found = {"grpc_method": "Decode", "grpc_code": "NOT_FOUND"}
+    baseline = _value(before, "grpc_server_handled_total", **not_found)
+    deadline = time.monotonic() + 5
     after = _scrape(live_server.metrics_url)
+    while _value(after, "grpc_server_handled_total", **not_found) <= baseline:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+        after = _scrape(live_server.metrics_url)
     for name, kind, _, _ in METRIC_DOCS:
         exported = f"{name}_count" if kind == "histogram" else name
         assert exported in after, f"{name} is not exported"
