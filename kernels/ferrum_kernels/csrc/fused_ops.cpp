@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 #include <cstdint>
 
 #include "common.h"
@@ -187,6 +188,7 @@ template <typename T>
 void causal_softmax_rows(T* scores, int64_t rows, int64_t width, int64_t block_rows,
                          int64_t offset) {
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> e(width);
     for (int64_t i = begin; i < end; ++i) {
       T* row = scores + i * width;
       // Row r of a block of queries sees keys [0, offset + r]; the rest are the future.
@@ -194,10 +196,12 @@ void causal_softmax_rows(T* scores, int64_t rows, int64_t width, int64_t block_r
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < seen; ++j) mx = std::max(mx, Elem<T>::load(row, j));
       float sum = 0.f;
-      for (int64_t j = 0; j < seen; ++j) sum += std::exp(Elem<T>::load(row, j) - mx);
+      for (int64_t j = 0; j < seen; ++j) {
+        e[j] = std::exp(Elem<T>::load(row, j) - mx);
+        sum += e[j];
+      }
       const float inv = 1.f / sum;
-      for (int64_t j = 0; j < seen; ++j)
-        Elem<T>::store(row, j, std::exp(Elem<T>::load(row, j) - mx) * inv);
+      for (int64_t j = 0; j < seen; ++j) Elem<T>::store(row, j, e[j] * inv);
       for (int64_t j = seen; j < width; ++j) Elem<T>::store(row, j, 0.f);
     }
   });
