@@ -2,9 +2,11 @@
 
 Policy, per step:
 
-* a token budget (``max_step_tokens``) shared by decodes (one token each, packed first so
-  inter-token latency stays low) and prefill chunks (first come, first served, a prompt split
-  across steps when the budget runs out), all in one unified batch;
+* a token budget shared by decodes (one token each, packed first so inter-token latency stays
+  low) and prefill chunks (first come, first served, a prompt split across steps when the budget
+  runs out), all in one unified batch; the budget is ``max_step_tokens``, lowered when needed so
+  the step is predicted to take about ``target_step_ms`` (``step_cost``), which bounds
+  inter-token latency during a prefill burst on any device;
 * admission through the executor's capacity answers: ``TryAdmitPrefill`` admits, defers (the
   scheduler then parks on ``WaitForCapacityChange`` for exactly the sources named, never
   polling) or rejects; a decode the executor defers because its sequence cannot grow preempts
@@ -49,6 +51,7 @@ from typing import Protocol, runtime_checkable
 from ferrum_client.batch import GREEDY, SamplingOptions, fill_sampling_columns
 from ferrum_client.handles import AsyncExecutorClient, StepStream
 from ferrum_client.pb import executor_pb2 as pb
+from ferrum_client.step_cost import StepCostModel
 
 # Item statuses (numerically the proto's ItemStatus).
 STATUS_INTERMEDIATE = 1
@@ -59,6 +62,10 @@ STATUS_FAILED = 5
 
 KIND_PREFILL = 1  # pb.ITEM_KIND_PREFILL_CHUNK
 KIND_DECODE = 2  # pb.ITEM_KIND_DECODE
+# Prefill tokens a step may always carry beside its decodes, however tight the step-time target.
+MIN_PREFILL_TOKENS = 32
+# Step-time target of SchedulerConfig (milliseconds).
+DEFAULT_TARGET_STEP_MS = 200.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +91,17 @@ class SchedulerConfig:
     # worth it when steps are short next to the round trip (GPU); on CPU depth 1 measured
     # faster, so it is the default.
     pipeline_depth: int = 1
+    # Size each step so the executor is predicted to run it in about this long (a fit of its
+    # reported step times, see step_cost), within max_step_tokens: it bounds inter-token latency
+    # while prompts are prefilled, on any device and dtype. 0 = always max_step_tokens. Steps
+    # far shorter than the target (a GPU) simply run at max_step_tokens.
+    target_step_ms: float = DEFAULT_TARGET_STEP_MS
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1 or self.max_running < 1 or self.pipeline_depth < 1:
             raise ValueError("max_step_tokens, max_running and pipeline_depth must be >= 1")
+        if self.target_step_ms < 0:
+            raise ValueError("target_step_ms must be >= 0 (0 = off)")
 
 
 @dataclass(slots=True)
@@ -364,6 +378,7 @@ class Scheduler:
         )
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
+        self.cost = StepCostModel()  # step time vs tokens, for target_step_ms
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._by_index: dict[int, _Request] = {}
@@ -498,10 +513,10 @@ class Scheduler:
     def _plan(self, steps_in_flight: int) -> _InFlight | None:
         """Build and submit the next step from requests not already in flight."""
         config = self.config
-        budget = config.max_step_tokens
         items: list[PlannedItem] = []
         members: list[_Request] = []
         decoding = sum(1 for r in self._running if not r.in_prefill)
+        budget = planned = self._step_budget(decoding)
         # Split decodes across the pipeline so consecutive steps carry alternating cohorts.
         decode_cap = math.ceil(decoding / config.pipeline_depth) if steps_in_flight == 0 else None
         num_decodes = 0
@@ -550,7 +565,7 @@ class Scheduler:
         for request in members:
             request.in_flight = True
         self.stats.steps += 1
-        self.stats.step_tokens.append(config.max_step_tokens - budget)
+        self.stats.step_tokens.append(planned - budget)
         record = StepRecord(
             submitted_s=time.perf_counter(),
             finished_s=0.0,
@@ -562,13 +577,29 @@ class Scheduler:
         )
         return _InFlight(self.backend.submit(items), members, record)
 
+    def _step_budget(self, decoding: int) -> int:
+        """Tokens the next step may hold: max_step_tokens, or what the step-time target allows
+        (never so few that running decodes are left out or prefill stops advancing)."""
+        config = self.config
+        if config.target_step_ms <= 0:
+            return config.max_step_tokens
+        floor = min(config.max_step_tokens, decoding + MIN_PREFILL_TOKENS)
+        return self.cost.budget(config.target_step_ms / 1e3, config.max_step_tokens, floor)
+
+    def _observe_cost(self, record: StepRecord) -> None:
+        timing = record.timing
+        # The executor's own time for the step; the round trip only when it reports none.
+        engine_ns = timing.forward_ns + timing.sample_ns
+        seconds = engine_ns / 1e9 if engine_ns > 0 else record.finished_s - record.submitted_s
+        self.cost.observe(record.num_decodes + record.num_prefill_tokens, seconds)
+
     async def _finish(self, step: _InFlight) -> list[tuple[int, int]]:
         """Apply one step's results: record tokens, retire finished requests, preempt."""
         result = await step.result
         now = time.perf_counter()
-        self.stats.records.append(
-            dataclasses.replace(step.record, finished_s=now, timing=result.timing)
-        )
+        record = dataclasses.replace(step.record, finished_s=now, timing=result.timing)
+        self.stats.records.append(record)
+        self._observe_cost(record)
         events: list[tuple[int, int]] = []
         blocked: list[_Request] = []
         statuses, committed, tokens = result.statuses, result.committed_tokens, result.token_ids

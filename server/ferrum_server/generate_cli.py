@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ferrum_client.scheduler import DEFAULT_TARGET_STEP_MS
+
 from ferrum_server.config import DTYPES
 
 
@@ -42,6 +44,12 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--stop-token-ids", default="", help="comma-separated ids")
     parser.add_argument("--max-step-tokens", type=int, default=512)
+    parser.add_argument(
+        "--target-step-ms",
+        type=float,
+        default=DEFAULT_TARGET_STEP_MS,
+        help="lower the step budget so a step takes about this long (0 = fixed budget)",
+    )
     parser.add_argument("--pipeline-depth", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print all results as JSON at the end")
 
@@ -81,7 +89,9 @@ async def _generate(target: str, args: argparse.Namespace) -> dict[str, Any]:
         scheduler = Scheduler(
             client,
             SchedulerConfig(
-                max_step_tokens=args.max_step_tokens, pipeline_depth=args.pipeline_depth
+                max_step_tokens=args.max_step_tokens,
+                pipeline_depth=args.pipeline_depth,
+                target_step_ms=args.target_step_ms,
             ),
         )
         params = GenerationParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stops)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ferrum_client.scheduler import DEFAULT_TARGET_STEP_MS
+
 from ferrum_server.config import DTYPES
 
 
@@ -45,7 +47,16 @@ def register_tool_commands(sub: Any) -> None:
     bench.add_argument("--rate", type=float, default=4.0, help="online: requests per second")
     bench.add_argument("--max-step-tokens", type=int, default=512, help="scheduler budget")
     bench.add_argument(
-        "--budgets", type=_csv_ints, default=[], help="extra budgets to run (trade-off table)"
+        "--target-step-ms",
+        type=float,
+        default=DEFAULT_TARGET_STEP_MS,
+        help="scheduler step-time target (0 = fixed budget)",
+    )
+    bench.add_argument(
+        "--budgets",
+        type=_csv_ints,
+        default=[],
+        help="fixed budgets (no step-time target) to run as well: the trade-off table",
     )
     bench.add_argument("--pipeline-depth", type=int, default=1)
     bench.add_argument(
@@ -78,6 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         mode=args.mode,
         rate=args.rate,
         max_step_tokens=args.max_step_tokens,
+        target_step_ms=args.target_step_ms,
         budgets=args.budgets,
         pipeline_depth=args.pipeline_depth,
         extra_depths=args.extra_depths,

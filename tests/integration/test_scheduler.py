@@ -5,6 +5,7 @@ and the in-process backend runs the same policy to the same outputs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -212,3 +213,41 @@ def test_in_process_backend_waits_for_capacity_without_polling(server: LiveServe
     )
     # The backend's notifier unsubscribed on close; only the engine's gauge listener is left.
     assert engine.kv.clock.listeners == [engine.publish_gauges]
+
+
+def test_step_time_target_lowers_the_budget_and_keeps_decodes(server: LiveServer) -> None:
+    """With a step-time target the budget follows the executor's reported step times: a
+    synthetic cost of 5 ms + 1 ms per token and a 40 ms target allow 35 tokens a step."""
+    from ferrum_client.scheduler import GrpcBackend, StepResult, StepTiming
+
+    class SyntheticTiming(GrpcBackend):
+        def submit(self, items):  # type: ignore[no-untyped-def]
+            tokens = sum(len(item.tokens) for item in items)
+            pending = super().submit(items)
+
+            async def timed() -> StepResult:
+                result = await pending
+                ns = (5 + tokens) * 1_000_000
+                return dataclasses.replace(result, timing=StepTiming(0, ns, 0, ns))
+
+            return timed()
+
+    prompts = _prompts(8, 12, 30, 90)
+    config = SchedulerConfig(max_step_tokens=128, target_step_ms=40)
+
+    async def scenario() -> Scheduler:
+        async with AsyncExecutorClient(server.target) as client:
+            scheduler = Scheduler(SyntheticTiming(client), config)
+            results = await scheduler.generate(prompts, GenerationParams(max_new_tokens=8))
+            assert [r.finish_reason for r in results] == ["length"] * len(prompts)
+        return scheduler
+
+    scheduler = server.run(scenario())
+    records = scheduler.stats.records
+    # The first steps run at max_step_tokens while the model learns; then none exceeds the
+    # 35 tokens the target allows, unless running decodes alone need more (the floor).
+    learned = records[scheduler.cost.min_observations :]
+    assert any(r.num_tokens > 35 for r in records[: scheduler.cost.min_observations])
+    assert learned and all(r.num_tokens <= max(35, r.num_decodes + 32) for r in learned)
+    assert any(r.num_prefill_tokens and r.num_decodes for r in learned)
+    _assert_quiescent(server)

@@ -167,6 +167,7 @@ def run_bench(
     mode: str = "offline",
     rate: float = 4.0,
     max_step_tokens: int = 512,
+    target_step_ms: float = 200.0,
     budgets: Sequence[int] = (),
     pipeline_depth: int = 1,
     extra_depths: Sequence[int] = (),
@@ -208,6 +209,7 @@ def run_bench(
             max_new_tokens=workload.max_new_tokens,
             arrivals_s=arrivals,
             max_step_tokens=max_step_tokens,
+            target_step_ms=target_step_ms,
             pipeline_depth=pipeline_depth,
             kv_cache_bytes=workload.kv_cache_bytes,
             torch_threads=torch_threads,
@@ -221,8 +223,9 @@ def run_bench(
         skipped: dict[str, str] = {}
         plan: list[tuple[str, RunSpec]] = [(s, replace(base, system=s)) for s in _systems(compare)]
         for budget in budgets:
-            if budget != max_step_tokens:
-                plan.append((f"ferrum-grpc@{budget}", replace(base, max_step_tokens=budget)))
+            # Fixed budgets (no step-time target): the budget / latency trade-off table.
+            fixed = replace(base, max_step_tokens=budget, target_step_ms=0.0)
+            plan.append((f"ferrum-grpc fixed@{budget}", fixed))
         for depth in extra_depths:
             if depth != pipeline_depth:
                 plan.append((f"ferrum-grpc depth{depth}", replace(base, pipeline_depth=depth)))

@@ -52,6 +52,7 @@ class RunSpec:
     arrivals_s: list[float] | None = None
     max_step_tokens: int = 512
     pipeline_depth: int = 1
+    target_step_ms: float = 200.0  # 0 = fixed budget (the budget trade-off table)
     kv_cache_bytes: int = 1024**3
     torch_threads: int = 0
     hf_batch_size: int = 16
@@ -119,7 +120,9 @@ def _scheduler_run(
 
     params = GenerationParams(max_new_tokens=spec.max_new_tokens)
     config = SchedulerConfig(
-        max_step_tokens=spec.max_step_tokens, pipeline_depth=spec.pipeline_depth
+        max_step_tokens=spec.max_step_tokens,
+        pipeline_depth=spec.pipeline_depth,
+        target_step_ms=spec.target_step_ms,
     )
 
     async def go() -> tuple[float, list[Any], Scheduler]:
@@ -158,6 +161,7 @@ def _scheduler_run(
     notes = {
         "max_step_tokens": spec.max_step_tokens,
         "pipeline_depth": spec.pipeline_depth,
+        "target_step_ms": spec.target_step_ms,
         "max_in_flight": scheduler.stats.max_in_flight,
         "preemptions": scheduler.stats.preemptions,
         "finish_reasons": sorted({r.finish_reason for r in results}),
