@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 for run in 1 2; do
   for dtype in float32 bfloat16; do
     ferrum-executor bench --workload w1 --dtype "$dtype" --compare hf,vllm,inproc \
-      --budgets 256,1024 --extra-depths 2 --output "$OUT/w1-$dtype-offline-$run.json" \
+      --budgets 256,512,1024 --extra-depths 2 --output "$OUT/w1-$dtype-offline-$run.json" \
       | tee "$OUT/w1-$dtype-offline-$run.txt"
   done
 done
