@@ -26,11 +26,12 @@ from ferrum_server.cuda_graphs import (
     graph_batch_sizes,
     graph_capturer_for,
 )
-from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, Step, StepItem
+from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, StepItem
 from ferrum_server.kv.manager import Sequence
 from ferrum_server.models import tiny_config
 from ferrum_server.models.tiny import build_tiny
 from ferrum_server.runner import ModelRunner
+from helpers_engine import greedy_decode
 
 BLOCK = 4
 MAX_SEQ = 48  # -> static block tables of 12 columns
@@ -266,28 +267,7 @@ def eager_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 def _generate(engine: engine_module.Engine, num_requests: int, steps: int) -> list[list[int]]:
     """Greedy tokens of num_requests prompts decoded together for `steps` steps."""
     prompts = [[(11 * r + 3 * i) % 512 for i in range(5 + 3 * r)] for r in range(num_requests)]
-    first = engine.execute(
-        Step(
-            [
-                StepItem(ItemKind.PREFILL_CHUNK, f"r{r}", "", p, 0, len(p))
-                for r, p in enumerate(prompts)
-            ]
-        )
-    )
-    caches = [res.cache_id for res in first.results]
-    tokens = [[res.token_ids[0]] for res in first.results]
-    for _ in range(steps):
-        items = [
-            StepItem(
-                ItemKind.DECODE, f"r{r}", caches[r], [tokens[r][-1]], len(p) + len(tokens[r]) - 1
-            )
-            for r, p in enumerate(prompts)
-        ]
-        for r, res in enumerate(engine.execute(Step(items)).results):
-            tokens[r].append(res.token_ids[0])
-    for cache in caches:
-        engine.release(cache)
-    return tokens
+    return greedy_decode(engine, prompts, steps)
 
 
 @pytest.mark.usefixtures("eager_graphs")

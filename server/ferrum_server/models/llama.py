@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
-from ferrum_kernels.backend import KernelBackend, RmsNormResidualFn, RotaryFn
+from ferrum_kernels.backend import KernelBackend, RmsNormResidualFn, RotaryFn, torch_backend
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
 from ferrum_kernels.cpu_linear import PackedWeight, packed_linear, prepack_linears
-from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
+from ferrum_kernels.layers import rms_norm, silu_and_mul
 from torch import nn
 
 from ferrum_server.models.config import ModelConfig, RopeScaling
@@ -235,22 +235,10 @@ class LayerOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _norm_residual_torch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden = x if residual is None else residual + x  # [T, N]
-    return rms_norm(hidden, weight, eps), hidden
-
-
-def _rotary_torch(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
 # The reference (transformers numerics, any device) and the fused native CPU kernels, which
 # fall back to the reference per call when they cannot serve an input.
-TORCH_OPS = LayerOps(_norm_residual_torch, _rotary_torch, silu_and_mul)
+_REFERENCE = torch_backend()
+TORCH_OPS = LayerOps(_REFERENCE.rms_norm_residual, _REFERENCE.rotary, silu_and_mul)
 CPU_OPS = LayerOps(rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu)
 
 

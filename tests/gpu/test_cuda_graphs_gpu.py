@@ -30,12 +30,13 @@ from ferrum_server.cuda_graphs import (  # noqa: E402
     bucket_for,
     graph_batch_sizes,
 )
-from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, Step, StepItem  # noqa: E402
+from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, StepItem  # noqa: E402
 from ferrum_server.engine import Engine  # noqa: E402
 from ferrum_server.kv.manager import Sequence  # noqa: E402
 from ferrum_server.models import tiny_config  # noqa: E402
 from ferrum_server.models.tiny import build_tiny  # noqa: E402
 from ferrum_server.runner import ModelRunner  # noqa: E402
+from helpers_engine import greedy_decode  # noqa: E402
 
 DEV = torch.device("cuda")
 BLOCK = 16
@@ -149,31 +150,10 @@ def _engine(**overrides: object) -> Engine:
 
 
 def _generate(engine: Engine, num_requests: int, steps: int) -> list[list[int]]:
-    prompts = [
-        [(11 * r + 3 * i) % 512 for i in range(8 + (5 * r) % 24)] for r in range(num_requests)
-    ]
-    first = engine.execute(
-        Step(
-            [
-                StepItem(ItemKind.PREFILL_CHUNK, f"r{r}", "", p, 0, len(p))
-                for r, p in enumerate(prompts)
-            ]
-        )
-    )
-    caches = [res.cache_id for res in first.results]
-    tokens = [[res.token_ids[0]] for res in first.results]
-    for _ in range(steps):
-        items = [
-            StepItem(
-                ItemKind.DECODE, f"r{r}", caches[r], [tokens[r][-1]], len(p) + len(tokens[r]) - 1
-            )
-            for r, p in enumerate(prompts)
-        ]
-        for r, res in enumerate(engine.execute(Step(items)).results):
-            tokens[r].append(res.token_ids[0])
-    for cache in caches:
-        engine.release(cache)
-    return tokens
+    """Greedy tokens of num_requests prompts decoded together for `steps` steps."""
+    lengths = [8 + (5 * r) % 24 for r in range(num_requests)]
+    prompts = [[(11 * r + 3 * i) % 512 for i in range(n)] for r, n in enumerate(lengths)]
+    return greedy_decode(engine, prompts, steps)
 
 
 def test_engine_memory_plan_is_consistent_and_graphs_decode() -> None:
