@@ -7,6 +7,7 @@ a conftest.py of its own).
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,3 +49,22 @@ def start_live_server(**engine_kwargs: object) -> Iterator[LiveServer]:
         asyncio.run_coroutine_threadsafe(running.drain(1.0), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+
+
+TINY_VOCAB = 512
+
+
+def random_prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
+    """`count` prompts of tiny-model token ids with lengths uniform in [low, high], seeded."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)
+    ]
+
+
+def tiny_block_bytes(block_size: int) -> int:
+    """Bytes of one float32 KV block of the tiny model (to size pools in blocks)."""
+    import torch
+    from ferrum_server.models import tiny_config
+
+    return tiny_config().kv_bytes_per_token(torch.float32) * block_size

@@ -12,35 +12,33 @@ import grpc
 import pytest
 from ferrum_client import AsyncExecutorClient, ExecutorClient, ExecutorError, pb
 from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
-from helpers_server import LiveServer, start_live_server
-
-VOCAB = 512
-
-
-def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
-
-
-def _block_bytes(block_size: int) -> int:
-    import torch
-    from ferrum_server.models import tiny_config
-
-    return tiny_config().kv_bytes_per_token(torch.float32) * block_size
+from helpers_server import (
+    TINY_VOCAB,
+    LiveServer,
+    random_prompts,
+    start_live_server,
+    tiny_block_bytes,
+)
 
 
 @pytest.fixture(scope="module")
 def tight() -> Iterator[LiveServer]:
     """24 blocks of 4 tokens: room for about three of the test's requests at once."""
     yield from start_live_server(
-        block_size=4, kv_cache_bytes=24 * _block_bytes(4), max_batch_tokens=256, max_batch_size=16
+        block_size=4,
+        kv_cache_bytes=24 * tiny_block_bytes(4),
+        max_batch_tokens=256,
+        max_batch_size=16,
     )
 
 
 @pytest.fixture(scope="module")
 def roomy() -> Iterator[LiveServer]:
     yield from start_live_server(
-        block_size=4, kv_cache_bytes=4096 * _block_bytes(4), max_batch_tokens=256, max_batch_size=64
+        block_size=4,
+        kv_cache_bytes=4096 * tiny_block_bytes(4),
+        max_batch_tokens=256,
+        max_batch_size=64,
     )
 
 
@@ -48,7 +46,7 @@ def roomy() -> Iterator[LiveServer]:
 def prefix_server() -> Iterator[LiveServer]:
     yield from start_live_server(
         block_size=16,
-        kv_cache_bytes=1024 * _block_bytes(16),
+        kv_cache_bytes=1024 * tiny_block_bytes(16),
         max_batch_tokens=2048,
         max_batch_size=64,
     )
@@ -58,7 +56,7 @@ def prefix_server() -> Iterator[LiveServer]:
 def no_prefix_server() -> Iterator[LiveServer]:
     yield from start_live_server(
         block_size=16,
-        kv_cache_bytes=1024 * _block_bytes(16),
+        kv_cache_bytes=1024 * tiny_block_bytes(16),
         max_batch_tokens=2048,
         max_batch_size=64,
         prefix_caching=False,
@@ -91,7 +89,7 @@ def _run_scheduler(
 def test_small_pool_completes_everything_like_a_large_one(
     tight: LiveServer, roomy: LiveServer, mode: int
 ) -> None:
-    prompts = _prompts(7, 10, 6, 20)
+    prompts = random_prompts(7, 10, 6, 20)
     params = GenerationParams(max_new_tokens=12)
     config = SchedulerConfig(max_step_tokens=32, preemption_mode=mode)  # type: ignore[arg-type]
     expected, _ = _run_scheduler(roomy, prompts, params, SchedulerConfig(max_step_tokens=32))
@@ -147,7 +145,7 @@ def test_bad_admission_requests_are_invalid(tight: LiveServer) -> None:
             pb.TryAdmitPrefillRequest(request_id="a", input_tokens=[], product_prompt_tokens=1),
             pb.TryAdmitPrefillRequest(request_id="a", input_tokens=[1, 2], product_prompt_tokens=1),
             pb.TryAdmitPrefillRequest(
-                request_id="a", input_tokens=[VOCAB], product_prompt_tokens=1
+                request_id="a", input_tokens=[TINY_VOCAB], product_prompt_tokens=1
             ),
             pb.TryAdmitPrefillRequest(input_tokens=[1], product_prompt_tokens=1),
         ):
@@ -283,9 +281,9 @@ def test_shared_prefix_is_computed_once(
     prefix_server: LiveServer, no_prefix_server: LiveServer
 ) -> None:
     rng = random.Random(3)
-    prefix = [rng.randrange(VOCAB) for _ in range(256)]
+    prefix = [rng.randrange(TINY_VOCAB) for _ in range(256)]
     prompts = [
-        prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 24))] for _ in range(32)
+        prefix + [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 24))] for _ in range(32)
     ]
     params = GenerationParams(max_new_tokens=4)
     config = SchedulerConfig(max_step_tokens=2048)

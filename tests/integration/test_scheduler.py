@@ -6,34 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 from collections.abc import Iterator
 
 import pytest
 from ferrum_client import AsyncExecutorClient
 from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
-from helpers_server import LiveServer, start_live_server
-
-VOCAB = 512
-
-
-def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
-
-
-def _block_bytes(block_size: int) -> int:
-    import torch
-    from ferrum_server.models import tiny_config
-
-    return tiny_config().kv_bytes_per_token(torch.float32) * block_size
+from helpers_server import (
+    LiveServer,
+    random_prompts,
+    start_live_server,
+    tiny_block_bytes,
+)
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     yield from start_live_server(
         block_size=4,
-        kv_cache_bytes=2048 * _block_bytes(4),
+        kv_cache_bytes=2048 * tiny_block_bytes(4),
         max_batch_tokens=512,
         max_batch_size=64,
         prefix_caching=False,
@@ -44,7 +34,10 @@ def server() -> Iterator[LiveServer]:
 def small() -> Iterator[LiveServer]:
     """40 blocks of 4 tokens: one long request leaves no room for another."""
     yield from start_live_server(
-        block_size=4, kv_cache_bytes=40 * _block_bytes(4), max_batch_tokens=256, max_batch_size=8
+        block_size=4,
+        kv_cache_bytes=40 * tiny_block_bytes(4),
+        max_batch_tokens=256,
+        max_batch_size=8,
     )
 
 
@@ -71,7 +64,7 @@ def _generate(
 
 
 def test_mixed_batches_equal_single_request_greedy(server: LiveServer) -> None:
-    prompts = _prompts(11, 14, 3, 40)
+    prompts = random_prompts(11, 14, 3, 40)
     lengths = [3 + (i * 5) % 13 for i in range(len(prompts))]  # mixed output lengths
     params = [GenerationParams(max_new_tokens=n) for n in lengths]
     config = SchedulerConfig(max_step_tokens=24, pipeline_depth=2)
@@ -90,7 +83,7 @@ def test_mixed_batches_equal_single_request_greedy(server: LiveServer) -> None:
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_budget_and_chunking_hold_at_every_step(server: LiveServer, depth: int) -> None:
-    prompts = _prompts(5, 10, 20, 70)
+    prompts = random_prompts(5, 10, 20, 70)
     budget = 32
     config = SchedulerConfig(max_step_tokens=budget, pipeline_depth=depth)
     _, reasons, scheduler = _generate(server, prompts, GenerationParams(max_new_tokens=6), config)
@@ -106,7 +99,7 @@ def test_budget_and_chunking_hold_at_every_step(server: LiveServer, depth: int) 
 
 
 def test_stop_token_ends_a_request(server: LiveServer) -> None:
-    prompt = _prompts(9, 1, 12, 12)[0]
+    prompt = random_prompts(9, 1, 12, 12)[0]
     config = SchedulerConfig()
     full, _, _ = _generate(server, [prompt], GenerationParams(max_new_tokens=12), config)
     stop = full[0][4]
@@ -119,7 +112,7 @@ def test_stop_token_ends_a_request(server: LiveServer) -> None:
 
 
 def test_stream_yields_every_token_in_order(server: LiveServer) -> None:
-    prompts = _prompts(3, 4, 5, 30)
+    prompts = random_prompts(3, 4, 5, 30)
 
     async def scenario() -> tuple[dict[int, list[int]], list[list[int]]]:
         async with AsyncExecutorClient(server.target) as client:
@@ -139,7 +132,7 @@ def test_stream_yields_every_token_in_order(server: LiveServer) -> None:
 def test_cancellation_frees_capacity_for_a_waiting_request(small: LiveServer) -> None:
     """A hog holds the pool; the second request waits for capacity; cancelling the hog lets
     it run, and the pool ends whole."""
-    hog, late = _prompts(4, 2, 100, 100)
+    hog, late = random_prompts(4, 2, 100, 100)
 
     async def scenario() -> tuple[list[str], list[int], int]:
         async with AsyncExecutorClient(small.target) as client:
@@ -172,12 +165,12 @@ def test_in_process_backend_matches_grpc(server: LiveServer) -> None:
     from ferrum_server.config import EngineConfig
     from ferrum_server.engine import Engine
 
-    prompts = _prompts(21, 8, 4, 50)
+    prompts = random_prompts(21, 8, 4, 50)
     config = SchedulerConfig(max_step_tokens=40)
     params = GenerationParams(max_new_tokens=7)
     over_grpc, _, _ = _generate(server, prompts, params, config)
     engine = Engine(
-        EngineConfig(block_size=4, kv_cache_bytes=1024 * _block_bytes(4), prefix_caching=False)
+        EngineConfig(block_size=4, kv_cache_bytes=1024 * tiny_block_bytes(4), prefix_caching=False)
     )
     try:
         results = asyncio.run(Scheduler(InProcessBackend(engine), config).generate(prompts, params))
@@ -194,12 +187,12 @@ def test_in_process_backend_waits_for_capacity_without_polling(server: LiveServe
     from ferrum_server.config import EngineConfig
     from ferrum_server.engine import Engine
 
-    prompts = _prompts(23, 8, 6, 20)
+    prompts = random_prompts(23, 8, 6, 20)
     config = SchedulerConfig(max_step_tokens=32)
     params = GenerationParams(max_new_tokens=10)
     expected, _, _ = _generate(server, prompts, params, config)
     engine = Engine(
-        EngineConfig(block_size=4, kv_cache_bytes=24 * _block_bytes(4), prefix_caching=False)
+        EngineConfig(block_size=4, kv_cache_bytes=24 * tiny_block_bytes(4), prefix_caching=False)
     )
     try:
         scheduler = Scheduler(InProcessBackend(engine), config)
@@ -232,7 +225,7 @@ def test_step_time_target_lowers_the_budget_and_keeps_decodes(server: LiveServer
 
             return timed()
 
-    prompts = _prompts(8, 12, 30, 90)
+    prompts = random_prompts(8, 12, 30, 90)
     config = SchedulerConfig(max_step_tokens=128, target_step_ms=40)
 
     async def scenario() -> Scheduler:

@@ -120,6 +120,17 @@ class InProcessServer:
         self.run(self.running.servicer.dispatch.settle())
         self.run(self.engine.call(lambda: None))
 
+    def hold_engine(self, seconds: float) -> asyncio.Future[Any]:
+        """Occupy the engine thread for `seconds`, so that the next calls queue behind it."""
+        return asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self.engine.call(time.sleep, seconds), self.loop)
+        )
+
+    def live_requests(self) -> set[str]:
+        """Request ids of the caches alive once background work has settled."""
+        self.settle()
+        return {s.request_id for s in self.engine.kv.sequences.values()}
+
     def blocks_leaked(self) -> int:
         """Blocks held by live caches (0 after a clean scenario); checks KV invariants too."""
         self.settle()

@@ -158,24 +158,12 @@ def test_real_out_of_memory_errors_take_the_same_path(server: InProcessServer) -
     assert server.blocks_leaked() == 0
 
 
-async def _hold_engine(server: InProcessServer, seconds: float) -> asyncio.Future[Any]:
-    """Occupy the engine thread so that the next calls queue behind this one."""
-    return asyncio.wrap_future(
-        asyncio.run_coroutine_threadsafe(server.engine.call(time.sleep, seconds), server.loop)
-    )
-
-
-def _live_requests(server: InProcessServer) -> set[str]:
-    server.settle()
-    return {s.request_id for s in server.engine.kv.sequences.values()}
-
-
 def test_deadline_and_cancel_before_the_step_starts_run_nothing(server: InProcessServer) -> None:
     tally = Tally("queued-then-cancelled")
 
     async def scenario() -> None:
         steps_before = server.engine.stats.steps
-        hold = await _hold_engine(server, 1.5)
+        hold = server.hold_engine(1.5)
         async with AsyncExecutorClient(server.target, timeout_s=0.3) as short:
             tally.send("late")
             with pytest.raises(ExecutorError) as caught:
@@ -195,7 +183,7 @@ def test_deadline_and_cancel_before_the_step_starts_run_nothing(server: InProces
         assert server.engine.stats.steps == steps_before  # neither step ran
 
     run_scenario(scenario())
-    assert not _live_requests(server) & {"late", "gone"}
+    assert not server.live_requests() & {"late", "gone"}
     assert tally.codes["DEADLINE_EXCEEDED"] == 1
     tally.blocks_leaked = server.blocks_leaked()
     report(tally)
@@ -224,7 +212,7 @@ def test_caller_gone_during_the_step_releases_what_it_opened(
             assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             await asyncio.sleep(1.0)  # the step finishes after its caller left
             plan()
-            assert _live_requests(server) == {"kept"}  # the opened cache was released
+            assert server.live_requests() == {"kept"}  # the opened cache was released
             # The other sequence of that batch is intact and usable (its step committed).
             seq = server.engine.kv.sequences[ref.cache_id]
             assert seq.num_tokens == 3
@@ -271,7 +259,7 @@ def test_abandoned_step_stream_drops_queued_steps(
             await asyncio.sleep(1.0)
             plan()
             assert server.engine.stats.steps == steps_before + 1  # only step 1 ran
-            live = _live_requests(server)
+            live = server.live_requests()
             assert not live & {"s1", "s2", "s3", "s4"}
             assert ("old" in live) is not release_on_disconnect
             if not release_on_disconnect:

@@ -30,17 +30,6 @@ def server() -> Iterator[InProcessServer]:
         yield live
 
 
-def _hold(server: InProcessServer, seconds: float) -> asyncio.Future[object]:
-    return asyncio.wrap_future(
-        asyncio.run_coroutine_threadsafe(server.engine.call(time.sleep, seconds), server.loop)
-    )
-
-
-def _live_requests(server: InProcessServer) -> set[str]:
-    server.settle()
-    return {s.request_id for s in server.engine.kv.sequences.values()}
-
-
 def test_added_latency_changes_nothing_but_time(server: InProcessServer) -> None:
     tally = Tally("proxy-latency[20ms/chunk]")
 
@@ -82,7 +71,7 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                 )
                 opener = BatchBuilder()
                 opener.add_prefill_chunk("no-step-id", "", [1, 2, 3], 0, 3)
-                hold = _hold(server, 0.6)
+                hold = server.hold_engine(0.6)
                 tally.send("with-step-id")
                 tally.send("without-step-id")
                 with_id = asyncio.ensure_future(client.decode(decode))
@@ -101,7 +90,7 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                 assert answer.completed.kv_cache.num_tokens == ref.num_tokens + 1
                 assert server.engine.kv.sequences[ref.cache_id].num_tokens == ref.num_tokens + 1
                 assert server.engine.stats.steps - steps <= 2  # decode once (+ the orphan)
-                assert "no-step-id" not in _live_requests(server)  # orphan's cache released
+                assert "no-step-id" not in server.live_requests()  # orphan's cache released
                 await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
         finally:
             await proxy.close()
@@ -126,17 +115,17 @@ def test_reset_of_a_step_stream_releases_its_caches(server: InProcessServer) -> 
                 tally.send("streamed")
                 await stream.run(pb.UnifiedBatchRequest(items=builder.build()))
                 tally.resolve("streamed")
-                assert "streamed" in _live_requests(server)
+                assert "streamed" in server.live_requests()
                 proxy.reset()
                 # The server learns of the reset from its transport; under load that can take
                 # longer than any fixed sleep, so wait for the release, bounded. (grpc.aio first
                 # reports the reset as the end of the requests, as for a half-close, and the
                 # cancellation after it: see test_stream_cancelled_just_after_its_requests_end.)
                 for _ in range(300):  # up to 15 s
-                    if "streamed" not in _live_requests(server):
+                    if "streamed" not in server.live_requests():
                         break
                     await asyncio.sleep(0.05)
-                assert "streamed" not in _live_requests(server)
+                assert "streamed" not in server.live_requests()
                 await stream.__aexit__(None, None, None)
         finally:
             await proxy.close()
@@ -178,7 +167,7 @@ def test_half_open_link_times_out_and_recovers(server: InProcessServer) -> None:
             await proxy.close()
 
     run_scenario(scenario())
-    assert "silent" not in _live_requests(server)
+    assert "silent" not in server.live_requests()
     tally.blocks_leaked = server.blocks_leaked()
     report(tally)
 
@@ -237,7 +226,7 @@ def test_stream_cancelled_just_after_its_requests_end_releases_its_caches(
     requests and cancels the handler only afterwards; the stream must still be running then,
     or the lost stream's caches would be kept (the old flake of the proxy reset test)."""
     _stream_after_requests_end(server, "late-cancel", 30.0, cancel=True)
-    assert "late-cancel" not in _live_requests(server)
+    assert "late-cancel" not in server.live_requests()
     assert server.blocks_leaked() == 0
 
 
