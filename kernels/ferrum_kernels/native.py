@@ -26,7 +26,7 @@ from typing import Any
 __all__ = ["available", "load"]
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("decode_attention.cpp", "fused_ops.cpp")
+_SOURCES = ("decode_attention.cpp", "fused_ops.cpp", "sampling.cpp")
 _FUNCTIONS = [
     "decode_attention",
     "rms_norm",
@@ -34,6 +34,7 @@ _FUNCTIONS = [
     "silu_and_mul",
     "rotary_",
     "causal_softmax_",
+    "argmax_logsumexp",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]
 

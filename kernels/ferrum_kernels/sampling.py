@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ferrum_kernels import native
+
 __all__ = [
     "SampleOutput",
     "SamplingTensors",
@@ -324,6 +326,21 @@ def _draw_filtered(
     return sorted_ids.gather(-1, choice).squeeze(-1)  # [N]
 
 
+def _argmax_logsumexp(raw: Tensor) -> tuple[Tensor, Tensor]:
+    """Row argmax and logsumexp of raw [N, V] -> ([N] int64, [N] float32).
+
+    On CPU one native kernel reads each row twice while it sits in cache (torch's logsumexp
+    alone makes five passes and an [N, V] temporary). Rows with a NaN or an infinity are left to
+    torch, whose semantics for them are the reference.
+    """
+    module = native.load() if raw.device.type == "cpu" and raw.shape[-1] > 0 else None
+    if module is not None:
+        ids, lse, finite = module.argmax_logsumexp(raw)
+        if bool(finite.all()):
+            return ids, lse
+    return raw.argmax(dim=-1), torch.logsumexp(raw, dim=-1)
+
+
 def sample(logits: Tensor, params: SamplingTensors) -> SampleOutput:
     """Pick one token per row. logits: [N, V] float32, unmodified model output."""
     raw = logits.float()  # [N, V]; no-op for float32
@@ -343,7 +360,8 @@ def sample(logits: Tensor, params: SamplingTensors) -> SampleOutput:
         x = x.masked_fill(disallowed, -math.inf)
         greedy_rows = greedy_rows | ~any_allowed
 
-    greedy_ids = x.argmax(dim=-1)  # [N]
+    raw_ids, lse = _argmax_logsumexp(raw)  # [N], [N]
+    greedy_ids = raw_ids if x is raw else x.argmax(dim=-1)  # [N]
     if params.all_greedy:
         token_ids = greedy_ids
     else:
@@ -360,7 +378,6 @@ def sample(logits: Tensor, params: SamplingTensors) -> SampleOutput:
         token_ids = torch.where(greedy_rows, greedy_ids, sampled_ids)  # [N]
 
     # Log-probs via logsumexp rather than a materialised [N, V] log_softmax.
-    lse = torch.logsumexp(raw, dim=-1)  # [N]
     chosen = raw.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse  # [N]
     k = min(params.num_logprobs, vocab)
     if k > 0:

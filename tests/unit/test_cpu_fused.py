@@ -89,3 +89,29 @@ def test_the_model_runs_the_fused_kernels_after_prepacking() -> None:
     assert model._ops is TORCH_OPS
     model.prepack_for_cpu()
     assert model._ops is CPU_OPS
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_logsumexp_matches_torch_with_first_index_ties(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    logits = (4 * torch.randn(9, 5003)).to(dtype)
+    logits[2, 17] = logits[2, 4000] = logits[2].max() + 1  # a tie: the lower id must win
+    ids, lse, finite = native.load().argmax_logsumexp(logits)
+    wide = logits.float()
+    assert torch.equal(ids, wide.argmax(dim=-1))
+    assert ids[2].item() == 17
+    torch.testing.assert_close(lse, torch.logsumexp(wide, dim=-1), atol=1e-5, rtol=1e-6)
+    assert bool(finite.all())
+
+
+def test_rows_with_nan_or_infinity_are_flagged_and_sample_keeps_torch_semantics() -> None:
+    from ferrum_kernels.sampling import SamplingTensors, sample
+
+    logits = torch.randn(4, 300)
+    logits[1, 5] = float("nan")
+    logits[3, 9] = float("inf")
+    _, _, finite = native.load().argmax_logsumexp(logits)
+    assert finite.tolist() == [True, False, True, False]
+    out = sample(logits, SamplingTensors.greedy(4, "cpu"))
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))  # first NaN, then the infinity
+    assert torch.equal(out.logprobs.isnan(), torch.tensor([False, True, False, True]))

@@ -1,0 +1,84 @@
+// Greedy choice and log-normaliser of each logits row in two cache-resident passes, for the CPU
+// path. torch runs argmax, then logsumexp as amax, subtract (a fresh [N, V] tensor), exp, sum and
+// log: five passes and a temporary at vocabulary width. Here a row (128 KB at V = 32000) is read
+// once for the maximum and its first index, then once more, still in L2, for the sum of
+// exponentials.
+//
+// -ffast-math lets the compiler assume no NaN or infinity, so a row holding one is detected with
+// integer bit tests instead and reported through `finite`; the caller recomputes those rows with
+// torch, which defines the answer for them (argmax picks the first NaN, logsumexp propagates it).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#include "common.h"
+
+namespace {
+
+using ferrum::Elem;
+
+inline bool exponent_all_ones(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return (u & 0x7f800000u) == 0x7f800000u;
+}
+
+template <typename T>
+void argmax_lse_rows(const T* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* ids,
+                     float* lse, bool* finite) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = logits + r * stride;
+      // Exponent bits all ones = NaN or infinity; an OR-reduction keeps the loop vectorised.
+      uint32_t special = 0;
+      float mx = Elem<T>::load(row, 0);
+#pragma omp simd reduction(max : mx) reduction(| : special)
+      for (int64_t i = 0; i < vocab; ++i) {
+        const float v = Elem<T>::load(row, i);
+        special |= static_cast<uint32_t>(exponent_all_ones(v));
+        mx = std::max(mx, v);
+      }
+      // The first index holding the maximum (torch's tie rule); usually early-exits fast since
+      // it is a plain equality scan.
+      int64_t best = 0;
+      while (best < vocab && Elem<T>::load(row, best) != mx) ++best;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < vocab; ++i) sum += std::exp(Elem<T>::load(row, i) - mx);
+      ids[r] = best;
+      lse[r] = mx + std::log(sum);
+      finite[r] = special == 0 && best < vocab;
+    }
+  });
+}
+
+}  // namespace
+
+// logits [N, V] float32 or bfloat16 (unit inner stride) -> (argmax [N] int64,
+// logsumexp [N] float32, finite [N] bool: False where the row holds a NaN or an infinity and the
+// first two results are meaningless).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "logits must be [N, V] with V > 0 and unit inner stride");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  auto ids = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  auto lse = torch::empty({rows}, logits.options().dtype(torch::kFloat));
+  auto finite = torch::empty({rows}, logits.options().dtype(torch::kBool));
+  if (logits.scalar_type() == torch::kFloat) {
+    argmax_lse_rows<float>(logits.data_ptr<float>(), logits.stride(0), rows, vocab,
+                           ids.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                           finite.data_ptr<bool>());
+  } else if (logits.scalar_type() == torch::kBFloat16) {
+    argmax_lse_rows<uint16_t>(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
+                              logits.stride(0), rows, vocab, ids.data_ptr<int64_t>(),
+                              lse.data_ptr<float>(), finite.data_ptr<bool>());
+  } else {
+    TORCH_CHECK(false, "argmax_logsumexp: unsupported dtype ", logits.scalar_type());
+  }
+  return {ids, lse, finite};
+}
