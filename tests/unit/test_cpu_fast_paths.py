@@ -120,7 +120,15 @@ def test_fast_path_matches_transformers_greedy(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_kernel_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("block", "kv_heads", "head_dim", "heads"),
+    # W1's shape; a masked bfloat16 tail (80) with block 8; one KV head for all (G = 4) with
+    # blocks longer than the 16-token score tile; and no grouping at all.
+    [(16, 2, 64, 6), (8, 2, 80, 8), (32, 1, 128, 4), (16, 4, 32, 4)],
+)
+def test_native_decode_kernel_matches_reference(
+    dtype: torch.dtype, block: int, kv_heads: int, head_dim: int, heads: int
+) -> None:
     import math
     import random
 
@@ -131,8 +139,7 @@ def test_native_decode_kernel_matches_reference(dtype: torch.dtype) -> None:
         pytest.skip("no C++ toolchain for the native kernel")
     torch.manual_seed(0)
     rng = random.Random(0)
-    block, kv_heads, head_dim, heads = 16, 2, 64, 6
-    contexts = [rng.randint(1, 90) for _ in range(9)]
+    contexts = [rng.randint(1, 90) for _ in range(9)] + [1, 16, 17, 33]
     num_blocks = sum(math.ceil(c / block) for c in contexts) + 3
     kv = torch.randn(2, num_blocks, block, kv_heads, head_dim, dtype=dtype)
     free = list(range(num_blocks))
