@@ -4,9 +4,11 @@ Decode attention is memory-bound: each decode reads its whole K/V history once. 
 alone that history must first be gathered out of the paged pool into a dense buffer (a copy as
 large as what is read), then read again by the matmuls, and padded to the longest item of its
 group. This kernel walks each item's block table and reads K/V rows straight from the pool:
-one pass over the history, no padding, no temporaries. Work is split over (item, KV head)
-pairs with ATen's parallel_for; the G query heads sharing a KV head are scored together so each
-K/V row is loaded once for all of them. Scores and softmax are float32 whatever the pool dtype.
+one pass over the history, no padding, no temporaries. With AVX-512 each item is one unit of
+work (handed to threads dynamically, since lengths differ), read a whole token row at a time;
+the scores of 16 tokens come out of one transpose-reduce rather than 16 horizontal sums, and
+bfloat16 dot products use vdpbf16ps where the CPU has it. Scores and softmax are float32
+whatever the pool dtype.
 
 The C++ source is ``csrc/decode_attention.cpp``, built by ``ferrum_kernels.native``. When it
 cannot be built, or ``FERRUM_CPU_NATIVE=0``, ``decode_attention`` returns None and callers keep

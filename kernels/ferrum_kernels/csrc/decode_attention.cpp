@@ -1,11 +1,13 @@
 // Decode attention over the paged KV pool for the CPU path (see cpu_decode.py for why).
 //
-// One work unit is an (item, KV head) pair; the G query heads that share the KV head are scored
-// together so each K/V row is converted to float32 once for all of them. Two passes over the
-// history: scores, then the probability-weighted sum of V. Scores and softmax are float32
-// whatever the pool dtype.
+// Two passes over each item's history: scores, then the probability-weighted sum of V. Scores and
+// softmax are float32 whatever the pool dtype. With AVX-512 (decode_items_avx512) a work unit is
+// a whole item, read token row by token row across all KV heads; the portable fallback
+// (decode_impl) works per (item, KV head), scoring the G query heads that share a KV head
+// together so each K/V row is converted to float32 once for all of them.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <c10/util/BFloat16.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -90,33 +92,102 @@ inline __m512 partial_dot(const c10::BFloat16* q, const c10::BFloat16* k) {
   return acc;
 }
 
-// Scores of G query rows against tokens [0, ctx) of one KV head, 16 tokens at a time:
-// scores[g * ctx + t] = scale * q_g . k_t.
+// Sixteen float32 values of a row starting at p (a bfloat16 row is widened).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Prefetch a whole token row (every KV head) of the pool.
+template <typename T>
+inline void prefetch_token(const T* pool, int64_t slot, int64_t kv_row) {
+  const char* p = reinterpret_cast<const char*>(pool + slot * kv_row);
+  for (int64_t b = 0; b < kv_row * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(p + b);
+}
+
+// One work unit is a whole item: its blocks are read front to back, every KV head of a token
+// row at once (a row is contiguous in the pool), 16 tokens per tile. Per tile and query head,
+// the 16 dot products come out of one transpose-reduce (reduce16) instead of 16 horizontal
+// sums; V is accumulated per query head in registers over the tile.
 template <typename T, int D>
-void score_tokens(const T* qrow, const T* k_pool, const int64_t* table, int64_t ctx,
-                  int64_t block_size, int64_t kv_row, int64_t head_offset, int64_t group,
-                  float scale, float* scores) {
-  const T* rows[16];
-  __m512 part[16];
-  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, ctx - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j;
-      rows[j] = k_pool + (table[t / block_size] * block_size + t % block_size) * kv_row +
-                head_offset;
-      // Blocks sit anywhere in the pool, so the hardware prefetchers stop at block edges:
-      // fetch the row two blocks ahead now.
-      if (t + 2 * block_size < ctx)
-        prefetch_rows(k_pool,
-                      table[t / block_size + 2] * block_size + t % block_size, kv_row,
-                      head_offset, D);
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const T* qg = qrow + g * D;
-      for (int64_t j = 0; j < n; ++j) part[j] = partial_dot<D>(qg, rows[j]);
-      for (int64_t j = n; j < 16; ++j) part[j] = _mm512_setzero_ps();
-      const __m512 s = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + g * ctx + t0, static_cast<__mmask16>((1u << n) - 1), s);
+void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
+                         const T* __restrict v_pool, const int64_t* __restrict tables,
+                         const int64_t* __restrict lens, const int64_t* __restrict rows,
+                         T* __restrict out, int64_t n_items, int64_t table_width,
+                         int64_t block_size, int64_t n_kv_heads, int64_t group,
+                         int64_t q_row_stride, float scale) {
+  static_assert(D % 16 == 0, "rows are read 16 lanes at a time");
+  constexpr int C = D / 16;  // 16-lane chunks per head row
+  const int64_t kv_row = n_kv_heads * D;
+  const int64_t heads = n_kv_heads * group;
+  // Items differ in length: hand them out one at a time rather than in equal static halves.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> scores, acc(heads * D), inv(heads);
+    const T* tile[16];
+    __m512 part[16];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_items; ++item) {
+      const int64_t ctx = lens[item];
+      const int64_t* table = tables + item * table_width;
+      const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
+      scores.resize(heads * ctx);                     // [H, ctx]
+      auto fill_tile = [&](const T* pool, int64_t t0, int64_t n) {
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t t = t0 + j;
+          tile[j] = pool + (table[t / block_size] * block_size + t % block_size) * kv_row;
+          // Blocks sit anywhere in the pool and the hardware prefetchers stop at block edges:
+          // fetch the row two blocks ahead now.
+          if (t + 2 * block_size < ctx)
+            prefetch_token(pool, table[t / block_size + 2] * block_size + t % block_size,
+                           kv_row);
+        }
+      };
+      for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, ctx - t0);
+        fill_tile(k_pool, t0, n);
+        for (int64_t j = n; j < 16; ++j) part[j] = _mm512_setzero_ps();
+        for (int64_t hq = 0; hq < heads; ++hq) {
+          const int64_t off = (hq / group) * D;
+          for (int64_t j = 0; j < n; ++j) part[j] = partial_dot<D>(qrow + hq * D, tile[j] + off);
+          const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
+          _mm512_mask_storeu_ps(scores.data() + hq * ctx + t0,
+                                static_cast<__mmask16>((1u << n) - 1), sc);
+        }
+      }
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        float* sh = scores.data() + hq * ctx;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sh[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) {
+          sh[t] = std::exp(sh[t] - mx);
+          sum += sh[t];
+        }
+        inv[hq] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, ctx - t0);
+        fill_tile(v_pool, t0, n);
+        for (int64_t hq = 0; hq < heads; ++hq) {
+          const int64_t off = (hq / group) * D;
+          const float* ph = scores.data() + hq * ctx + t0;
+          float* ah = acc.data() + hq * D;
+          __m512 a[C];
+          for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ah + 16 * c);
+          for (int64_t j = 0; j < n; ++j) {
+            const __m512 p = _mm512_set1_ps(ph[j]);
+            for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, load16(tile[j] + off + 16 * c), a[c]);
+          }
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, a[c]);
+        }
+      }
+      T* orow = out + item * heads * D;
+      for (int64_t hq = 0; hq < heads; ++hq)
+        for (int d = 0; d < D; ++d) orow[hq * D + d] = static_cast<T>(acc[hq * D + d] * inv[hq]);
     }
   }
 }
@@ -138,16 +209,6 @@ void decode_impl(const T* __restrict q, const T* __restrict k_pool, const T* __r
       const T* qrow = q + rows[item] * q_row_stride + h * group * D;
       for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qrow[i]) * scale;
       scores.resize(group * ctx);
-#if defined(__AVX512F__)
-      score_tokens<T, D>(qrow, k_pool, table, ctx, block_size, kv_row, h * D, group, scale,
-                         scores.data());
-      for (int64_t g = 0; g < group; ++g) {
-        const float* sg = scores.data() + g * ctx;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sg[t]);
-        maxes[g] = mx;
-      }
-#else
       for (int64_t g = 0; g < group; ++g) maxes[g] = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < ctx; ++t) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
@@ -167,7 +228,6 @@ void decode_impl(const T* __restrict q, const T* __restrict k_pool, const T* __r
           if (s > maxes[g]) maxes[g] = s;
         }
       }
-#endif
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * ctx;
         float sum = 0.f;
@@ -209,7 +269,12 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
   const int64_t head_dim = q.size(2);
   auto run = [&](auto dim_tag) {
     constexpr int D = decltype(dim_tag)::value;
-    decode_impl<T, D>(q.data_ptr<T>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(),
+#if defined(__AVX512F__)
+    decode_items_avx512<T, D>(
+#else
+    decode_impl<T, D>(
+#endif
+                      q.data_ptr<T>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(),
                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                       rows.data_ptr<int64_t>(), out.data_ptr<T>(), rows.size(0),
                       tables.size(1), block_size, n_kv_heads, group, q.stride(0),
