@@ -9,10 +9,16 @@ the same math up to float rounding), but cheaper in the ways that matter on a CP
   can be built; otherwise they are sorted by context length and attended in small groups, so
   the padding of a group is a few blocks rather than "every item padded to the longest", and
   each group's gathered K/V (a few MB) is still in cache when the two matmuls read it.
-* A prefill chunk that starts at position 0 attends over its own fresh K/V (no gather at all).
-* Scores are two batched GEMMs with a float32 softmax between them (transformers' "eager"
-  numerics); prefill queries go in blocks so the causal upper triangle is mostly skipped. On CPU
-  this runs about 3x ahead of ``scaled_dot_product_attention``'s flash kernel for these shapes.
+* Prefill chunks go to another native kernel (``csrc/prefill_attention.cpp``) when it is built
+  with AVX-512: all chunks of the step in one call, K/V read from the pool through each chunk's
+  block table and packed once per (chunk, KV head), then groups of query rows scored over
+  exactly the keys they see, a float32 softmax and PV, with scores in L1/L2 and outputs in
+  registers (vdpbf16ps in bfloat16). It replaces about six ATen ops and two copies per 64
+  queries, and runs 2-3x ahead of them on the W1 shapes.
+* Without it, a prefill chunk that starts at position 0 attends over its own fresh K/V (no
+  gather at all); scores are two batched GEMMs with a float32 softmax between them
+  (transformers' "eager" numerics), queries in blocks so the causal upper triangle is mostly
+  skipped (about 3x ahead of ``scaled_dot_product_attention``'s CPU flash kernel).
 """
 
 from __future__ import annotations
@@ -26,13 +32,21 @@ from ferrum_kernels import native
 from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.cpu_decode import decode_attention
 
-__all__ = ["CpuAttentionPlan", "Workspace", "cpu_paged_attention"]
+__all__ = ["NATIVE_PREFILL", "CpuAttentionPlan", "Workspace", "cpu_paged_attention"]
 
 # Decodes per group: small enough that a group's gathered K/V stays in cache, large enough that
 # the per-group overhead (a handful of ops) is amortised.
 DECODE_GROUP = 8
 # Query rows per block of a prefill chunk (see _chunk).
 Q_BLOCK = 64
+# The native prefill kernel packs each chunk's keys in tiles of this many positions.
+_KEY_TILE = 16
+# The native prefill kernel takes head dims of whole 16-lane vectors, in these dtypes.
+_PREFILL_DIM_MULTIPLE = 16
+_PREFILL_DTYPES = (torch.float32, torch.bfloat16)
+# Whether prefill chunks may use the native kernel (tests and benchmarks switch it off to
+# compare with the torch path).
+NATIVE_PREFILL = True
 
 
 class Workspace:
@@ -80,6 +94,10 @@ class CpuAttentionPlan:
     decode_rows: torch.Tensor  # [N] int64
     decode_tables: torch.Tensor  # [N, W] int64
     decode_lens: torch.Tensor  # [N] int64
+    # All chunks at once, for the native prefill kernel.
+    chunk_info: torch.Tensor  # [C, 3] int64 rows (start, end, context_len)
+    chunk_tables: torch.Tensor  # [C, W] int64 block tables of the chunks' items
+    chunk_key_slots: int  # sum of the context lengths rounded up to _KEY_TILE
 
     @classmethod
     def build(
@@ -118,6 +136,7 @@ class CpuAttentionPlan:
             fresh = ctx == end - start
             ids = None if fresh else tables[i, : math.ceil(ctx / block_size)]
             chunks.append(_Chunk(start, end, ctx, ids))
+        prefills = torch.tensor(meta.prefill_items, dtype=torch.int64)
         return cls(
             meta.num_tokens,
             tuple(groups),
@@ -125,6 +144,11 @@ class CpuAttentionPlan:
             meta.decode_rows.contiguous(),
             meta.decode_block_tables.contiguous(),
             meta.decode_context_lens.contiguous(),
+            torch.tensor([(c.start, c.end, c.context_len) for c in chunks], dtype=torch.int64)
+            .view(-1, 3)
+            .contiguous(),
+            tables[prefills.to(tables.device)].contiguous(),
+            sum(-(-c.context_len // _KEY_TILE) * _KEY_TILE for c in chunks),
         )
 
 
@@ -225,22 +249,46 @@ def cpu_paged_attention(
     workspace: Workspace,
 ) -> torch.Tensor:
     """Causal attention of every item's query rows over its paged history -> [T, H, D]."""
-    num_tokens, num_heads, head_dim = query.shape
-    _, num_blocks, block_size, num_kv_heads, _ = kv_layer.shape
-    group = num_heads // num_kv_heads
-    row = block_size * num_kv_heads * head_dim
-    k_pool = kv_layer[0].view(num_blocks, row)  # [NB, BS*Hkv*D], a view of the pool
-    v_pool = kv_layer[1].view(num_blocks, row)
-    dtype, device = kv_layer.dtype, kv_layer.device
-    out = torch.empty_like(query)
-    native = None
+    if query.shape[0] != plan.num_tokens:
+        raise ValueError(
+            f"query has {query.shape[0]} rows but the plan describes {plan.num_tokens}"
+        )
+    out = query.new_empty(query.shape)  # [T, H, D] contiguous, whatever query's strides
     if plan.decode_groups:
-        native = decode_attention(
+        decoded = decode_attention(
             query, kv_layer, plan.decode_tables, plan.decode_lens, plan.decode_rows, scale
         )  # [N, H, D] or None
-    if native is not None:
-        out.index_copy_(0, plan.decode_rows, native)
-    for g in plan.decode_groups if native is None else ():
+        if decoded is not None:
+            out.index_copy_(0, plan.decode_rows, decoded)
+        else:
+            _torch_decodes(query, kv_layer, plan, scale, workspace, out)
+    if plan.chunks and not _native_prefill(query, kv_layer, out, plan, scale, workspace):
+        _torch_chunks(query, key, value, kv_layer, plan, scale, workspace, out)
+    return out
+
+
+def _pools(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_layer [2, NB, BS, Hkv, D] -> K and V planes as [NB, BS*Hkv*D] views (whole blocks)."""
+    num_blocks = kv_layer.shape[1]
+    return kv_layer[0].view(num_blocks, -1), kv_layer[1].view(num_blocks, -1)
+
+
+def _torch_decodes(
+    query: torch.Tensor,  # [T, H, D]
+    kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+    plan: CpuAttentionPlan,
+    scale: float,
+    workspace: Workspace,
+    out: torch.Tensor,  # [T, H, D], the decode rows written in place
+) -> None:
+    """The decode groups with torch ops (when the native decode kernel is unavailable)."""
+    _, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_layer.shape
+    group = num_heads // num_kv_heads
+    k_pool, v_pool = _pools(kv_layer)
+    row = k_pool.shape[1]
+    dtype, device = kv_layer.dtype, kv_layer.device
+    for g in plan.decode_groups:
         n, nb = g.num_items, g.num_blocks
         m = n * nb
         k = _gather(k_pool, g.block_ids, workspace.take(0, m * row, dtype, device).view(m, row))
@@ -255,6 +303,25 @@ def cpu_paged_attention(
             scale,
         )  # [n, Hkv, G, D]
         out.index_copy_(0, g.rows, o.reshape(n, num_heads, head_dim))
+
+
+def _torch_chunks(
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+    plan: CpuAttentionPlan,
+    scale: float,
+    workspace: Workspace,
+    out: torch.Tensor,  # [T, H, D], the chunk rows written in place
+) -> None:
+    """The prefill chunks with torch ops (when the native prefill kernel cannot take them)."""
+    _, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_layer.shape
+    group = num_heads // num_kv_heads
+    k_pool, v_pool = _pools(kv_layer)
+    row = k_pool.shape[1]
+    dtype, device = kv_layer.dtype, kv_layer.device
     for c in plan.chunks:
         ctx = c.context_len
         if c.block_ids is None:
@@ -272,6 +339,48 @@ def cpu_paged_attention(
             v = vb.view(m * block_size, num_kv_heads, head_dim)[:ctx]
         q = query[c.start : c.end].view(-1, num_kv_heads, group, head_dim)  # [n, Hkv, G, D]
         _chunk(q, k, v, scale, out[c.start : c.end])
-    if num_tokens != plan.num_tokens:
-        raise ValueError(f"query has {num_tokens} rows but the plan describes {plan.num_tokens}")
-    return out
+
+
+def _native_prefill(
+    query: torch.Tensor,  # [T, H, D]
+    kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D] holding every chunk's K/V
+    out: torch.Tensor,  # [T, H, D] contiguous, the chunks' rows written in place
+    plan: CpuAttentionPlan,
+    scale: float,
+    workspace: Workspace,
+) -> bool:
+    """All of the plan's chunks with the native kernel; False (nothing written) when it cannot
+    take this input and the caller must use the torch path."""
+    _, _, _, num_kv_heads, head_dim = kv_layer.shape
+    if (
+        not NATIVE_PREFILL
+        or query.device.type != "cpu"
+        or query.dtype not in _PREFILL_DTYPES
+        or kv_layer.dtype != query.dtype
+        or head_dim % _PREFILL_DIM_MULTIPLE != 0
+        or not kv_layer.is_contiguous()
+        or plan.chunk_tables.device.type != "cpu"
+    ):
+        return False
+    module = native.load()
+    # Without AVX-512 the kernel's portable loops lose to the torch path's BLAS calls.
+    if module is None or not module.prefill_attention_vectorized(query.dtype == torch.bfloat16):
+        return False
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()  # the kernel takes a row stride, not arbitrary strides
+    # Each chunk's keys and values, packed once per (chunk, KV head) for the inner loops.
+    numel = plan.chunk_key_slots * num_kv_heads * head_dim * 2
+    scratch = workspace.take(2, numel, query.dtype, query.device)
+    module.prefill_attention(
+        query,
+        kv_layer[0],
+        kv_layer[1],
+        out,
+        plan.chunk_info,
+        plan.chunk_tables,
+        scratch,
+        kv_layer.shape[2],
+        num_kv_heads,
+        scale,
+    )
+    return True

@@ -26,7 +26,7 @@ from typing import Any
 __all__ = ["available", "load"]
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("decode_attention.cpp", "fused_ops.cpp", "sampling.cpp")
+_SOURCES = ("decode_attention.cpp", "fused_ops.cpp", "sampling.cpp", "prefill_attention.cpp")
 _FUNCTIONS = [
     "decode_attention",
     "rms_norm",
@@ -35,6 +35,8 @@ _FUNCTIONS = [
     "rotary_",
     "causal_softmax_",
     "argmax_logsumexp",
+    "prefill_attention",
+    "prefill_attention_vectorized",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]
 

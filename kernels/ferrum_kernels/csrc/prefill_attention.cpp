@@ -1,0 +1,628 @@
+// Causal attention of prefill chunks over the paged KV pool, fused (see cpu_attention.py).
+//
+// Two phases. First each (chunk, KV head) has its keys and values copied out of the pool, once,
+// into the layouts the inner loops stream: keys transposed in tiles of 16 (a score vector holds
+// 16 keys), values as rows (float32) or interleaved token pairs (bfloat16: the operand layout of
+// vdpbf16ps). Then work units of (chunk, KV head, a run of query positions) x the G query heads
+// sharing the KV head are taken by the threads, largest first. A unit goes a group of rows at a
+// time: scores of the rows over exactly the keys they can see (register blocks, so each key
+// vector loaded serves several rows), a float32 softmax, then probabilities times V with the
+// output held in registers and written once. Only a block's causal diagonal is computed and
+// masked; the upper triangle is skipped. Scores of a group (24 rows x context) stay in L1/L2.
+//
+// Numerics: scores, softmax and accumulation in float32 whatever the dtype; the scale applies to
+// float32 scores (not folded into a rounded q). In bfloat16 the unnormalised probabilities are
+// rounded to bfloat16 for PV (the torch path rounds the normalised ones: the same relative
+// error), and the output is rounded once at the end.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+namespace {
+
+using ferrum::Elem;
+
+constexpr int kTile = 16;  // keys per packed K tile (the lanes of a score vector)
+// Register blocks (measured on Zen 4, head_dim 64): QK^T holds 8 rows x 2 key tiles of scores
+// (16 accumulators; each key vector loaded feeds 8 rows), PV 6 rows x 4 output vectors (24).
+constexpr int kQkRows = 8;
+constexpr int kQkTiles = 2;
+constexpr int kPvRows = 6;
+constexpr int kMaxCols = 4;      // PV output vectors (16 columns each) per row held at once
+constexpr int kGroupRows = 24;   // rows scored, softmaxed and summed together (blocks divide it)
+constexpr int kUnitRows = 48;    // query rows (positions x G heads) per work unit, about
+constexpr int64_t kPackKeys = 256;  // positions per piece of packing work (a multiple of 16)
+
+// Element types by storage: float, or bfloat16 bits. A "word" is 32 bits of a row: one float,
+// or a pair of adjacent bfloat16 values (the unit vdpbf16ps multiplies and adds).
+template <typename T>
+struct Ops;
+
+template <>
+struct Ops<float> {
+  static constexpr int kPerWord = 1;
+  static inline float word_dot(const float* a, const float* b) { return a[0] * b[0]; }
+#if defined(__AVX512F__)
+  using Vec = __m512;
+  static inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline Vec bcast(const float* row, int64_t w) { return _mm512_set1_ps(row[w]); }
+  static inline __m512 madd(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+#define FERRUM_PREFILL_SIMD_F32 1
+#endif
+};
+
+template <>
+struct Ops<uint16_t> {
+  static constexpr int kPerWord = 2;
+  static inline float word_dot(const uint16_t* a, const uint16_t* b) {
+    return ferrum::bf16_to_float(a[0]) * ferrum::bf16_to_float(b[0]) +
+           ferrum::bf16_to_float(a[1]) * ferrum::bf16_to_float(b[1]);
+  }
+#if defined(__AVX512BF16__)
+  using Vec = __m512i;
+  static inline Vec load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static inline Vec bcast(const uint16_t* row, int64_t w) {
+    int32_t word;
+    std::memcpy(&word, row + 2 * w, sizeof word);
+    return _mm512_set1_epi32(word);
+  }
+  static inline __m512 madd(__m512 acc, Vec a, Vec b) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+  }
+#define FERRUM_PREFILL_SIMD_BF16 1
+#elif defined(__AVX512F__)
+  // No vdpbf16ps: each 32-bit lane's pair is widened to two floats (a bfloat16 is the high half
+  // of a float) and multiplied with two FMAs. About half the speed; same layouts.
+  using Vec = __m512i;
+  static inline Vec load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static inline Vec bcast(const uint16_t* row, int64_t w) {
+    int32_t word;
+    std::memcpy(&word, row + 2 * w, sizeof word);
+    return _mm512_set1_epi32(word);
+  }
+  static inline __m512 madd(__m512 acc, Vec a, Vec b) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    const __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+    const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    const __m512 a1 = _mm512_castsi512_ps(_mm512_and_si512(a, high));
+    const __m512 b1 = _mm512_castsi512_ps(_mm512_and_si512(b, high));
+    return _mm512_fmadd_ps(a1, b1, _mm512_fmadd_ps(a0, b0, acc));
+  }
+#define FERRUM_PREFILL_SIMD_BF16 1
+#endif
+};
+
+template <typename T>
+constexpr bool has_simd() {
+#if defined(FERRUM_PREFILL_SIMD_BF16)
+  if (std::is_same<T, uint16_t>::value) return true;
+#endif
+#if defined(FERRUM_PREFILL_SIMD_F32)
+  if (std::is_same<T, float>::value) return true;
+#endif
+  return false;
+}
+
+#if defined(__AVX512F__)
+// 2^t for t <= 0 (scores minus their row max), zero outside `lanes`: t = n + f with f in
+// [-1/2, 1/2], 2^f by a Chebyshev-fitted polynomial, scaled by 2^n. Degree 5 is within 2e-7
+// relative (float32 probabilities); degree 4, 4e-6, is plenty for probabilities rounded to
+// bfloat16 (4e-3). Far below 2^-126 the scaling by 2^n flushes to zero, as exp does.
+template <int Degree>
+inline __m512 exp2_nonpositive(__m512 t, __mmask16 lanes) {
+  static_assert(Degree == 4 || Degree == 5, "fitted degrees");
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p;
+  if constexpr (Degree == 5) {
+    p = _mm512_set1_ps(1.34004327e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67603736e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55032715e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40221068e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147182e-1f));
+  } else {
+    p = _mm512_set1_ps(9.67603736e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.59220351e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40221068e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93121016e-1f));
+  }
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000012f));
+  return _mm512_maskz_scalef_ps(lanes, p, n);  // lanes outside `lanes` are zero
+}
+
+// 16 floats rounded to nearest-even bfloat16 (as torch rounds).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  __m256bh b = _mm512_cvtneps_pbh(v);
+  return reinterpret_cast<__m256i&>(b);
+#else
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+}
+
+inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline void store16(uint16_t* dst, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), to_bf16(v));
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+#endif
+
+// Softmax numerators of one row: p[0, m) = exp((s[j] - max) * scale) rounded to T, p[m, end)
+// zero (keys the row cannot see, up to where the PV loop reads). Returns 1 / their float sum;
+// the PV epilogue applies it, so the probabilities need no second pass.
+template <typename T>
+float softmax_row(const float* s, T* p, int64_t m, int64_t end, float scale) {
+  if constexpr (has_simd<T>()) {
+#if defined(__AVX512F__)
+    constexpr float kLog2e = 1.44269504f;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::max());
+    for (int64_t j = 0; j < m; j += 16)
+      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, first_lanes(m - j), s + j));
+    const float mx = _mm512_reduce_max_ps(top);
+    // exp((s - mx) * scale) = 2^(s * a + b), one FMA per element.
+    const __m512 a = _mm512_set1_ps(scale * kLog2e), b = _mm512_set1_ps(-mx * scale * kLog2e);
+    __m512 sum = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j < m; j += 16) {
+      const __mmask16 lanes = first_lanes(m - j);
+      const __m512 x = _mm512_maskz_loadu_ps(lanes, s + j);
+      constexpr int degree = std::is_same<T, float>::value ? 5 : 4;
+      const __m512 e = exp2_nonpositive<degree>(_mm512_fmadd_ps(x, a, b), lanes);
+      sum = _mm512_add_ps(sum, e);
+      store16(p + j, e);  // lanes past m store zeros
+    }
+    for (; j < end; j += 16) store16(p + j, _mm512_setzero_ps());
+    return 1.f / _mm512_reduce_add_ps(sum);
+#endif
+  }
+  float mx = s[0];
+  for (int64_t j = 1; j < m; ++j) mx = std::max(mx, s[j]);
+  float sum = 0.f;
+  for (int64_t j = 0; j < m; ++j) {
+    const float e = std::exp((s[j] - mx) * scale);
+    sum += e;
+    Elem<T>::store(p, j, e);
+  }
+  for (int64_t j = m; j < end; ++j) p[j] = T(0);
+  return 1.f / sum;
+}
+
+// Scores s[r][0, 16 * NT) = q[r] . keys of NT consecutive packed tiles (tile = [D/w][16][w]).
+template <typename T, int R, int NT>
+inline void qk_block(const T* const* q, const T* k, int64_t tile_elems, int64_t words, float* s,
+                     int64_t s_stride) {
+  constexpr int w = Ops<T>::kPerWord;
+  if constexpr (has_simd<T>()) {
+#if defined(__AVX512F__)
+    __m512 acc[R][NT];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < words; ++i) {
+      typename Ops<T>::Vec kv[NT];
+      for (int t = 0; t < NT; ++t) kv[t] = Ops<T>::load(k + t * tile_elems + i * kTile * w);
+      for (int r = 0; r < R; ++r) {
+        const auto b = Ops<T>::bcast(q[r], i);
+        for (int t = 0; t < NT; ++t) acc[r][t] = Ops<T>::madd(acc[r][t], b, kv[t]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) _mm512_storeu_ps(s + r * s_stride + t * kTile, acc[r][t]);
+    return;
+#endif
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t)
+      for (int j = 0; j < kTile; ++j) {
+        float sum = 0.f;
+        for (int64_t i = 0; i < words; ++i)
+          sum += Ops<T>::word_dot(q[r] + i * w, k + t * tile_elems + (i * kTile + j) * w);
+        s[r * s_stride + t * kTile + j] = sum;
+      }
+}
+
+// Scores of R rows over `tiles` key tiles from key 0.
+template <typename T, int R>
+void qk_rows(const T* const* q, const T* k, int64_t tile_elems, int64_t words, int64_t tiles,
+             float* s, int64_t s_stride) {
+  int64_t t = 0;
+  for (; t + kQkTiles <= tiles; t += kQkTiles)
+    qk_block<T, R, kQkTiles>(q, k + t * tile_elems, tile_elems, words, s + t * kTile, s_stride);
+  for (; t < tiles; ++t)
+    qk_block<T, R, 1>(q, k + t * tile_elems, tile_elems, words, s + t * kTile, s_stride);
+}
+
+// o[r][0, 16 * C) = inv[r] * sum over `steps` words i of p[r] word i x v rows of word i
+// ([steps][D][w]), rounded to T; `v` and `o` already offset to the first output column.
+template <typename T, int R, int C>
+inline void pv_block(const T* p, int64_t p_stride, const T* v, int64_t step_elems, int64_t steps,
+                     const float* inv, T* const* o, int64_t col) {
+  constexpr int w = Ops<T>::kPerWord;
+  if constexpr (has_simd<T>()) {
+#if defined(__AVX512F__)
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < steps; ++i) {
+      typename Ops<T>::Vec vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = Ops<T>::load(v + i * step_elems + c * kTile * w);
+      for (int r = 0; r < R; ++r) {
+        const auto b = Ops<T>::bcast(p + r * p_stride, i);
+        for (int c = 0; c < C; ++c) acc[r][c] = Ops<T>::madd(acc[r][c], b, vv[c]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_set1_ps(inv[r]);
+      for (int c = 0; c < C; ++c)
+        store16(o[r] + col + c * kTile, _mm512_mul_ps(acc[r][c], scale));
+    }
+    return;
+#endif
+  }
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < C * kTile; ++l) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < steps; ++i)
+        sum += Ops<T>::word_dot(p + r * p_stride + i * w, v + i * step_elems + l * w);
+      Elem<T>::store(o[r], col + l, sum * inv[r]);
+    }
+}
+
+template <typename T, int R>
+void pv_rows(const T* p, int64_t p_stride, const T* v, int64_t head_dim, int64_t steps,
+             const float* inv, T* const* o) {
+  constexpr int w = Ops<T>::kPerWord;
+  const int64_t cols = head_dim / kTile;  // 16-wide column vectors
+  for (int64_t c0 = 0; c0 < cols; c0 += kMaxCols) {
+    const T* vc = v + c0 * kTile * w;
+    const int64_t col = c0 * kTile;
+    switch (std::min<int64_t>(kMaxCols, cols - c0)) {
+      case 1: pv_block<T, R, 1>(p, p_stride, vc, head_dim * w, steps, inv, o, col); break;
+      case 2: pv_block<T, R, 2>(p, p_stride, vc, head_dim * w, steps, inv, o, col); break;
+      case 3: pv_block<T, R, 3>(p, p_stride, vc, head_dim * w, steps, inv, o, col); break;
+      default: pv_block<T, R, 4>(p, p_stride, vc, head_dim * w, steps, inv, o, col); break;
+    }
+  }
+}
+
+// Op<T, min(rows, R)>::run(args...): a runtime row count to an unrolled block.
+template <typename T, template <typename, int> class Op, int R, typename... Args>
+void by_rows(int rows, Args... args) {
+  if constexpr (R > 1) {
+    if (rows < R) return by_rows<T, Op, R - 1>(rows, args...);
+  }
+  Op<T, R>::run(args...);
+}
+
+template <typename T, int R>
+struct QK {
+  static void run(const T* const* q, const T* k, int64_t te, int64_t words, int64_t tiles,
+                  float* s, int64_t ss) {
+    qk_rows<T, R>(q, k, te, words, tiles, s, ss);
+  }
+};
+
+template <typename T, int R>
+struct PV {
+  static void run(const T* p, int64_t ps, const T* v, int64_t d, int64_t steps, const float* inv,
+                  T* const* o) {
+    pv_rows<T, R>(p, ps, v, d, steps, inv, o);
+  }
+};
+
+#if defined(__AVX512F__)
+// In place: a[j] word c -> a[c] word j (a 16 x 16 transpose of 32-bit words).
+inline void transpose16(__m512i a[16]) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {  // pairs of rows interleaved by word
+    t[2 * k] = _mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
+  }
+  // u[4k + c], 128-bit lane L: words 4L + c of rows 4k .. 4k + 3.
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  // Word 4L + c of all rows: lane L of u[c], u[4 + c], u[8 + c], u[12 + c] (a 4 x 4 transpose
+  // of 128-bit lanes).
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
+    a[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    a[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xdd);
+    a[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    a[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xdd);
+  }
+}
+#endif
+
+// One tile of keys, [words][16 tokens] of 32-bit words (a float, or a bfloat16 pair): the
+// lanes of a score vector. rows[j] is token j's head row, nullptr past the context (zeros).
+template <typename T>
+void pack_key_tile(const T* const* rows, int64_t words, uint32_t* out) {
+#if defined(__AVX512F__)
+  for (int64_t w0 = 0; w0 < words; w0 += 16) {
+    const int64_t n = std::min<int64_t>(16, words - w0);
+    __m512i a[16];
+    for (int j = 0; j < kTile; ++j) {
+      const auto* src = reinterpret_cast<const uint32_t*>(rows[j]);
+      a[j] = src == nullptr ? _mm512_setzero_si512()
+                            : _mm512_maskz_loadu_epi32(first_lanes(n), src + w0);
+    }
+    transpose16(a);
+    for (int64_t c = 0; c < n; ++c) _mm512_storeu_si512(out + (w0 + c) * kTile, a[c]);
+  }
+#else
+  for (int j = 0; j < kTile; ++j)
+    for (int64_t i = 0; i < words; ++i) {
+      uint32_t word = 0;
+      if (rows[j] != nullptr) std::memcpy(&word, reinterpret_cast<const char*>(rows[j]) + 4 * i, 4);
+      out[i * kTile + j] = word;
+    }
+#endif
+}
+
+// Values of tokens (t, t + 1) as [D][2] (the bfloat16 pair layout), from their head rows.
+inline void pack_value_pair(const uint16_t* a, const uint16_t* b, int64_t head_dim,
+                            uint16_t* out) {
+#if defined(__AVX512BW__)
+  // Output word d = (a[d], b[d]): index i < 32 picks from a, 32 + i from b.
+  alignas(64) static const uint16_t lo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                              37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                              11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                              53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                              27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo_idx = _mm512_load_si512(lo), hi_idx = _mm512_load_si512(hi);
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+    const int64_t n = std::min<int64_t>(32, head_dim - d0);  // 16 or 32 (D is a multiple of 16)
+    const __mmask32 lanes = n == 32 ? ~__mmask32(0) : __mmask32(0xffff);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i x = a == nullptr ? zero : _mm512_maskz_loadu_epi16(lanes, a + d0);
+    const __m512i y = b == nullptr ? zero : _mm512_maskz_loadu_epi16(lanes, b + d0);
+    _mm512_storeu_si512(out + 2 * d0, _mm512_permutex2var_epi16(x, lo_idx, y));
+    if (n == 32) _mm512_storeu_si512(out + 2 * d0 + 32, _mm512_permutex2var_epi16(x, hi_idx, y));
+  }
+#else
+  for (int64_t d = 0; d < head_dim; ++d) {
+    out[2 * d] = a == nullptr ? 0 : a[d];
+    out[2 * d + 1] = b == nullptr ? 0 : b[d];
+  }
+#endif
+}
+
+// Keys [ctx_pad / 16][D / w][16][w] and values [ctx_pad / w][D][w] of one (chunk, KV head),
+// padded with zeros to ctx_pad (a multiple of 16) so tiles and pairs can run past ctx; this
+// call packs positions [t_begin, t_end) (multiples of 16).
+template <typename T>
+void pack_kv(const T* k_pool, const T* v_pool, const int64_t* table, int64_t block_size,
+             int64_t kv_row, int64_t head_offset, int64_t head_dim, int64_t ctx, int64_t t_begin,
+             int64_t t_end, T* k_out, T* v_out) {
+  constexpr int w = Ops<T>::kPerWord;
+  const int64_t words = head_dim / w;
+  // Token t's row of this head in a pool plane, or nullptr past the context.
+  auto row = [&](const T* pool, int64_t t) -> const T* {
+    if (t >= ctx) return nullptr;
+    return pool + (table[t / block_size] * block_size + t % block_size) * kv_row + head_offset;
+  };
+  const T* rows[kTile];
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+    for (int j = 0; j < kTile; ++j) rows[j] = row(k_pool, t0 + j);
+    pack_key_tile<T>(rows, words, reinterpret_cast<uint32_t*>(k_out + t0 * head_dim));
+  }
+  for (int64_t t = t_begin; t < t_end; t += w) {
+    if constexpr (w == 2) {
+      pack_value_pair(row(v_pool, t), row(v_pool, t + 1), head_dim, v_out + t * head_dim);
+    } else {
+      const T* src = row(v_pool, t);
+      if (src == nullptr)
+        std::memset(v_out + t * head_dim, 0, head_dim * sizeof(T));
+      else
+        std::memcpy(v_out + t * head_dim, src, head_dim * sizeof(T));
+    }
+  }
+}
+
+struct Unit {
+  int64_t chunk, head, q0, q1, cost;
+};
+
+template <typename T>
+void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool, T* out,
+                  int64_t out_stride, const int64_t* info, const int64_t* tables,
+                  int64_t n_chunks, int64_t table_width, int64_t block_size, int64_t n_kv_heads,
+                  int64_t group, int64_t head_dim, float scale, T* scratch) {
+  constexpr int w = Ops<T>::kPerWord;
+  const int64_t kv_row = n_kv_heads * head_dim;
+  const int64_t tile_elems = kTile * head_dim;
+  // Where each chunk's packed K/V starts in the scratch: [C][Hkv][K ctx_pad*D, V ctx_pad*D].
+  std::vector<int64_t> base(n_chunks), pad(n_chunks);
+  int64_t total = 0;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    pad[c] = (info[3 * c + 2] + kTile - 1) / kTile * kTile;
+    base[c] = total;
+    total += pad[c] * head_dim * 2 * n_kv_heads;
+  }
+  // Packing goes in pieces of kPackKeys positions of one (chunk, KV head), so that a single
+  // long chunk, or a model with one KV head, still keeps every thread busy.
+  std::vector<std::array<int64_t, 3>> pieces;  // (chunk, head, first position)
+  for (int64_t c = 0; c < n_chunks; ++c)
+    for (int64_t h = 0; h < n_kv_heads; ++h)
+      for (int64_t t = 0; t < pad[c]; t += kPackKeys) pieces.push_back({c, h, t});
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [c, h, t] = pieces[i];
+      T* kp = scratch + base[c] + h * pad[c] * head_dim * 2;
+      pack_kv<T>(k_pool, v_pool, tables + c * table_width, block_size, kv_row, h * head_dim,
+                 head_dim, info[3 * c + 2], t, std::min(pad[c], t + kPackKeys), kp,
+                 kp + pad[c] * head_dim);
+    }
+  });
+
+  // Units, largest first, taken dynamically: the causal cost grows along a chunk, and a static
+  // split of an ordered list would leave one thread the long tail.
+  const int64_t per_unit = std::max<int64_t>(1, kUnitRows / group);
+  std::vector<Unit> units;
+  int64_t max_ctx = 0;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int64_t n = info[3 * c + 1] - info[3 * c], offset = info[3 * c + 2] - n;
+    max_ctx = std::max(max_ctx, info[3 * c + 2]);
+    for (int64_t q0 = 0; q0 < n; q0 += per_unit) {
+      const int64_t q1 = std::min(n, q0 + per_unit);
+      for (int64_t h = 0; h < n_kv_heads; ++h)
+        units.push_back({c, h, q0, q1, (q1 - q0) * (offset + q1 + 8)});
+    }
+  }
+  std::stable_sort(units.begin(), units.end(),
+                   [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  const int64_t span = (max_ctx + 2 * kTile - 1) / (2 * kTile) * (2 * kTile);  // score row width
+  std::atomic<int64_t> next{0};
+  const int64_t n_units = static_cast<int64_t>(units.size());
+  const int threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scores(kGroupRows * span);
+    std::vector<T> probs(kGroupRows * span);
+    float inv[kGroupRows];
+    const T* qrows[kGroupRows];
+    T* orows[kGroupRows];
+    int64_t seen[kGroupRows];
+    for (int64_t i = next++; i < n_units; i = next++) {
+      const Unit& unit = units[i];
+      const int64_t c = unit.chunk, h = unit.head;
+      const int64_t start = info[3 * c], n = info[3 * c + 1] - start;
+      const int64_t offset = info[3 * c + 2] - n;  // absolute position of the chunk's query 0
+      const T* kp = scratch + base[c] + h * pad[c] * head_dim * 2;
+      const T* vp = kp + pad[c] * head_dim;
+      const int64_t rows = (unit.q1 - unit.q0) * group;  // row r: position q0 + r / G, head r % G
+      for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
+        const int nr = static_cast<int>(std::min<int64_t>(kGroupRows, rows - r0));
+        for (int r = 0; r < nr; ++r) {
+          const int64_t pos = unit.q0 + (r0 + r) / group, head = h * group + (r0 + r) % group;
+          qrows[r] = q + (start + pos) * q_stride + head * head_dim;
+          orows[r] = out + (start + pos) * out_stride + head * head_dim;
+          seen[r] = offset + pos + 1;  // keys [0, offset + pos] are visible
+        }
+        // Rows go by position, so a block's last row sees the most keys; each block goes only
+        // as far as it does.
+        for (int b = 0; b < nr; b += kQkRows) {
+          const int m = std::min(kQkRows, nr - b);
+          by_rows<T, QK, kQkRows>(m, qrows + b, kp, tile_elems, head_dim / w,
+                                  (seen[b + m - 1] + kTile - 1) / kTile,
+                                  scores.data() + b * span, span);
+        }
+        // Probabilities up to a whole word past what the PV blocks read (zeros where a row
+        // cannot see): they consume them a word (w keys) at a time.
+        const int64_t end = (seen[nr - 1] + w - 1) / w * w;
+        for (int r = 0; r < nr; ++r)
+          inv[r] = softmax_row<T>(scores.data() + r * span, probs.data() + r * span, seen[r], end,
+                                  scale);
+        for (int b = 0; b < nr; b += kPvRows) {
+          const int m = std::min(kPvRows, nr - b);
+          by_rows<T, PV, kPvRows>(m, probs.data() + b * span, span, vp, head_dim,
+                                  (seen[b + m - 1] + w - 1) / w, inv + b, orows + b);
+        }
+      }
+    }
+  });
+}
+
+// Elements of packed K/V scratch needed: sum over chunks of ceil(ctx / 16) * 16 * Hkv * D * 2.
+int64_t scratch_numel(const torch::Tensor& chunks, int64_t n_kv_heads, int64_t head_dim) {
+  const int64_t* info = chunks.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t c = 0; c < chunks.size(0); ++c)
+    total += (info[3 * c + 2] + kTile - 1) / kTile * kTile * head_dim * 2 * n_kv_heads;
+  return total;
+}
+
+}  // namespace
+
+// Whether the kernel runs vectorised for this dtype on the CPU it was built for (AVX-512); the
+// portable loops it falls back to elsewhere are slower than the torch path's BLAS calls.
+bool prefill_attention_vectorized(bool bfloat16) {
+  return bfloat16 ? has_simd<uint16_t>() : has_simd<float>();
+}
+
+// Causal attention of C prefill chunks, written into out's chunk rows in place.
+// q, out [T, H, D] (row strides may exceed H*D); pools [NB * BS * Hkv * D] contiguous holding
+// every chunk's keys (this step's included); chunks [C, 3] int64 rows (start, end, ctx): query
+// rows [start, end) are the last end - start of ctx positions; tables [C, W] int64; scratch in
+// q's dtype, at least sum over chunks of ceil(ctx / 16) * 16 * Hkv * D * 2 elements.
+void prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                       torch::Tensor out, torch::Tensor chunks, torch::Tensor tables,
+                       torch::Tensor scratch, int64_t block_size, int64_t n_kv_heads,
+                       double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q layout");
+  TORCH_CHECK(out.dim() == 3 && out.sizes() == q.sizes() && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2),
+              "out layout");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pool must be contiguous");
+  TORCH_CHECK(scratch.is_contiguous(), "scratch must be contiguous");
+  TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == 3 && chunks.is_contiguous() &&
+                  chunks.scalar_type() == torch::kLong,
+              "chunks must be contiguous [C, 3] int64");
+  TORCH_CHECK(tables.dim() == 2 && tables.is_contiguous() && tables.scalar_type() == torch::kLong,
+              "tables must be contiguous [C, W] int64");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k_pool.scalar_type() == dtype && v_pool.scalar_type() == dtype &&
+                  out.scalar_type() == dtype && scratch.scalar_type() == dtype,
+              "pool, out and scratch dtype must match q");
+  const int64_t n_tokens = q.size(0), n_heads = q.size(1), head_dim = q.size(2);
+  TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(head_dim % kTile == 0, "head_dim must be a multiple of 16");
+  const int64_t n_chunks = chunks.size(0), width = tables.size(1);
+  TORCH_CHECK(tables.size(0) == n_chunks, "one table row per chunk");
+  TORCH_CHECK(scratch.numel() >= scratch_numel(chunks, n_kv_heads, head_dim),
+              "scratch too small");
+  const int64_t n_blocks = k_pool.numel() / (block_size * n_kv_heads * head_dim);
+  const int64_t* info = chunks.data_ptr<int64_t>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int64_t start = info[3 * c], end = info[3 * c + 1], ctx = info[3 * c + 2];
+    TORCH_CHECK(0 <= start && start < end && end <= n_tokens && ctx >= end - start,
+                "chunk ", c, " out of range");
+    const int64_t used = (ctx + block_size - 1) / block_size;
+    TORCH_CHECK(used <= width, "chunk ", c, ": table too narrow for its context");
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(0 <= table[c * width + b] && table[c * width + b] < n_blocks,
+                  "chunk ", c, ": block id out of range");
+  }
+  if (n_chunks == 0) return;
+  const int64_t group = n_heads / n_kv_heads;
+  if (dtype == torch::kFloat) {
+    prefill_impl<float>(q.data_ptr<float>(), q.stride(0), k_pool.data_ptr<float>(),
+                        v_pool.data_ptr<float>(), out.data_ptr<float>(), out.stride(0), info,
+                        table, n_chunks, width, block_size, n_kv_heads, group, head_dim,
+                        static_cast<float>(scale), scratch.data_ptr<float>());
+  } else if (dtype == torch::kBFloat16) {
+    auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    prefill_impl<uint16_t>(bits(q), q.stride(0), bits(k_pool), bits(v_pool), bits(out),
+                           out.stride(0), info, table, n_chunks, width, block_size, n_kv_heads,
+                           group, head_dim, static_cast<float>(scale), bits(scratch));
+  } else {
+    TORCH_CHECK(false, "unsupported dtype");
+  }
+}
