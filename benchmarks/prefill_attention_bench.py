@@ -5,6 +5,7 @@ Times ``cpu_paged_attention`` on single prefill chunks of the W1 model's attenti
 (the old path: gather, bmm, softmax, bmm per 64 queries) and on, in float32 and bfloat16.
 
     python benchmarks/prefill_attention_bench.py [--repeats 41] [--threads 2] [--json out.json]
+        [--shapes 512x512,64x400]
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _run(fn: Callable[[], torch.Tensor], native: bool) -> Callable[[], torch.Ten
     return call
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=41)
     parser.add_argument("--threads", type=int, default=2)
@@ -94,7 +95,13 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--shapes",
+        default=",".join(f"{n}x{ctx}" for n, ctx in SHAPES),
+        help="chunks as NxCTX (the last N of CTX positions), comma-separated",
+    )
+    args = parser.parse_args(argv)
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
     results = []
     out = sys.stdout
@@ -102,7 +109,7 @@ def main() -> None:
     out.write(f" {'maxdiff':>8}\n")
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
-        for n, ctx in SHAPES:
+        for n, ctx in shapes:
             fn = _case(n, ctx, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype)
             old, new = _run(fn, native=False), _run(fn, native=True)
             err = (old().float() - new().float()).abs().max().item()

@@ -1,0 +1,36 @@
+"""A seconds-long smoke run of the CPU prefill-attention microbenchmark (as CI runs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from ferrum_kernels import native
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_attention_bench.py"
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain")
+
+
+def test_smoke_run_times_both_paths_and_they_agree(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("ferrum_prefill_bench", _BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    bench.main(["--repeats", "1", "--shapes", "40x40,24x90", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["dtype"], r["n"], r["ctx"]) for r in rows] == [
+        ("float32", 40, 40),
+        ("float32", 24, 90),
+        ("bfloat16", 40, 40),
+        ("bfloat16", 24, 90),
+    ]
+    for row in rows:
+        assert row["old_ms"] > 0 and row["new_ms"] > 0
+        # The two paths compute the same attention: float32 to rounding, bfloat16 to a few ulps.
+        assert row["max_abs_diff"] < (1e-5 if row["dtype"] == "float32" else 3e-2)
