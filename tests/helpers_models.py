@@ -10,6 +10,8 @@ import copy
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata
@@ -129,3 +131,129 @@ class PagedRunner:
         self.kv_cache.copy_(snap[0])
         self.seqs = copy.deepcopy(snap[1])
         self.allocator.free = list(snap[2])
+
+
+def dense_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [n, H, D] (the last n of ctx positions), k/v [ctx, Hkv, D] -> [n, H, D], in float64."""
+    n, num_heads, _ = q.shape
+    ctx, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
+    v = v.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
+    scores = torch.einsum("nhd,chd->hnc", q.double(), k) * scale  # [H, n, ctx]
+    q_pos = torch.arange(ctx - n, ctx)[:, None]  # [n, 1]
+    allowed = torch.arange(ctx)[None, :] <= q_pos  # [n, ctx]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)  # [n, H, D]
+
+
+@torch.no_grad()
+def check_greedy_against_transformers(
+    tmp_path: Path,
+    hf_config: Any,  # a transformers LlamaConfig
+    *,
+    prompt_len: int,
+    chunk_ends: list[int],
+    steps: int,
+    num_blocks: int,
+    block_size: int,
+) -> ModelConfig:
+    """Random-initialise a transformers model from `hf_config`, load the same weights into ours
+    with the CPU fast paths on, prefill a random prompt in chunks ending at `chunk_ends`, then
+    decode `steps` greedy tokens: at every step the last row's logits agree within 1e-3 and
+    both pick the same token. Returns our model's config."""
+    from ferrum_server.models import load_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model, config = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(config, ModelConfig)
+    model.prepack_for_cpu()
+    runner = PagedRunner(model, config, num_blocks=num_blocks, block_size=block_size, shuffle=True)
+    prompt = torch.randint(0, hf_config.vocab_size, (prompt_len,))
+    assert chunk_ends[-1] == prompt_len
+    begin = 0
+    for end in chunk_ends:
+        ours = runner.step([(0, prompt[begin:end].tolist())])[0][-1]
+        begin = end
+    out = hf(input_ids=prompt[None], use_cache=True)
+    ref, past = out.logits[0, -1].float(), out.past_key_values
+    for _ in range(steps):
+        assert (ours - ref).abs().max().item() <= 1e-3
+        token = int(ref.argmax())
+        assert int(ours.argmax()) == token
+        ours = runner.step([(0, [token])])[0][-1]
+        out = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        ref, past = out.logits[0, -1].float(), out.past_key_values
+    return config
+
+
+@dataclass
+class PagedBatch:
+    """A random mixed step over a paged pool, with its float64 dense answer."""
+
+    kv_layer: torch.Tensor  # [2, NB, BS, Hkv, D]: every item's history and this step's K/V
+    meta: AttentionMetadata
+    queries: list[torch.Tensor]  # per item [n, H, D]
+    key: torch.Tensor  # [T, Hkv, D] this step's keys (already written to the pool)
+    value: torch.Tensor  # [T, Hkv, D]
+    reference: torch.Tensor  # [T, H, D] float64 dense causal attention
+    scale: float
+
+
+def random_paged_batch(
+    items: list[tuple[int, int]],  # (history length, query rows) per item; 1 row = a decode
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    shuffle: bool = True,
+    spare_blocks: int = 3,
+    spare_fill: float | None = None,
+    device: torch.device | str = "cpu",
+) -> PagedBatch:
+    """Items' histories go straight into a pool of shuffled blocks, then this step's K/V are
+    written as the model would; `spare_blocks` unowned blocks hold random values, or
+    `spare_fill` (e.g. NaN, so that any read of them shows)."""
+    from ferrum_kernels.attention import write_kv
+
+    torch.manual_seed(seed)
+    num_heads = num_kv_heads * group
+    owned = sum(math.ceil((h + n) / block_size) for h, n in items)
+    kv_layer = torch.randn(2, owned + spare_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    if spare_fill is not None and spare_blocks:
+        kv_layer[:, owned:] = spare_fill
+    allocator = BlockAllocator(owned, shuffle=shuffle, seed=seed)
+    block_lists, query_lens, context_lens = [], [], []
+    full_k, full_v, queries = [], [], []
+    for hist, n in items:
+        ctx = hist + n
+        blocks = allocator.allocate(math.ceil(ctx / block_size))
+        k = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)  # [ctx, Hkv, D]
+        v = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)
+        for p in range(hist):  # history goes straight into the pool
+            kv_layer[0, blocks[p // block_size], p % block_size] = k[p]
+            kv_layer[1, blocks[p // block_size], p % block_size] = v[p]
+        block_lists.append(blocks)
+        query_lens.append(n)
+        context_lens.append(ctx)
+        full_k.append(k)
+        full_v.append(v)
+        queries.append(torch.randn(n, num_heads, head_dim).to(dtype))
+    meta = build_meta(block_lists, query_lens, context_lens, block_size, device)
+    kv_layer = kv_layer.to(device)
+    key = torch.cat([k[h:] for k, (h, _) in zip(full_k, items, strict=True)])  # [T, Hkv, D]
+    value = torch.cat([v[h:] for v, (h, _) in zip(full_v, items, strict=True)])
+    key, value = key.to(device), value.to(device)
+    write_kv(kv_layer, key, value, meta.slot_mapping)
+    scale = head_dim**-0.5
+    reference = torch.cat(
+        [dense_reference(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v, strict=True)]
+    )
+    return PagedBatch(kv_layer, meta, queries, key, value, reference, scale)

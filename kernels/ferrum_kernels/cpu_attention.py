@@ -152,8 +152,10 @@ class CpuAttentionPlan:
         )
 
 
-def _gather(pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """pool [NB, row] (one K or V plane), block_ids [m] -> out [m, row] (whole-block copies)."""
+def _gather(pool: torch.Tensor, block_ids: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """pool [NB, row] (one K or V plane), block_ids [m] -> [m, row] whole-block copies, written
+    into flat [m * row]."""
+    out = flat.view(block_ids.numel(), pool.shape[1])
     return torch.index_select(pool, 0, block_ids, out=out)
 
 
@@ -267,10 +269,44 @@ def cpu_paged_attention(
     return out
 
 
-def _pools(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_layer [2, NB, BS, Hkv, D] -> K and V planes as [NB, BS*Hkv*D] views (whole blocks)."""
-    num_blocks = kv_layer.shape[1]
-    return kv_layer[0].view(num_blocks, -1), kv_layer[1].view(num_blocks, -1)
+@dataclass(frozen=True, slots=True)
+class _PoolView:
+    """The torch paths' view of one layer's pool and the query's head layout."""
+
+    num_heads: int
+    head_dim: int
+    block_size: int
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    k_pool: torch.Tensor  # [NB, BS*Hkv*D]: K plane as whole-block rows, a view of the pool
+    v_pool: torch.Tensor  # [NB, BS*Hkv*D]
+    row: int  # BS*Hkv*D
+
+    @classmethod
+    def of(cls, query: torch.Tensor, kv_layer: torch.Tensor) -> _PoolView:
+        """query [T, H, D], kv_layer [2, NB, BS, Hkv, D]."""
+        _, num_heads, head_dim = query.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_layer.shape
+        k_pool, v_pool = kv_layer[0].view(num_blocks, -1), kv_layer[1].view(num_blocks, -1)
+        return cls(
+            num_heads,
+            head_dim,
+            block_size,
+            num_kv_heads,
+            num_heads // num_kv_heads,
+            k_pool,
+            v_pool,
+            k_pool.shape[1],
+        )
+
+    def gather(
+        self, block_ids: torch.Tensor, workspace: Workspace
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_ids [m] -> the blocks' K and V as [m, BS*Hkv*D] copies in the workspace."""
+        m, dtype, device = block_ids.numel(), self.k_pool.dtype, self.k_pool.device
+        k = _gather(self.k_pool, block_ids, workspace.take(0, m * self.row, dtype, device))
+        v = _gather(self.v_pool, block_ids, workspace.take(1, m * self.row, dtype, device))
+        return k, v
 
 
 def _torch_decodes(
@@ -282,27 +318,20 @@ def _torch_decodes(
     out: torch.Tensor,  # [T, H, D], the decode rows written in place
 ) -> None:
     """The decode groups with torch ops (when the native decode kernel is unavailable)."""
-    _, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_layer.shape
-    group = num_heads // num_kv_heads
-    k_pool, v_pool = _pools(kv_layer)
-    row = k_pool.shape[1]
-    dtype, device = kv_layer.dtype, kv_layer.device
+    pv = _PoolView.of(query, kv_layer)
     for g in plan.decode_groups:
         n, nb = g.num_items, g.num_blocks
-        m = n * nb
-        k = _gather(k_pool, g.block_ids, workspace.take(0, m * row, dtype, device).view(m, row))
-        v = _gather(v_pool, g.block_ids, workspace.take(1, m * row, dtype, device).view(m, row))
-        span = nb * block_size
-        q = query.index_select(0, g.rows).view(n, num_kv_heads, group, head_dim)
+        k, v = pv.gather(g.block_ids, workspace)  # [n * nb, BS*Hkv*D] each
+        span = nb * pv.block_size
+        q = query.index_select(0, g.rows).view(n, pv.num_kv_heads, pv.group, pv.head_dim)
         o = _decode_group(
             q,
-            k.view(n, span, num_kv_heads, head_dim),
-            v.view(n, span, num_kv_heads, head_dim),
+            k.view(n, span, pv.num_kv_heads, pv.head_dim),
+            v.view(n, span, pv.num_kv_heads, pv.head_dim),
             g.pad_mask,
             scale,
         )  # [n, Hkv, G, D]
-        out.index_copy_(0, g.rows, o.reshape(n, num_heads, head_dim))
+        out.index_copy_(0, g.rows, o.reshape(n, pv.num_heads, pv.head_dim))
 
 
 def _torch_chunks(
@@ -316,28 +345,19 @@ def _torch_chunks(
     out: torch.Tensor,  # [T, H, D], the chunk rows written in place
 ) -> None:
     """The prefill chunks with torch ops (when the native prefill kernel cannot take them)."""
-    _, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_layer.shape
-    group = num_heads // num_kv_heads
-    k_pool, v_pool = _pools(kv_layer)
-    row = k_pool.shape[1]
-    dtype, device = kv_layer.dtype, kv_layer.device
+    pv = _PoolView.of(query, kv_layer)
     for c in plan.chunks:
         ctx = c.context_len
         if c.block_ids is None:
             k = key[c.start : c.end]  # [n, Hkv, D]: the chunk is the whole context
             v = value[c.start : c.end]
         else:
-            m = c.block_ids.numel()
-            kb = _gather(
-                k_pool, c.block_ids, workspace.take(0, m * row, dtype, device).view(m, row)
-            )
-            vb = _gather(
-                v_pool, c.block_ids, workspace.take(1, m * row, dtype, device).view(m, row)
-            )
-            k = kb.view(m * block_size, num_kv_heads, head_dim)[:ctx]  # [ctx, Hkv, D]
-            v = vb.view(m * block_size, num_kv_heads, head_dim)[:ctx]
-        q = query[c.start : c.end].view(-1, num_kv_heads, group, head_dim)  # [n, Hkv, G, D]
+            kb, vb = pv.gather(c.block_ids, workspace)  # [m, BS*Hkv*D] each
+            k = kb.view(-1, pv.num_kv_heads, pv.head_dim)[:ctx]  # [ctx, Hkv, D]
+            v = vb.view(-1, pv.num_kv_heads, pv.head_dim)[:ctx]
+        q = query[c.start : c.end].view(
+            -1, pv.num_kv_heads, pv.group, pv.head_dim
+        )  # [n, Hkv, G, D]
         _chunk(q, k, v, scale, out[c.start : c.end])
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 from pathlib import Path
@@ -12,23 +11,7 @@ import torch
 from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_models import BlockAllocator, build_meta
-
-
-def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [n, H, D] (the last n of ctx positions), k/v [ctx, Hkv, D] -> [n, H, D], in float64."""
-    n, num_heads, _ = q.shape
-    ctx, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    k = k.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
-    v = v.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
-    scores = torch.einsum("nhd,chd->hnc", q.double(), k) * scale  # [H, n, ctx]
-    q_pos = torch.arange(ctx - n, ctx)[:, None]  # [n, 1]
-    allowed = torch.arange(ctx)[None, :] <= q_pos  # [n, ctx]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)  # [n, H, D]
+from helpers_models import build_meta, random_paged_batch
 
 
 def run_case(
@@ -43,41 +26,20 @@ def run_case(
     device: str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (paged output, float64 dense reference), both [T, H, D]."""
-    torch.manual_seed(seed)
-    head_dim, num_heads = 16, num_kv_heads * group
-    total_blocks = sum(math.ceil((h + n) / block_size) for h, n in items)
-    num_blocks = total_blocks + 3  # spare blocks hold garbage that must never be read
-    kv_layer = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
-    allocator = BlockAllocator(num_blocks, shuffle=shuffle, seed=seed)
-
-    block_lists, query_lens, context_lens = [], [], []
-    full_k, full_v, queries = [], [], []
-    for hist, n in items:
-        ctx = hist + n
-        blocks = allocator.allocate(math.ceil(ctx / block_size))
-        k = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)  # [ctx, Hkv, D]
-        v = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)
-        for p in range(hist):  # history goes straight into the pool
-            kv_layer[0, blocks[p // block_size], p % block_size] = k[p]
-            kv_layer[1, blocks[p // block_size], p % block_size] = v[p]
-        block_lists.append(blocks)
-        query_lens.append(n)
-        context_lens.append(ctx)
-        full_k.append(k)
-        full_v.append(v)
-        queries.append(torch.randn(n, num_heads, head_dim).to(dtype))
-
-    meta = build_meta(block_lists, query_lens, context_lens, block_size, device)
-    kv_layer = kv_layer.to(device)
-    new_k = torch.cat([k[h:] for k, (h, _) in zip(full_k, items, strict=True)])  # [T, Hkv, D]
-    new_v = torch.cat([v[h:] for v, (h, _) in zip(full_v, items, strict=True)])
-    write_kv(kv_layer, new_k.to(device), new_v.to(device), meta.slot_mapping)
-    scale = head_dim**-0.5
-    out = paged_attention(torch.cat(queries).to(device), kv_layer, meta, scale).cpu()
-    ref = torch.cat(
-        [dense_reference(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v, strict=True)]
+    batch = random_paged_batch(
+        items,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=16,
+        dtype=dtype,
+        seed=seed,
+        shuffle=shuffle,
+        device=device,
     )
-    return out, ref
+    query = torch.cat(batch.queries).to(device)  # [T, H, D]
+    out = paged_attention(query, batch.kv_layer, batch.meta, batch.scale).cpu()
+    return out, batch.reference
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from ferrum_kernels.cpu_linear import PackedLinear, mkldnn_linear_available, prepack_linears
-from ferrum_server.models import ModelConfig, build_tiny, load_model, tiny_config
-from transformers import AutoModelForCausalLM, LlamaConfig
+from ferrum_server.models import build_tiny, tiny_config
+from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_models import PagedRunner
+from helpers_models import PagedRunner, check_greedy_against_transformers
 
 needs_mkldnn = pytest.mark.skipif(not mkldnn_linear_available(), reason="no oneDNN")
 
@@ -100,23 +100,9 @@ def test_fast_path_matches_transformers_greedy(tmp_path: Path) -> None:
         max_position_embeddings=256,
         initializer_range=0.08,
     )
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    model, config = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
-    assert isinstance(config, ModelConfig)
-    model.prepack_for_cpu()
-    runner = PagedRunner(model, config, num_blocks=64, block_size=4, shuffle=True)
-    prompt = torch.randint(0, 256, (19,))
-    ours = runner.step([(0, prompt.tolist())])[0][-1]
-    out = hf(input_ids=prompt[None], use_cache=True)
-    ref, past = out.logits[0, -1].float(), out.past_key_values
-    for _ in range(12):
-        assert (ours - ref).abs().max().item() <= 1e-3
-        token = int(ref.argmax())
-        assert int(ours.argmax()) == token
-        ours = runner.step([(0, [token])])[0][-1]
-        out = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        ref, past = out.logits[0, -1].float(), out.past_key_values
+    check_greedy_against_transformers(
+        tmp_path, cfg, prompt_len=19, chunk_ends=[19], steps=12, num_blocks=64, block_size=4
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

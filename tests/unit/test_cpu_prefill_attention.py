@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 from collections.abc import Iterator
@@ -13,28 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from ferrum_kernels import cpu_attention, native
-from ferrum_kernels.attention import paged_attention, write_kv
+from ferrum_kernels.attention import paged_attention
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_models import BlockAllocator, build_meta
+from helpers_models import check_greedy_against_transformers, random_paged_batch
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain")
-
-
-def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [n, H, D] (the last n of ctx positions), k/v [ctx, Hkv, D] -> [n, H, D] in float64."""
-    n, num_heads, _ = q.shape
-    ctx, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    k = k.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
-    v = v.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
-    scores = torch.einsum("nhd,chd->hnc", q.double(), k) * scale  # [H, n, ctx]
-    allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # [n, ctx]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)  # [n, H, D]
 
 
 @dataclass
@@ -59,52 +43,34 @@ def _case(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> Case:
-    torch.manual_seed(seed)
     num_heads = num_kv_heads * group
-    blocks_needed = sum(math.ceil((h + n) / block_size) for h, n in items)
-    num_blocks = blocks_needed + 4  # spare blocks hold garbage that must never be read
-    # Garbage includes values the kernel must not touch: a NaN anywhere it reads would show.
-    kv_layer = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
-    kv_layer[:, -4:] = float("nan")
-    allocator = BlockAllocator(num_blocks - 4, shuffle=True, seed=seed)
-    block_lists, query_lens, context_lens = [], [], []
-    full_k, full_v, queries = [], [], []
-    for hist, n in items:
-        ctx = hist + n
-        blocks = allocator.allocate(math.ceil(ctx / block_size))
-        k = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)  # [ctx, Hkv, D]
-        v = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)
-        for p in range(hist):
-            kv_layer[0, blocks[p // block_size], p % block_size] = k[p]
-            kv_layer[1, blocks[p // block_size], p % block_size] = v[p]
-        block_lists.append(blocks)
-        query_lens.append(n)
-        context_lens.append(ctx)
-        full_k.append(k)
-        full_v.append(v)
-        queries.append(torch.randn(n, num_heads, head_dim).to(dtype))
-    meta = build_meta(block_lists, query_lens, context_lens, block_size)
-    key = torch.cat([k[h:] for k, (h, _) in zip(full_k, items, strict=True)])  # [T, Hkv, D]
-    value = torch.cat([v[h:] for v, (h, _) in zip(full_v, items, strict=True)])
-    write_kv(kv_layer, key, value, meta.slot_mapping)
-    q = torch.cat(queries)  # [T, H, D]
+    # Spare blocks hold NaN: any read of a block the kernel must not touch would show.
+    batch = random_paged_batch(
+        items,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=seed,
+        spare_blocks=4,
+        spare_fill=float("nan"),
+    )
+    kv_layer, meta, scale = batch.kv_layer, batch.meta, batch.scale
+    q = torch.cat(batch.queries)  # [T, H, D]
     # The model hands attention q as a view of its fused qkv projection: rows are strided.
     qkv = torch.cat(
         [q.flatten(1), torch.zeros(q.shape[0], 2 * num_kv_heads * head_dim, dtype=dtype)], 1
     )
     query = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
     assert query.stride(0) > num_heads * head_dim
-    scale = head_dim**-0.5
-    reference = torch.cat(
-        [dense_reference(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v, strict=True)]
-    )
     return Case(
         query=query,
-        key=key,
-        value=value,
+        key=batch.key,
+        value=batch.value,
         kv_layer=kv_layer,
         plan=CpuAttentionPlan.build(meta, block_size),
-        reference=reference,
+        reference=batch.reference,
         paged=paged_attention(query, kv_layer, meta, scale),
         scale=scale,
     )
@@ -230,9 +196,7 @@ def test_leaves_other_rows_alone() -> None:
 def test_model_with_chunked_prefill_matches_transformers_greedy(tmp_path: Path) -> None:
     # The fast-path parity tests elsewhere use head dims (8) the kernel does not take; this model
     # has head_dim 64 and GQA 3, prefilled in three chunks (two of them continuing).
-    from ferrum_server.models import ModelConfig, load_model
-    from helpers_models import PagedRunner
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -245,21 +209,13 @@ def test_model_with_chunked_prefill_matches_transformers_greedy(tmp_path: Path) 
         max_position_embeddings=256,
         initializer_range=0.08,
     )
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    model, config = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
-    assert isinstance(config, ModelConfig) and config.head_dim == 64
-    model.prepack_for_cpu()
-    runner = PagedRunner(model, config, num_blocks=32, block_size=16, shuffle=True)
-    prompt = torch.randint(0, 256, (83,))
-    for begin, end in [(0, 37), (37, 70), (70, 83)]:
-        ours = runner.step([(0, prompt[begin:end].tolist())])[0][-1]
-    out = hf(input_ids=prompt[None], use_cache=True)
-    ref, past = out.logits[0, -1].float(), out.past_key_values
-    for _ in range(6):
-        assert (ours - ref).abs().max().item() <= 1e-3
-        token = int(ref.argmax())
-        assert int(ours.argmax()) == token
-        ours = runner.step([(0, [token])])[0][-1]
-        out = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        ref, past = out.logits[0, -1].float(), out.past_key_values
+    config = check_greedy_against_transformers(
+        tmp_path,
+        cfg,
+        prompt_len=83,
+        chunk_ends=[37, 70, 83],
+        steps=6,
+        num_blocks=32,
+        block_size=16,
+    )
+    assert config.head_dim == 64
