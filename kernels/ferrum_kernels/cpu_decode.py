@@ -7,8 +7,9 @@ group. This kernel walks each item's block table and reads K/V rows straight fro
 one pass over the history, no padding, no temporaries. With AVX-512 each item is one unit of
 work (handed to threads dynamically, since lengths differ), read a whole token row at a time;
 the scores of 16 tokens come out of one transpose-reduce rather than 16 horizontal sums, and
-bfloat16 dot products use vdpbf16ps where the CPU has it. Scores and softmax are float32
-whatever the pool dtype.
+bfloat16 dot products use vdpbf16ps where the CPU has it (the V sum too, two tokens at a
+time, with probabilities rounded to bfloat16 as the torch reference rounds them). Scores and
+softmax are float32 whatever the pool dtype.
 
 The C++ source is ``csrc/decode_attention.cpp``, built by ``ferrum_kernels.native``. When it
 cannot be built, or ``FERRUM_CPU_NATIVE=0``, ``decode_attention`` returns None and callers keep

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -112,6 +113,62 @@ inline void prefetch_token_l2(const T* pool, int64_t slot, int64_t kv_row) {
 // Blocks ahead of the current token that the K pass prefetches (measured: 3 beat 2, 4 and 6).
 constexpr int64_t kPrefetchBlocks = 3;
 
+// bfloat16 V with vdpbf16ps: two tokens per instruction, V rows used as stored (no widening).
+// Rows j and j+1 are interleaved 16 bits at a time within each 128-bit quarter, so accumulator
+// lanes hold the head dims in a permuted order (paired_lane), undone once at the output.
+#if defined(__AVX512BF16__)
+template <typename T, int D>
+constexpr bool kPairedV = std::is_same<T, c10::BFloat16>::value && D % 32 == 0;
+#else
+template <typename T, int D>
+constexpr bool kPairedV = false;
+#endif
+
+// Where dim d lives in a paired accumulator: per 32 dims, the "low" vector holds dims
+// 8q..8q+3 of each quarter q in lanes 4q..4q+3, the "high" vector dims 8q+4..8q+7.
+template <typename T, int D>
+constexpr int paired_lane(int d) {
+  if constexpr (!kPairedV<T, D>) {
+    return d;
+  } else {
+    const int block = d / 32, r = d % 32, quarter = r / 8, within = r % 8;
+    return block * 32 + (within < 4 ? 0 : 16) + quarter * 4 + within % 4;
+  }
+}
+
+#if defined(__AVX512BF16__)
+inline uint32_t bf16_bits(float f) {
+  return static_cast<uint32_t>(c10::BFloat16(f).x);
+}
+
+// acc [D] (paired layout) += sum over the tile's n tokens of p[j] * V row j (bfloat16).
+template <int D>
+inline void accumulate_v_pairs(const float* p, const c10::BFloat16* const* tile, int64_t n,
+                               int64_t offset, float* acc) {
+  constexpr int B = D / 32;  // 32-dim blocks, two accumulators each
+  __m512 a[2 * B];
+  for (int k = 0; k < 2 * B; ++k) a[k] = _mm512_loadu_ps(acc + 16 * k);
+  for (int64_t j = 0; j < n; j += 2) {
+    // An odd last token pairs with itself at weight 0.
+    const bool odd = j + 1 >= n;
+    const c10::BFloat16* r0 = tile[j] + offset;
+    const c10::BFloat16* r1 = odd ? r0 : tile[j + 1] + offset;
+    const uint32_t w = bf16_bits(p[j]) | (odd ? 0u : bf16_bits(p[j + 1]) << 16);
+    const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+    for (int b = 0; b < B; ++b) {
+      const __m512i x = _mm512_loadu_si512(r0 + 32 * b), y = _mm512_loadu_si512(r1 + 32 * b);
+      a[2 * b] = _mm512_dpbf16_ps(a[2 * b], (__m512bh)_mm512_unpacklo_epi16(x, y), weights);
+      a[2 * b + 1] = _mm512_dpbf16_ps(a[2 * b + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), weights);
+    }
+  }
+  for (int k = 0; k < 2 * B; ++k) _mm512_storeu_ps(acc + 16 * k, a[k]);
+}
+#else
+template <int D>
+inline void accumulate_v_pairs(const float*, const c10::BFloat16* const*, int64_t, int64_t,
+                               float*) {}
+#endif
+
 // One work unit is a whole item: its blocks are read front to back, every KV head of a token
 // row at once (a row is contiguous in the pool), 16 tokens per tile. Per tile and query head,
 // the 16 dot products come out of one transpose-reduce (reduce16) instead of 16 horizontal
@@ -185,6 +242,10 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
           const int64_t off = (hq / group) * D;
           const float* ph = scores.data() + hq * ctx + t0;
           float* ah = acc.data() + hq * D;
+          if constexpr (kPairedV<T, D>) {
+            accumulate_v_pairs<D>(ph, tile, n, off, ah);
+            continue;
+          }
           __m512 a[C];
           for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ah + 16 * c);
           for (int64_t j = 0; j < n; ++j) {
@@ -196,7 +257,8 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
       }
       T* orow = out + item * heads * D;
       for (int64_t hq = 0; hq < heads; ++hq)
-        for (int d = 0; d < D; ++d) orow[hq * D + d] = static_cast<T>(acc[hq * D + d] * inv[hq]);
+        for (int d = 0; d < D; ++d)
+          orow[hq * D + d] = static_cast<T>(acc[hq * D + paired_lane<T, D>(d)] * inv[hq]);
     }
   }
 }
