@@ -23,6 +23,7 @@ the same math up to float rounding), but cheaper in the ways that matter on a CP
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -83,12 +84,15 @@ class _Chunk:
     block_ids: torch.Tensor | None  # [nb] int64, None when the chunk is its whole context
 
 
-@dataclass(frozen=True, slots=True)
+# No slots: decode_groups is a cached_property, which needs the instance __dict__.
+@dataclass(frozen=True)
 class CpuAttentionPlan:
     """Per-forward attention bookkeeping, shared by every layer."""
 
     num_tokens: int
-    decode_groups: tuple[_DecodeGroup, ...]
+    meta: AttentionMetadata
+    block_size: int
+    decode_group_size: int  # decodes attended together by the torch decode path
     chunks: tuple[_Chunk, ...]
     # All decodes at once, for the native kernel (which needs neither groups nor padding).
     decode_rows: torch.Tensor  # [N] int64
@@ -106,30 +110,9 @@ class CpuAttentionPlan:
         block_size: int,
         group: int = DECODE_GROUP,
     ) -> CpuAttentionPlan:
-        """group: how many decodes are attended together."""
+        """group: how many decodes the torch decode path attends together."""
         qs, cl = meta.query_start, meta.context_lens
         tables = meta.block_tables  # [B, W] int64 (host tensor on CPU)
-        decodes = sorted(meta.decode_items, key=lambda i: cl[i])
-        groups: list[_DecodeGroup] = []
-        for begin in range(0, len(decodes), group):
-            items = decodes[begin : begin + group]
-            lens = [cl[i] for i in items]
-            nb = math.ceil(max(lens) / block_size)
-            index = torch.tensor(items, dtype=torch.int64)
-            span = nb * block_size
-            pad_mask = None
-            if min(lens) < span:
-                lens_t = torch.tensor(lens, dtype=torch.int64)
-                pad_mask = (torch.arange(span)[None, :] >= lens_t[:, None])[:, None, None, :]
-            groups.append(
-                _DecodeGroup(
-                    rows=torch.tensor([qs[i] for i in items], dtype=torch.int64),
-                    block_ids=tables[index, :nb].reshape(-1),
-                    num_items=len(items),
-                    num_blocks=nb,
-                    pad_mask=pad_mask,
-                )
-            )
         chunks: list[_Chunk] = []
         for i in meta.prefill_items:
             start, end, ctx = qs[i], qs[i + 1], cl[i]
@@ -139,7 +122,9 @@ class CpuAttentionPlan:
         prefills = torch.tensor(meta.prefill_items, dtype=torch.int64)
         return cls(
             meta.num_tokens,
-            tuple(groups),
+            meta,
+            block_size,
+            group,
             tuple(chunks),
             meta.decode_rows.contiguous(),
             meta.decode_block_tables.contiguous(),
@@ -150,6 +135,34 @@ class CpuAttentionPlan:
             tables[prefills.to(tables.device)].contiguous(),
             sum(-(-c.context_len // _KEY_TILE) * _KEY_TILE for c in chunks),
         )
+
+    @functools.cached_property
+    def decode_groups(self) -> tuple[_DecodeGroup, ...]:
+        """The torch decode path's groups: decodes sorted by context length, padded per group.
+        Built on first use, so steps served by the native decode kernel never pay for it."""
+        meta, block_size, cl = self.meta, self.block_size, self.meta.context_lens
+        decodes = sorted(meta.decode_items, key=lambda i: cl[i])
+        groups: list[_DecodeGroup] = []
+        for begin in range(0, len(decodes), self.decode_group_size):
+            items = decodes[begin : begin + self.decode_group_size]
+            lens = [cl[i] for i in items]
+            nb = math.ceil(max(lens) / block_size)
+            index = torch.tensor(items, dtype=torch.int64)
+            span = nb * block_size
+            pad_mask = None
+            if min(lens) < span:
+                lens_t = torch.tensor(lens, dtype=torch.int64)
+                pad_mask = (torch.arange(span)[None, :] >= lens_t[:, None])[:, None, None, :]
+            groups.append(
+                _DecodeGroup(
+                    rows=torch.tensor([meta.query_start[i] for i in items], dtype=torch.int64),
+                    block_ids=meta.block_tables[index, :nb].reshape(-1),
+                    num_items=len(items),
+                    num_blocks=nb,
+                    pad_mask=pad_mask,
+                )
+            )
+        return tuple(groups)
 
 
 def _gather(pool: torch.Tensor, block_ids: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -256,7 +269,7 @@ def cpu_paged_attention(
             f"query has {query.shape[0]} rows but the plan describes {plan.num_tokens}"
         )
     out = query.new_empty(query.shape)  # [T, H, D] contiguous, whatever query's strides
-    if plan.decode_groups:
+    if plan.decode_rows.numel():
         decoded = decode_attention(
             query, kv_layer, plan.decode_tables, plan.decode_lens, plan.decode_rows, scale
         )  # [N, H, D] or None
