@@ -96,6 +96,10 @@ class SchedulerConfig:
     # while prompts are prefilled, on any device and dtype. 0 = always max_step_tokens. Steps
     # far shorter than the target (a GPU) simply run at max_step_tokens.
     target_step_ms: float = DEFAULT_TARGET_STEP_MS
+    # While nothing decodes, prefill prompts up to their last token in max_step_tokens steps and
+    # start them decoding together (see _plan_held_prefill); a prompt is held at most this long.
+    align_first_tokens: bool = True
+    max_first_token_hold_ms: float = 30_000.0
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1 or self.max_running < 1 or self.pipeline_depth < 1:
@@ -379,6 +383,7 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
         self.cost = StepCostModel()  # step time vs tokens, for target_step_ms
+        self._held_since: float | None = None  # when a prompt was first held (align_first_tokens)
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._by_index: dict[int, _Request] = {}
@@ -516,6 +521,8 @@ class Scheduler:
         items: list[PlannedItem] = []
         members: list[_Request] = []
         decoding = sum(1 for r in self._running if not r.in_prefill)
+        if config.align_first_tokens and decoding == 0 and not self._first_tokens_due():
+            return self._plan_held_prefill()
         budget = planned = self._step_budget(decoding)
         # Split decodes across the pipeline so consecutive steps carry alternating cohorts.
         decode_cap = math.ceil(decoding / config.pipeline_depth) if steps_in_flight == 0 else None
@@ -545,27 +552,38 @@ class Scheduler:
             if request.in_flight or not request.in_prefill:
                 continue
             chunk = request.context[request.computed : request.computed + budget]
-            items.append(
-                PlannedItem(
-                    KIND_PREFILL,
-                    request.result.request_id,
-                    request.cache_id,
-                    chunk,
-                    request.computed,
-                    len(request.context),
-                    request.max_tokens,
-                    request.params.sampling,
-                )
-            )
+            items.append(self._chunk_item(request, chunk))
             members.append(request)
             chunks.append(len(chunk))
             budget -= len(chunk)
         if not items:
             return None
+        return self._submit(items, members, num_decodes, chunks, planned - budget)
+
+    def _chunk_item(self, request: _Request, chunk: list[int]) -> PlannedItem:
+        return PlannedItem(
+            KIND_PREFILL,
+            request.result.request_id,
+            request.cache_id,
+            chunk,
+            request.computed,
+            len(request.context),
+            request.max_tokens,
+            request.params.sampling,
+        )
+
+    def _submit(
+        self,
+        items: list[PlannedItem],
+        members: list[_Request],
+        num_decodes: int,
+        chunks: list[int],
+        tokens: int,
+    ) -> _InFlight:
         for request in members:
             request.in_flight = True
         self.stats.steps += 1
-        self.stats.step_tokens.append(planned - budget)
+        self.stats.step_tokens.append(tokens)
         record = StepRecord(
             submitted_s=time.perf_counter(),
             finished_s=0.0,
@@ -576,6 +594,51 @@ class Scheduler:
             timing=StepTiming(),
         )
         return _InFlight(self.backend.submit(items), members, record)
+
+    def _first_tokens_due(self) -> bool:
+        """With nothing decoding: whether the running prompts start now, none being in flight:
+        all of them are held at their last token, or what is left of them fits the next
+        plain step, or the first was held max_first_token_hold_ms ago."""
+        if any(r.in_flight for r in self._running):
+            return False
+        remaining = sum(len(r.context) - r.computed for r in self._running)
+        if remaining <= len(self._running) or remaining <= self._step_budget(0):
+            self._held_since = None
+            return True
+        if not any(r.computed >= len(r.context) - 1 for r in self._running):
+            return False
+        now = time.perf_counter()
+        if self._held_since is None:
+            self._held_since = now
+        if (now - self._held_since) * 1e3 >= self.config.max_first_token_hold_ms:
+            self._held_since = None
+            return True
+        return False
+
+    def _plan_held_prefill(self) -> _InFlight | None:
+        """Nothing is decoding, so no inter-token latency is at stake: steps of max_step_tokens
+        prefill each prompt up to, not including, its last token. The prompts then start
+        together (``_first_tokens_due``): one plain step computes every last token and the
+        whole batch decodes from the next step on, in full-size decode steps, instead of each
+        prompt starting alone and waiting out the others' prefill between its tokens."""
+        budget = self.config.max_step_tokens
+        items: list[PlannedItem] = []
+        members: list[_Request] = []
+        chunks: list[int] = []
+        for request in self._running:
+            if budget <= 0:
+                break
+            hold_at = len(request.context) - 1
+            if request.in_flight or request.computed >= hold_at:
+                continue
+            chunk = request.context[request.computed : min(hold_at, request.computed + budget)]
+            items.append(self._chunk_item(request, chunk))
+            members.append(request)
+            chunks.append(len(chunk))
+            budget -= len(chunk)
+        if not items:
+            return None
+        return self._submit(items, members, 0, chunks, self.config.max_step_tokens - budget)
 
     def _step_budget(self, decoding: int) -> int:
         """Tokens the next step may hold: max_step_tokens, or what the step-time target allows

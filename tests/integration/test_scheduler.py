@@ -67,7 +67,8 @@ def test_mixed_batches_equal_single_request_greedy(server: LiveServer) -> None:
     prompts = random_prompts(11, 14, 3, 40)
     lengths = [3 + (i * 5) % 13 for i in range(len(prompts))]  # mixed output lengths
     params = [GenerationParams(max_new_tokens=n) for n in lengths]
-    config = SchedulerConfig(max_step_tokens=24, pipeline_depth=2)
+    # Prompts start as soon as they are prefilled, so decodes and chunks share steps.
+    config = SchedulerConfig(max_step_tokens=24, pipeline_depth=2, align_first_tokens=False)
     outputs, reasons, scheduler = _generate(server, prompts, params, config)
     assert reasons == ["length"] * len(prompts)
     assert [len(o) for o in outputs] == lengths
@@ -78,6 +79,49 @@ def test_mixed_batches_equal_single_request_greedy(server: LiveServer) -> None:
     # The batches really were mixed: some steps carried decodes and prefill chunks together.
     records = scheduler.stats.records
     assert any(r.num_decodes and r.num_prefill_tokens for r in records)
+    _assert_quiescent(server)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_aligned_first_tokens_start_the_burst_together(server: LiveServer, depth: int) -> None:
+    """A burst is prefilled up to each prompt's last token, in steps within the budget and
+    without decodes; one step then yields every first token and the whole batch decodes
+    together. Outputs equal single-request greedy runs."""
+    prompts = random_prompts(7, 6, 5, 60)
+    params = GenerationParams(max_new_tokens=5)
+    budget = 40
+    config = SchedulerConfig(max_step_tokens=budget, pipeline_depth=depth)
+    outputs, reasons, scheduler = _generate(server, prompts, params, config)
+    assert reasons == ["length"] * len(prompts)
+    records = scheduler.stats.records
+    assert all(r.num_tokens <= budget for r in records)
+    assert sum(r.num_prefill_tokens for r in records) == sum(len(p) for p in prompts)
+    first_decode = next(i for i, r in enumerate(records) if r.num_decodes)
+    # Several prefill-only steps (the prompts need more than one budget), then decodes only:
+    # no prompt started while another was still being prefilled.
+    assert first_decode >= 2 and sum(len(p) for p in prompts) > budget
+    assert all(r.num_decodes == 0 for r in records[:first_decode])
+    assert all(r.num_prefill_tokens == 0 for r in records[first_decode:])
+    # The step before the first decode computed every prompt's last token (depth 1: the whole
+    # batch decodes in every later step).
+    assert records[first_decode - 1].num_prefill_items == len(prompts)
+    if depth == 1:
+        assert all(r.num_decodes == len(prompts) for r in records[first_decode:])
+    alone = SchedulerConfig(max_step_tokens=512, pipeline_depth=1)
+    for prompt, got in zip(prompts, outputs, strict=True):
+        want, _, _ = _generate(server, [prompt], params, alone)
+        assert got == want[0]
+    _assert_quiescent(server)
+
+
+def test_first_token_hold_is_bounded(server: LiveServer) -> None:
+    """max_first_token_hold_ms = 0: a held prompt starts at once, so the burst's later prompts
+    are prefilled beside its decodes, as without alignment."""
+    prompts = random_prompts(9, 6, 30, 60)
+    config = SchedulerConfig(max_step_tokens=40, max_first_token_hold_ms=0)
+    _, reasons, scheduler = _generate(server, prompts, GenerationParams(max_new_tokens=4), config)
+    assert reasons == ["length"] * len(prompts)
+    assert any(r.num_decodes and r.num_prefill_tokens for r in scheduler.stats.records)
     _assert_quiescent(server)
 
 
@@ -226,7 +270,7 @@ def test_step_time_target_lowers_the_budget_and_keeps_decodes(server: LiveServer
             return timed()
 
     prompts = random_prompts(8, 12, 30, 90)
-    config = SchedulerConfig(max_step_tokens=128, target_step_ms=40)
+    config = SchedulerConfig(max_step_tokens=128, target_step_ms=40, align_first_tokens=False)
 
     async def scenario() -> Scheduler:
         async with AsyncExecutorClient(server.target) as client:
