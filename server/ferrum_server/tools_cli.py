@@ -62,6 +62,11 @@ def register_tool_commands(sub: Any) -> None:
     bench.add_argument(
         "--extra-depths", type=_csv_ints, default=[], help="extra pipeline depths to run"
     )
+    bench.add_argument(
+        "--unaligned",
+        action="store_true",
+        help="also run the scheduler with first tokens not aligned (align_first_tokens=False)",
+    )
     bench.add_argument("--hf-batch-size", type=int, default=16)
     bench.add_argument("--torch-threads", type=int, default=0)
     bench.add_argument("--vllm-venv", default=None, help="vLLM CPU venv (see scripts/)")
@@ -93,6 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         budgets=args.budgets,
         pipeline_depth=args.pipeline_depth,
         extra_depths=args.extra_depths,
+        unaligned=args.unaligned,
         hf_batch_size=args.hf_batch_size,
         torch_threads=args.torch_threads,
         vllm_venv=args.vllm_venv,

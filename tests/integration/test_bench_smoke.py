@@ -36,6 +36,7 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
         "--workload", "smoke",
         "--dtype", "float32",
         "--compare", "inproc",
+        "--unaligned",
         "--no-progress",
         "--cache-dir", str(tmp_path / "models"),
         "--output", str(out),
@@ -43,19 +44,25 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     section = report["by_dtype"]["float32"]
-    for system in ("ferrum-grpc", "ferrum-inproc"):
+    for system in ("ferrum-grpc", "ferrum-inproc", "ferrum-grpc unaligned"):
         result = section["results"][system]
         assert result["output_tokens"] == 12 * 8
         assert result["output_tok_s"] > 0 and result["itl_p99_ms"] >= result["itl_p50_ms"]
         assert result["steps"]["count"] > 0
     # Same policy, same numerics: identical greedy outputs with and without gRPC.
     assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-inproc"] == 1.0
+    # Aligned or not, the same greedy tokens; only the step mix differs.
+    assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc unaligned"] == 1.0
+    assert section["results"]["ferrum-grpc unaligned"]["notes"]["align_first_tokens"] is False
     assert "ferrum-grpc / ferrum-inproc" in section["derived"]["ratios_output_tok_s"]
     assert "ferrum-grpc" in done.stdout  # the readable table
 
 
 def test_generate_local_prints_json() -> None:
-    done = _cli("generate", "--local", "--random", "3", "--max-new-tokens", "4", "--json")
+    done = _cli(
+        "generate", "--local", "--random", "3", "--max-new-tokens", "4", "--json",
+        "--no-align-first-tokens",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert [len(r["output_ids"]) for r in report["results"]] == [4, 4, 4]

@@ -171,6 +171,7 @@ def run_bench(
     budgets: Sequence[int] = (),
     pipeline_depth: int = 1,
     extra_depths: Sequence[int] = (),
+    unaligned: bool = False,
     hf_batch_size: int = 16,
     torch_threads: int = 0,
     vllm_venv: str | None = None,
@@ -229,6 +230,10 @@ def run_bench(
         for depth in extra_depths:
             if depth != pipeline_depth:
                 plan.append((f"ferrum-grpc depth{depth}", replace(base, pipeline_depth=depth)))
+        if unaligned:
+            # Each prompt starts decoding as soon as it is prefilled: the TTFT side of the
+            # first-token alignment trade-off.
+            plan.append(("ferrum-grpc unaligned", replace(base, align_first_tokens=False)))
         for label, spec in plan:
             if spec.system in ("hf-static", "hf-cb") and mode == "online":
                 skipped[label] = "transformers runs offline batches only"

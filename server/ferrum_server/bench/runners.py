@@ -53,6 +53,7 @@ class RunSpec:
     max_step_tokens: int = 512
     pipeline_depth: int = 1
     target_step_ms: float = 200.0  # 0 = fixed budget (the budget trade-off table)
+    align_first_tokens: bool = True
     kv_cache_bytes: int = 1024**3
     torch_threads: int = 0
     hf_batch_size: int = 16
@@ -123,6 +124,7 @@ def _scheduler_run(
         max_step_tokens=spec.max_step_tokens,
         pipeline_depth=spec.pipeline_depth,
         target_step_ms=spec.target_step_ms,
+        align_first_tokens=spec.align_first_tokens,
     )
 
     async def go() -> tuple[float, list[Any], Scheduler]:
@@ -162,6 +164,7 @@ def _scheduler_run(
         "max_step_tokens": spec.max_step_tokens,
         "pipeline_depth": spec.pipeline_depth,
         "target_step_ms": spec.target_step_ms,
+        "align_first_tokens": spec.align_first_tokens,
         "max_in_flight": scheduler.stats.max_in_flight,
         "preemptions": scheduler.stats.preemptions,
         "finish_reasons": sorted({r.finish_reason for r in results}),
