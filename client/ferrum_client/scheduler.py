@@ -7,6 +7,9 @@ Policy, per step:
   runs out), all in one unified batch; the budget is ``max_step_tokens``, lowered when needed so
   the step is predicted to take about ``target_step_ms`` (``step_cost``), which bounds
   inter-token latency during a prefill burst on any device;
+* first tokens aligned: while nothing decodes, prompts are prefilled up to their last token in
+  prefill-only steps and then start together (``_plan_held_prefill``), so the batch decodes in
+  full-size steps rather than draining through a tail of small ones;
 * admission through the executor's capacity answers: ``TryAdmitPrefill`` admits, defers (the
   scheduler then parks on ``WaitForCapacityChange`` for exactly the sources named, never
   polling) or rejects; a decode the executor defers because its sequence cannot grow preempts
