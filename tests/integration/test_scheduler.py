@@ -114,6 +114,22 @@ def test_aligned_first_tokens_start_the_burst_together(server: LiveServer, depth
     _assert_quiescent(server)
 
 
+def test_aligned_first_tokens_cost_a_lone_prompt_no_extra_step(server: LiveServer) -> None:
+    """Holding back a last token only to compute it alone would add a step: when what is left
+    fits one ordinary step the prompt simply completes, aligned or not."""
+    params = GenerationParams(max_new_tokens=3)
+    for length in (20, 50):  # within one 40-token budget, and split across two steps
+        prompt = random_prompts(1, 1, length, length)
+        steps = []
+        for align in (True, False):
+            config = SchedulerConfig(max_step_tokens=40, align_first_tokens=align)
+            _, _, scheduler = _generate(server, prompt, params, config)
+            steps.append([(r.num_decodes, r.num_prefill_tokens) for r in scheduler.stats.records])
+        assert steps[0] == steps[1]
+        assert sum(1 for _, prefill in steps[0] if prefill) == (1 if length <= 40 else 2)
+    _assert_quiescent(server)
+
+
 def test_first_token_hold_is_bounded(server: LiveServer) -> None:
     """max_first_token_hold_ms = 0: a held prompt starts at once, so the burst's later prompts
     are prefilled beside its decodes, as without alignment."""
