@@ -67,6 +67,12 @@ def register_tool_commands(sub: Any) -> None:
         action="store_true",
         help="also run the scheduler with first tokens not aligned (align_first_tokens=False)",
     )
+    bench.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of every system, interleaved; each row is the median round",
+    )
     bench.add_argument("--hf-batch-size", type=int, default=16)
     bench.add_argument("--torch-threads", type=int, default=0)
     bench.add_argument("--vllm-venv", default=None, help="vLLM CPU venv (see scripts/)")
@@ -84,6 +90,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     compare = [c.strip() for c in args.compare.split(",") if c.strip()]
     bad = [d for d in dtypes if d not in DTYPES] + [c for c in compare if c not in COMPARE_CHOICES]
+    if args.repeat < 1:
+        sys.stderr.write("ferrum-executor bench: --repeat must be >= 1\n")
+        return 2
     if bad or not dtypes:
         sys.stderr.write(f"ferrum-executor bench: unknown choice(s): {', '.join(bad)}\n")
         return 2
@@ -99,6 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pipeline_depth=args.pipeline_depth,
         extra_depths=args.extra_depths,
         unaligned=args.unaligned,
+        repeat=args.repeat,
         hf_batch_size=args.hf_batch_size,
         torch_threads=args.torch_threads,
         vllm_venv=args.vllm_venv,

@@ -3,6 +3,7 @@ them (subprocesses, a server started by the command itself)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from ferrum_server.bench.harness import percentile, summarize
-from ferrum_server.bench.runners import RequestTrace, RunOutput
+from ferrum_server.bench.runners import RequestTrace, RunOutput, RunSpec
 from ferrum_server.bench.workloads import WORKLOADS, matmul_flops
 
 
@@ -102,3 +103,35 @@ def test_summary_statistics() -> None:
     # rows that produce a token go through the head.
     assert 4.0e12 < flops["matmul_all_rows"] < 5.5e12
     assert flops["matmul"] < flops["matmul_all_rows"]
+
+
+def test_repeated_rounds_interleave_systems_and_report_the_median_round(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--repeat N runs every system once per round, in turn, and each row is its median round
+    (walls scripted here: no model runs)."""
+    from ferrum_server.bench import harness
+
+    walls = {"ferrum-grpc": [4.0, 2.0, 3.0], "ferrum-inproc": [1.0, 5.0, 2.0]}
+    order: list[str] = []
+
+    def fake_worker(spec: RunSpec) -> RunOutput:
+        order.append(spec.system)
+        wall = walls[spec.system][order.count(spec.system) - 1]
+        traces = [RequestTrace(0.0, [0.1, wall], [7, 8]) for _ in range(3)]
+        return RunOutput(spec.system, wall, traces)
+
+    monkeypatch.setattr(harness, "_run_worker", fake_worker)
+    monkeypatch.setattr(harness, "measure_gemm", lambda workload, dtype: {"packed": 1.0})
+    report = harness.run_bench(
+        "smoke", ["float32"], ["inproc"], repeat=3, cache_dir=tmp_path, progress=False,
+        log=io.StringIO(),
+    )  # fmt: skip
+    assert order == ["ferrum-grpc", "ferrum-inproc"] * 3
+    results = report["by_dtype"]["float32"]["results"]
+    assert results["ferrum-grpc"]["rounds_output_tok_s"] == [1.5, 3.0, 2.0]
+    assert results["ferrum-grpc"]["wall_s"] == 3.0  # the median round: 2.0 tok/s
+    assert results["ferrum-inproc"]["wall_s"] == 2.0  # rounds 6.0, 1.2, 3.0 tok/s
+    ratio = report["by_dtype"]["float32"]["derived"]["ratios_output_tok_s"]
+    assert ratio["ferrum-grpc / ferrum-inproc"] == pytest.approx(2.0 / 3.0, abs=1e-3)
+    assert "by round" in harness.format_table(report)

