@@ -548,20 +548,29 @@ class Scheduler:
             members.append(request)
             budget -= 1
             num_decodes += 1
+        chunks, budget = self._add_chunks(items, members, budget, hold_last=False)
+        if not items:
+            return None
+        return self._submit(items, members, num_decodes, chunks, planned - budget)
+
+    def _add_chunks(
+        self, items: list[PlannedItem], members: list[_Request], budget: int, hold_last: bool
+    ) -> tuple[list[int], int]:
+        """Prefill chunks, first come first served, within `budget` tokens; with `hold_last`
+        each prompt stops short of its last token. Returns (chunk sizes, budget left)."""
         chunks: list[int] = []
         for request in self._running:
             if budget <= 0:
                 break
-            if request.in_flight or not request.in_prefill:
+            end = len(request.context) - 1 if hold_last else len(request.context)
+            if request.in_flight or request.computed >= end:
                 continue
-            chunk = request.context[request.computed : request.computed + budget]
+            chunk = request.context[request.computed : min(end, request.computed + budget)]
             items.append(self._chunk_item(request, chunk))
             members.append(request)
             chunks.append(len(chunk))
             budget -= len(chunk)
-        if not items:
-            return None
-        return self._submit(items, members, num_decodes, chunks, planned - budget)
+        return chunks, budget
 
     def _chunk_item(self, request: _Request, chunk: list[int]) -> PlannedItem:
         return PlannedItem(
@@ -624,24 +633,13 @@ class Scheduler:
         together (``_first_tokens_due``): one plain step computes every last token and the
         whole batch decodes from the next step on, in full-size decode steps, instead of each
         prompt starting alone and waiting out the others' prefill between its tokens."""
-        budget = self.config.max_step_tokens
         items: list[PlannedItem] = []
         members: list[_Request] = []
-        chunks: list[int] = []
-        for request in self._running:
-            if budget <= 0:
-                break
-            hold_at = len(request.context) - 1
-            if request.in_flight or request.computed >= hold_at:
-                continue
-            chunk = request.context[request.computed : min(hold_at, request.computed + budget)]
-            items.append(self._chunk_item(request, chunk))
-            members.append(request)
-            chunks.append(len(chunk))
-            budget -= len(chunk)
+        budget = self.config.max_step_tokens
+        chunks, left = self._add_chunks(items, members, budget, hold_last=True)
         if not items:
             return None
-        return self._submit(items, members, 0, chunks, self.config.max_step_tokens - budget)
+        return self._submit(items, members, 0, chunks, budget - left)
 
     def _step_budget(self, decoding: int) -> int:
         """Tokens the next step may hold: max_step_tokens, or what the step-time target allows
