@@ -197,18 +197,22 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
       const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
       scores.resize(heads * ctx);                     // [H, ctx]
       auto fill_tile = [&](const T* pool, int64_t t0, int64_t n) {
+        // The token's block and offset advance with it: one division per tile, not three
+        // per token (a 64-bit divide by a runtime block size costs more than its row's dots).
+        int64_t block = t0 / block_size, offset = t0 - block * block_size;
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t t = t0 + j;
-          tile[j] = pool + (table[t / block_size] * block_size + t % block_size) * kv_row;
+          const int64_t slot = table[block] * block_size + offset;
+          tile[j] = pool + slot * kv_row;
           // Blocks sit anywhere in the pool and the hardware prefetchers stop at block edges:
           // fetch rows a few blocks ahead now. The K pass also pulls in the same tokens' V
           // rows, so the V pass that follows mostly reads L2.
-          if (t + kPrefetchBlocks * block_size < ctx)
-            prefetch_token_l2(
-                pool, table[t / block_size + kPrefetchBlocks] * block_size + t % block_size,
-                kv_row);
-          if (pool == k_pool)
-            prefetch_token_l2(v_pool, table[t / block_size] * block_size + t % block_size, kv_row);
+          if (t0 + j + kPrefetchBlocks * block_size < ctx)
+            prefetch_token_l2(pool, table[block + kPrefetchBlocks] * block_size + offset, kv_row);
+          if (pool == k_pool) prefetch_token_l2(v_pool, slot, kv_row);
+          if (++offset == block_size) {
+            offset = 0;
+            ++block;
+          }
         }
       };
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
