@@ -109,6 +109,8 @@ class SchedulerConfig:
             raise ValueError("max_step_tokens, max_running and pipeline_depth must be >= 1")
         if self.target_step_ms < 0:
             raise ValueError("target_step_ms must be >= 0 (0 = off)")
+        if self.max_first_token_hold_ms < 0:
+            raise ValueError("max_first_token_hold_ms must be >= 0")
 
 
 @dataclass(slots=True)

@@ -49,3 +49,12 @@ def test_recent_steps_outweigh_old_ones() -> None:
     fitted = model.fit()
     assert fitted is not None
     assert fitted[1] < 0.0003
+
+
+def test_scheduler_config_rejects_negative_times() -> None:
+    from ferrum_client.scheduler import SchedulerConfig
+
+    for bad in ({"target_step_ms": -1.0}, {"max_first_token_hold_ms": -1.0}):
+        with pytest.raises(ValueError):
+            SchedulerConfig(**bad)  # type: ignore[arg-type]
+    assert SchedulerConfig(max_first_token_hold_ms=0).max_first_token_hold_ms == 0
