@@ -45,6 +45,7 @@ import asyncio
 import dataclasses
 import itertools
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -174,11 +175,19 @@ class Admission:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """What one step may carry on the executor (its capabilities); 0 = no limit known."""
+
+    max_tokens: int = 0
+    max_items: int = 0
+
+
 @runtime_checkable
 class Backend(Protocol):
     """The executor operations the scheduling policy needs."""
 
-    async def open(self) -> None: ...
+    async def open(self) -> StepLimits: ...
 
     async def close(self) -> None: ...
 
@@ -206,9 +215,13 @@ class GrpcBackend:
         self.client = client
         self._stream: StepStream | None = None
 
-    async def open(self) -> None:
+    async def open(self) -> StepLimits:
+        capabilities = (await self.client.get_capabilities()).capabilities
         self._stream = self.client.step_stream()
         await self._stream.__aenter__()
+        return StepLimits(
+            capabilities.admission_limits.maximum_scheduled_tokens, capabilities.max_batch_size
+        )
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -389,6 +402,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.cost = StepCostModel()  # step time vs tokens, for target_step_ms
         self._held_since: float | None = None  # when a prompt was first held (align_first_tokens)
+        self._limits = StepLimits()  # the executor's, known once the backend is open
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._by_index: dict[int, _Request] = {}
@@ -444,7 +458,7 @@ class Scheduler:
         pending = deque(sorted(pending, key=lambda entry: entry[0]))
         in_flight: deque[_InFlight] = deque()
         start = time.perf_counter()
-        await self.backend.open()
+        self._limits = await self.backend.open()
         try:
             while pending or self._waiting or self._running or in_flight:
                 now = time.perf_counter()
@@ -481,7 +495,8 @@ class Scheduler:
     # -- admission --------------------------------------------------------------------------
 
     async def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_running:
+        # Every running request must fit one step, or a full set of decodes would starve prefill.
+        while self._waiting and len(self._running) < min(self.config.max_running, self._max_items):
             request = self._waiting[0]
             if request.wait is not None:
                 return  # still waiting on its capacity sources
@@ -537,6 +552,8 @@ class Scheduler:
                 continue
             if decode_cap is not None and num_decodes >= decode_cap:
                 break
+            if len(items) >= self._max_items:
+                break
             items.append(
                 PlannedItem(
                     KIND_DECODE,
@@ -562,7 +579,7 @@ class Scheduler:
         each prompt stops short of its last token. Returns (chunk sizes, budget left)."""
         chunks: list[int] = []
         for request in self._running:
-            if budget <= 0:
+            if budget <= 0 or len(items) >= self._max_items:
                 break
             end = len(request.context) - 1 if hold_last else len(request.context)
             if request.in_flight or request.computed >= end:
@@ -637,7 +654,7 @@ class Scheduler:
         prompt starting alone and waiting out the others' prefill between its tokens."""
         items: list[PlannedItem] = []
         members: list[_Request] = []
-        budget = self.config.max_step_tokens
+        budget = self._max_tokens
         chunks, left = self._add_chunks(items, members, budget, hold_last=True)
         if not items:
             return None
@@ -646,11 +663,22 @@ class Scheduler:
     def _step_budget(self, decoding: int) -> int:
         """Tokens the next step may hold: max_step_tokens, or what the step-time target allows
         (never so few that running decodes are left out or prefill stops advancing)."""
-        config = self.config
+        config, ceiling = self.config, self._max_tokens
         if config.target_step_ms <= 0:
-            return config.max_step_tokens
-        floor = min(config.max_step_tokens, decoding + MIN_PREFILL_TOKENS)
-        return self.cost.budget(config.target_step_ms / 1e3, config.max_step_tokens, floor)
+            return ceiling
+        floor = min(ceiling, decoding + MIN_PREFILL_TOKENS)
+        return self.cost.budget(config.target_step_ms / 1e3, ceiling, floor)
+
+    @property
+    def _max_tokens(self) -> int:
+        """max_step_tokens, within what the executor accepts in one forward."""
+        limit = self._limits.max_tokens
+        return min(self.config.max_step_tokens, limit) if limit else self.config.max_step_tokens
+
+    @property
+    def _max_items(self) -> int:
+        """Items (decodes plus chunks) the executor accepts in one forward."""
+        return self._limits.max_items or sys.maxsize
 
     def _observe_cost(self, record: StepRecord) -> None:
         timing = record.timing
@@ -787,6 +815,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
+    "StepLimits",
     "StepRecord",
     "StepResult",
     "StepTiming",

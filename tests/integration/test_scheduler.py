@@ -41,6 +41,18 @@ def small() -> Iterator[LiveServer]:
     )
 
 
+@pytest.fixture(scope="module")
+def narrow() -> Iterator[LiveServer]:
+    """An executor that takes at most 24 tokens and 3 items a forward."""
+    yield from start_live_server(
+        block_size=4,
+        kv_cache_bytes=512 * tiny_block_bytes(4),
+        max_batch_tokens=24,
+        max_batch_size=3,
+        prefix_caching=False,
+    )
+
+
 def _assert_quiescent(server: LiveServer) -> None:
     kv = server.engine.kv  # type: ignore[attr-defined]
     kv.check()
@@ -304,3 +316,25 @@ def test_step_time_target_lowers_the_budget_and_keeps_decodes(server: LiveServer
     assert learned and all(r.num_tokens <= max(35, r.num_decodes + 32) for r in learned)
     assert any(r.num_prefill_tokens and r.num_decodes for r in learned)
     _assert_quiescent(server)
+
+
+@pytest.mark.parametrize("align", [True, False])
+def test_steps_stay_within_the_executors_limits(
+    narrow: LiveServer, server: LiveServer, align: bool
+) -> None:
+    """The scheduler reads the executor's per-forward limits (capabilities) and keeps every
+    step within them whatever its own max_step_tokens, running at most as many requests as
+    one step can carry; outputs still equal single-request greedy runs."""
+    prompts = random_prompts(17, 5, 10, 40)
+    params = GenerationParams(max_new_tokens=4)
+    config = SchedulerConfig(max_step_tokens=512, align_first_tokens=align)
+    outputs, reasons, scheduler = _generate(narrow, prompts, params, config)
+    assert reasons == ["length"] * len(prompts)
+    records = scheduler.stats.records
+    assert records and all(r.num_tokens <= 24 for r in records)
+    assert all(r.num_decodes + r.num_prefill_items <= 3 for r in records)
+    assert max(r.num_tokens for r in records) == 24  # the limit, not 512, was the budget
+    for prompt, got in zip(prompts, outputs, strict=True):
+        want, _, _ = _generate(server, [prompt], params, SchedulerConfig())
+        assert got == want[0]
+    _assert_quiescent(narrow)

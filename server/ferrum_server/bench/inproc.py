@@ -16,6 +16,7 @@ from ferrum_client.scheduler import (
     KIND_DECODE,
     Admission,
     PlannedItem,
+    StepLimits,
     StepResult,
     StepTiming,
 )
@@ -44,9 +45,10 @@ class InProcessBackend:
         self.engine = engine
         self._notifier: CapacityNotifier | None = None
 
-    async def open(self) -> None:
+    async def open(self) -> StepLimits:
         # The server's own wait mechanism: woken by the engine's epoch bumps, never polled.
         self._notifier = CapacityNotifier(self.engine.kv, asyncio.get_running_loop())
+        return StepLimits(self.engine.config.max_batch_tokens, self.engine.config.max_batch_size)
 
     async def close(self) -> None:
         if self._notifier is not None:
