@@ -261,23 +261,19 @@ def run_bench(
             if not done:
                 continue
             skipped.pop(label, None)  # failed in some round only: its other rounds stand
-            rates = [_output_tokens(run) / run.wall_s if run.wall_s else 0.0 for run in done]
+            summaries = [summarize(run, prompts) for run in done]
+            rates = [summary["output_tok_s"] for summary in summaries]
             median_run = sorted(range(len(done)), key=rates.__getitem__)[(len(done) - 1) // 2]
             runs[label] = done[median_run]
-            results[label] = summarize(done[median_run], prompts)
+            results[label] = summaries[median_run]
             if repeat > 1:
-                results[label]["rounds_output_tok_s"] = [round(r, 1) for r in rates]
+                results[label]["rounds_output_tok_s"] = rates
         section["results"] = results
         section["skipped"] = skipped
         section["derived"] = _derived(runs, results, flops, section["gemm_gflops"])
         report["by_dtype"][dtype] = section
     report["machine"]["load_avg_at_end"] = os.getloadavg()
     return report
-
-
-def _output_tokens(run: RunOutput) -> int:
-    """Output tokens of a run (its traces may still be plain dicts)."""
-    return sum(len(t["output_ids"] if isinstance(t, dict) else t.output_ids) for t in run.requests)
 
 
 def _skip(label: str, spec: RunSpec, mode: str, skipped: dict[str, str], log: Any) -> bool:
