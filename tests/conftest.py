@@ -37,7 +37,7 @@ def client(live_server: LiveServer) -> Iterator[object]:
         yield c
     engine = live_server.engine
     engine.kv.check()  # type: ignore[attr-defined]
-    leaked = list(engine.kv.sequences)  # type: ignore[attr-defined]
+    leaked = list(engine.kv.caches)  # type: ignore[attr-defined]
     assert not leaked, f"test left caches open: {leaked}"
     assert engine.kv.pool.num_available == engine.kv.pool.num_blocks  # type: ignore[attr-defined]
 

@@ -15,13 +15,13 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferrum_server import logs, security
+from ferrum_server.capacity_notifier import CapacityNotifier
 from ferrum_server.config import EngineConfig, ServerConfig
 from ferrum_server.engine import Engine
 from ferrum_server.metrics import Metrics
 from ferrum_server.rpc_metrics import RpcMetricsInterceptor
 from ferrum_server.service import ExecutorServicer
 from ferrum_server.validate import MAX_ID_BYTES
-from ferrum_server.waits import CapacityNotifier
 
 _LOG = logs.get(__name__)
 SERVICE_NAME = "ferrum.executor.v1.ExecutorService"

@@ -17,7 +17,7 @@ from ferrum_server import logs
 from ferrum_server.domain import Shortfall
 from ferrum_server.errors import AlreadyExists, InvalidArgument, NotFound
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, Epochs, SourceKey
-from ferrum_server.kv.manager import KvManager, Sequence
+from ferrum_server.kv.manager import Cache, KvManager
 from ferrum_server.metrics import Metrics
 from ferrum_server.validate import Limits, check_instance
 
@@ -281,7 +281,7 @@ class CapacityManager:
             raise InvalidArgument(
                 f"maximum_sequence_tokens {max_tokens} is below the {len(tokens)} input tokens"
             )
-        for seq in self.kv.sequences.values():
+        for seq in self.kv.caches.values():
             if seq.request_id == request_id:
                 raise AlreadyExists(
                     f"request {request_id!r} already holds cache {seq.cache_id!r}; release or "
@@ -309,7 +309,7 @@ class CapacityManager:
     def cancel_admission(self, request_id: str, instance_id: int = 0) -> bool:
         """Release an admitted request whose first chunk never ran."""
         check_instance(instance_id, self.limits)
-        for seq in list(self.kv.sequences.values()):
+        for seq in list(self.kv.caches.values()):
             if seq.request_id == request_id and seq.pending_admission:
                 self.kv.release(seq.cache_id)
                 return True
@@ -320,7 +320,7 @@ class CapacityManager:
     def release_sources(self) -> list[ReleaseSource]:
         kv = self.kv
         entries = []
-        for seq in kv.sequences.values():
+        for seq in kv.caches.values():
             blocks = kv.releasable_blocks(seq)
             sources = {SEQUENCE_SLOTS} | ({KV_BLOCKS} if blocks else set())
             entries.append(
@@ -341,7 +341,7 @@ class CapacityManager:
         check_instance(instance_id, self.limits)
         if not cache_id:
             raise InvalidArgument("cache_id is required")
-        seq = self.kv.sequences.get(cache_id)
+        seq = self.kv.caches.get(cache_id)
         if seq is None:
             raise NotFound(f"cache {cache_id!r} is not live (released or unknown)")
         if request_id and seq.request_id != request_id:
@@ -365,7 +365,7 @@ class CapacityManager:
             seq.request_id, cache_id, pending, result.blocks_freed, used, self.kv.clock.snapshot()
         )
 
-    def _swap_out(self, seq: Sequence) -> bool:
+    def _swap_out(self, seq: Cache) -> bool:
         """Copy the committed KV to host memory if the swap space allows; True on success."""
         if seq.num_tokens == 0 or not seq.request_id:
             return False

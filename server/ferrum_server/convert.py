@@ -16,6 +16,7 @@ from ferrum_server.capacity import (
     Rejected,
     ReleaseSource,
 )
+from ferrum_server.capacity_notifier import CapacityState, source_key
 from ferrum_server.domain import (
     GREEDY,
     CapacityDeferral,
@@ -33,8 +34,7 @@ from ferrum_server.domain import (
 )
 from ferrum_server.errors import InvalidArgument
 from ferrum_server.kv.epochs import Epochs, SourceKey
-from ferrum_server.kv.manager import KvManager, Sequence
-from ferrum_server.waits import CapacityState, source_key
+from ferrum_server.kv.manager import Cache, KvManager
 
 V = TypeVar("V")
 
@@ -284,7 +284,7 @@ def results_to_pb(results: Seq[ItemResult]) -> pb.BatchResults:
     return out
 
 
-def kv_ref(seq: Sequence, block_size: int) -> pb.KvCacheRef:
+def kv_ref(seq: Cache, block_size: int) -> pb.KvCacheRef:
     return pb.KvCacheRef(
         cache_id=seq.cache_id,
         num_tokens=seq.num_tokens,
@@ -343,8 +343,8 @@ def capacity_snapshot_to_pb(state: CapacityState, kv: KvManager) -> pb.CapacityS
                 available=pool_available,
             )
         ],
-        active_requests=len(kv.sequences),
-        active_sequences=len(kv.sequences),
+        active_requests=len(kv.caches),
+        active_sequences=len(kv.caches),
         maximum_active_sequences=kv.max_sequences,
         release_epoch=state.epochs.release_epoch,
         capacity_epoch=state.epochs.capacity_epoch,

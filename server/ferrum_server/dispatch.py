@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from ferrum_server.calls import Ticket
 from ferrum_server.engine import Engine
-from ferrum_server.idempotency import Entry, StepLedger, fingerprint
+from ferrum_server.step_ledger import Entry, StepLedger, fingerprint
+from ferrum_server.tickets import Ticket
 from ferrum_server.validate import check_instance
 
 R = TypeVar("R")

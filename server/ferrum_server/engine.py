@@ -21,7 +21,6 @@ import torch
 from ferrum_kernels.backend import select_backend
 
 from ferrum_server import faults, logs
-from ferrum_server.calls import Ticket
 from ferrum_server.capacity import CapacityManager, Decision
 from ferrum_server.config import EngineConfig
 from ferrum_server.cuda_graphs import (
@@ -47,7 +46,7 @@ from ferrum_server.domain import (
 )
 from ferrum_server.errors import DeviceOutOfMemory, ExecutionFailed, InvalidArgument
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, SourceKey
-from ferrum_server.kv.manager import KvManager, ReleaseResult, Sequence
+from ferrum_server.kv.manager import Cache, KvManager, ReleaseResult
 from ferrum_server.memory_plan import MemoryPlan, plan_memory
 from ferrum_server.metrics import Metrics
 from ferrum_server.models import ModelConfig, load_model
@@ -61,6 +60,7 @@ from ferrum_server.profiling import (
     profile_startup,
 )
 from ferrum_server.runner import ForwardOutput, ModelRunner, model_kernels
+from ferrum_server.tickets import Ticket
 from ferrum_server.validate import Limits, check_instance, validate_step
 
 is_out_of_memory = faults.is_out_of_memory
@@ -350,14 +350,14 @@ class Engine:
                 deferral=deferral,
             )
         ran_items: list[StepItem] = []
-        ran_seqs: list[Sequence | None] = []
+        ran_seqs: list[Cache | None] = []
         forward_ns = sample_ns = 0
         graphed = False
         if runnable:
             groups, failed = self._forward(step, sequences, runnable, held)
             for indices, forward in groups:
                 items = [step.items[i] for i in indices]
-                seqs: list[Sequence] = [sequences[i] for i in indices]  # type: ignore[misc]
+                seqs: list[Cache] = [sequences[i] for i in indices]  # type: ignore[misc]
                 self._commit(items, seqs, indices, forward, results)
                 self._count(items, forward)
                 ran_items += items
@@ -388,7 +388,7 @@ class Engine:
         return StepOutcome(results=[r for r in results if r is not None], timings=timings)
 
     def _forward(
-        self, step: Step, sequences: list[Sequence | None], runnable: list[int], held: list[int]
+        self, step: Step, sequences: list[Cache | None], runnable: list[int], held: list[int]
     ) -> tuple[list[tuple[list[int], ForwardOutput]], list[int]]:
         """Run the runnable items; return (item groups that ran, items that ran out of memory).
 
@@ -407,7 +407,7 @@ class Engine:
         return groups, failed
 
     def _isolate(
-        self, step: Step, sequences: list[Sequence | None], indices: list[int]
+        self, step: Step, sequences: list[Cache | None], indices: list[int]
     ) -> tuple[list[tuple[list[int], ForwardOutput]], list[int]]:
         """One forward of `indices`; on device OOM in a per-item step, bisect so that only the
         items that cannot run fail and the others still complete."""
@@ -430,7 +430,7 @@ class Engine:
         return first_ran + second_ran, first_failed + second_failed
 
     def _undo(
-        self, step: Step, sequences: list[Sequence | None], indices: list[int], held: list[int]
+        self, step: Step, sequences: list[Cache | None], indices: list[int], held: list[int]
     ) -> None:
         for index in indices:
             seq = sequences[index]
@@ -444,17 +444,17 @@ class Engine:
     def release_opened(self, step: Step, outcome: StepOutcome) -> None:
         """Release the caches a step opened (its caller went away and will never learn them)."""
         for item, result in zip(step.items, outcome.results, strict=True):
-            if not item.cache_id and result.cache_id in self.kv.sequences:
+            if not item.cache_id and result.cache_id in self.kv.caches:
                 self.kv.release(result.cache_id)
 
     def release_caches(self, cache_ids: list[str]) -> int:
         """Release the live caches among cache_ids; return how many were live."""
-        live = [c for c in dict.fromkeys(cache_ids) if c in self.kv.sequences]
+        live = [c for c in dict.fromkeys(cache_ids) if c in self.kv.caches]
         for cache_id in live:
             self.kv.release(cache_id)
         return len(live)
 
-    def _reserve(self, step: Step, sequences: list[Sequence | None]) -> dict[int, CapacityDeferral]:
+    def _reserve(self, step: Step, sequences: list[Cache | None]) -> dict[int, CapacityDeferral]:
         """Take the blocks every runnable item needs; return deferrals for the others."""
         kv = self.kv
         free_blocks = kv.pool.num_available
@@ -504,7 +504,7 @@ class Engine:
         requested: int,
         free_blocks: int,
         chunk: StepItem | None,
-        seq: Sequence | None,
+        seq: Cache | None,
     ) -> CapacityDeferral:
         """Not enough KV blocks; for a prefill chunk, hint a narrower width that fits now."""
         total = self.kv.pool.num_blocks
@@ -543,7 +543,7 @@ class Engine:
     def _commit(
         self,
         items: list[StepItem],
-        sequences: list[Sequence],
+        sequences: list[Cache],
         indices: list[int],
         forward: ForwardOutput,
         results: list[ItemResult | None],
@@ -601,7 +601,7 @@ class Engine:
         step: Step,
         deferrals: dict[int, CapacityDeferral],
         items: list[StepItem],
-        sequences: list[Sequence | None],
+        sequences: list[Cache | None],
         forward: ForwardOutput,
     ) -> None:
         metrics = self.metrics
@@ -643,8 +643,8 @@ class Engine:
             return
         pool = self.kv.pool
         self.metrics.set_kv(pool.num_blocks, pool.num_used, pool.num_cached)
-        waiting = sum(1 for s in self.kv.sequences.values() if s.pending_admission)
-        self.metrics.set_sequences(len(self.kv.sequences) - waiting, waiting)
+        waiting = sum(1 for s in self.kv.caches.values() if s.pending_admission)
+        self.metrics.set_sequences(len(self.kv.caches) - waiting, waiting)
         self.metrics.update_device_memory()
 
     # -- cache operations -----------------------------------------------------------------
@@ -657,14 +657,12 @@ class Engine:
         check_instance(instance_id, self.limits)
         if not cache_id:
             raise InvalidArgument("cache_id is required")
-        seq = self.kv.sequences.get(cache_id)
+        seq = self.kv.caches.get(cache_id)
         if seq is not None and request_id and seq.request_id != request_id:
             raise InvalidArgument(f"cache {cache_id!r} belongs to another request")
         return self.kv.release(cache_id)
 
-    def truncate(
-        self, cache_id: str, new_length: int, instance_id: int = 0
-    ) -> tuple[Sequence, int]:
+    def truncate(self, cache_id: str, new_length: int, instance_id: int = 0) -> tuple[Cache, int]:
         check_instance(instance_id, self.limits)
         seq = self.kv.lookup(cache_id)
         if new_length > seq.num_tokens:
@@ -684,7 +682,7 @@ class Engine:
 
     def release_all(self) -> int:
         """Release every cache (drain); return how many were live."""
-        cache_ids = list(self.kv.sequences)
+        cache_ids = list(self.kv.caches)
         for cache_id in cache_ids:
             self.kv.release(cache_id)
         return len(cache_ids)
@@ -724,7 +722,7 @@ class Engine:
         check_instance(instance_id, self.limits)
         kv = self.kv
         seen: set[str] = set()
-        sequences: list[Sequence | None] = []
+        sequences: list[Cache | None] = []
         for index, (cache_id, request_id, target, admission) in enumerate(requests):
             if target == 0 or target > self.max_sequence_length:
                 raise InvalidArgument(

@@ -18,7 +18,7 @@ from torch import nn
 
 from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.domain import ItemKind, Sampling, StepItem
-from ferrum_server.kv.manager import Sequence
+from ferrum_server.kv.manager import Cache
 from ferrum_server.memory_plan import estimate_graph_bytes
 from ferrum_server.models import LlamaForCausalLM, ModelConfig
 from ferrum_server.runner import ModelRunner
@@ -146,9 +146,7 @@ def _activation_peak(
         ItemKind.PREFILL_CHUNK, "profile", "", tokens, 0, prefill_tokens, sampling=heavy
     )
     prefill_blocks = math.ceil(prefill_tokens / shape.block_size)
-    prefill_seq = Sequence(
-        "profile", "profile", prefill_tokens, block_ids=list(range(prefill_blocks))
-    )
+    prefill_seq = Cache("profile", "profile", prefill_tokens, block_ids=list(range(prefill_blocks)))
     # Context-1 decodes, one block each: the batch shape is what sizes their activations.
     decodes = [
         StepItem(
@@ -156,7 +154,7 @@ def _activation_peak(
         )
         for i in range(decode_items)
     ]
-    decode_seqs = [Sequence(f"p{i}", f"profile{i}", 1, block_ids=[i]) for i in range(decode_items)]
+    decode_seqs = [Cache(f"p{i}", f"profile{i}", 1, block_ids=[i]) for i in range(decode_items)]
     base = 0
     if cuda:
         torch.cuda.synchronize(device)

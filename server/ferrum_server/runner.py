@@ -19,7 +19,7 @@ from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors, sample
 
 from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.domain import ItemKind, OutputPolicy, StepItem
-from ferrum_server.kv.manager import Sequence
+from ferrum_server.kv.manager import Cache
 from ferrum_server.models import LlamaForCausalLM
 
 
@@ -61,7 +61,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
-    def run(self, items: list[StepItem], sequences: list[Sequence]) -> ForwardOutput:
+    def run(self, items: list[StepItem], sequences: list[Cache]) -> ForwardOutput:
         """Run one forward over `items` whose sequences already hold blocks for the new tokens."""
         started = time.perf_counter_ns()
         if self._graphable(items, sequences):
@@ -112,7 +112,7 @@ class ModelRunner:
             sampled, token_rows, logits_rows, forwarded - started, finished - forwarded
         )
 
-    def _graphable(self, items: list[StepItem], sequences: list[Sequence]) -> bool:
+    def _graphable(self, items: list[StepItem], sequences: list[Cache]) -> bool:
         """Decode-only steps within the captured buckets replay a graph; the rest run eagerly."""
         graphs = self.graphs
         if graphs is None or not all(
@@ -122,7 +122,7 @@ class ModelRunner:
         return graphs.accepts(len(items), max(len(seq.block_ids) for seq in sequences))
 
     def _run_graph(
-        self, items: list[StepItem], sequences: list[Sequence], started: int
+        self, items: list[StepItem], sequences: list[Cache], started: int
     ) -> ForwardOutput:
         assert self.graphs is not None
         logits = self.graphs.run(
@@ -138,11 +138,11 @@ class ModelRunner:
         )
 
     def _select(
-        self, items: list[StepItem], sequences: list[Sequence], logits: torch.Tensor
+        self, items: list[StepItem], sequences: list[Cache], logits: torch.Tensor
     ) -> tuple[SampleOutput | None, list[int], dict[int, bytes]]:
         token_rows: list[int] = []
         logits_rows: dict[int, bytes] = {}
-        row_items: list[tuple[StepItem, Sequence, int]] = []  # (item, seq, position sampled)
+        row_items: list[tuple[StepItem, Cache, int]] = []  # (item, seq, position sampled)
         row = 0
         for item, seq in zip(items, sequences, strict=True):
             for k in range(item.num_outputs):
@@ -182,7 +182,7 @@ def model_kernels(kernels: KernelBackend | None) -> KernelBackend | None:
     return kernels if kernels is not None and kernels.name != "torch" else None
 
 
-def _penalty_context(row_items: list[tuple[StepItem, Sequence, int]]) -> list[list[int]]:
+def _penalty_context(row_items: list[tuple[StepItem, Cache, int]]) -> list[list[int]]:
     """HF convention: the penalty covers every context token up to the sampled position."""
     context: list[list[int]] = []
     for item, seq, position in row_items:

@@ -13,9 +13,9 @@ import grpc
 from ferrum_client.pb import executor_pb2 as pb
 from ferrum_client.pb import executor_pb2_grpc as pb_grpc
 
-from ferrum_server import convert, info, logs
-from ferrum_server.calls import Ticket
+from ferrum_server import convert, descriptions, logs
 from ferrum_server.capacity import Admitted, Decision, PreemptionMode
+from ferrum_server.capacity_notifier import CapacityNotifier
 from ferrum_server.dispatch import Dispatcher, deadline_of
 from ferrum_server.domain import DeferralMode, ItemKind, ItemStatus, Step, StepOutcome
 from ferrum_server.engine import Engine
@@ -26,7 +26,7 @@ from ferrum_server.errors import (
     Unavailable,
     public_message,
 )
-from ferrum_server.waits import CapacityNotifier
+from ferrum_server.tickets import Ticket
 
 _LOG = logs.get(__name__)
 R = TypeVar("R")
@@ -122,29 +122,29 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     @_maps_errors
     async def GetInfo(self, request: pb.GetInfoRequest, context: Any) -> pb.GetInfoResponse:
-        return info.info_response(self.engine)
+        return descriptions.info_response(self.engine)
 
     @_maps_errors
     async def GetCapabilities(
         self, request: pb.GetCapabilitiesRequest, context: Any
     ) -> pb.GetCapabilitiesResponse:
-        return pb.GetCapabilitiesResponse(capabilities=info.capabilities(self.engine))
+        return pb.GetCapabilitiesResponse(capabilities=descriptions.capabilities(self.engine))
 
     @_maps_errors
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
-        return await self.engine.call(info.status_response, self.engine, self.accepting)
+        return await self.engine.call(descriptions.status_response, self.engine, self.accepting)
 
     @_maps_errors
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: Any
     ) -> pb.GetMetricsResponse:
-        return pb.GetMetricsResponse(metrics=info.metrics(self.engine))
+        return pb.GetMetricsResponse(metrics=descriptions.metrics(self.engine))
 
     @_maps_errors
     async def GetKvSlotCapacity(
         self, request: pb.GetKvSlotCapacityRequest, context: Any
     ) -> pb.GetKvSlotCapacityResponse:
-        snapshot = await self.engine.call(info.kv_snapshot, self.engine)
+        snapshot = await self.engine.call(descriptions.kv_snapshot, self.engine)
         return pb.GetKvSlotCapacityResponse(snapshot=snapshot)
 
     @_maps_errors
@@ -379,7 +379,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         all has nothing a late cancellation could release, so it need not wait)."""
         if not cache_ids:
             return False
-        sequences = self.engine.kv.sequences
+        sequences = self.engine.kv.caches
         return await self.engine.call(lambda: any(c in sequences for c in cache_ids))
 
     def _abandon_stream(self, unanswered: collections.deque[Any], touched: set[str]) -> None:
@@ -485,7 +485,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             engine.release_caches(opened)
 
         return await engine.run(
-            ticket, info.reserve_kv_slots, engine, request, on_orphan=release_opened
+            ticket, descriptions.reserve_kv_slots, engine, request, on_orphan=release_opened
         )
 
     @_maps_errors
@@ -589,7 +589,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.GetCapacitySnapshotRequest, context: Any
     ) -> pb.GetCapacitySnapshotResponse:
         engine = self.engine
-        kv_snapshot = await engine.call(info.kv_snapshot, engine)
+        kv_snapshot = await engine.call(descriptions.kv_snapshot, engine)
         state = self.notifier.state
         return pb.GetCapacitySnapshotResponse(
             epochs=convert.epochs_to_pb(state.epochs),

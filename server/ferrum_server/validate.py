@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, Step, StepItem
 from ferrum_server.errors import InvalidArgument, PositionMismatch, StaleInstance
-from ferrum_server.kv.manager import KvManager, Sequence
+from ferrum_server.kv.manager import Cache, KvManager
 
 # Longest request or cache id accepted (ids are logged and sized into the message limits).
 MAX_ID_BYTES = 256
@@ -43,7 +43,7 @@ def check_instance(claimed: int, limits: Limits) -> None:
         )
 
 
-def validate_step(step: Step, kv: KvManager, limits: Limits) -> list[Sequence | None]:
+def validate_step(step: Step, kv: KvManager, limits: Limits) -> list[Cache | None]:
     """Check the whole step; return each item's sequence (None for items opening a cache)."""
     check_instance(step.executor_instance_id, limits)
     items = step.items
@@ -61,7 +61,7 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> list[Sequence | 
                 f"the outputs need about {needed} bytes, over the {limits.max_response_bytes}-byte "
                 "message limit; split the batch or request selected tokens"
             )
-    sequences: list[Sequence | None] = []
+    sequences: list[Cache | None] = []
     seen: set[str] = set()
     for index, item in enumerate(items):
         _check_item(index, item, limits)
@@ -157,7 +157,7 @@ def _mask_allows_any(mask: bytes, vocab_size: int) -> bool:
     return bool(tail_bits and mask[full_bytes] & ((1 << tail_bits) - 1))
 
 
-def _check_against_state(index: int, item: StepItem, kv: KvManager) -> Sequence | None:
+def _check_against_state(index: int, item: StepItem, kv: KvManager) -> Cache | None:
     where = f"item {index}"
     if not item.cache_id:
         return None

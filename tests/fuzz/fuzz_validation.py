@@ -108,7 +108,7 @@ def run_one(data: bytes) -> None:
     if request is None:
         return
     eng = engine()
-    _bind_caches(request, list(eng.kv.sequences))
+    _bind_caches(request, list(eng.kv.caches))
     handlers: dict[type[Message], Callable[[Any], Any]] = {
         pb.UnifiedBatchRequest: lambda r: eng.execute(
             convert.step_from_pb(r.items, DeferralMode.PER_ITEM, r.executor_instance_id)
@@ -142,7 +142,7 @@ def run_one(data: bytes) -> None:
     with contextlib.suppress(DOCUMENTED):
         handlers[type(request)](request)
     eng.kv.check()
-    if len(eng.kv.sequences) > 3:
+    if len(eng.kv.caches) > 3:
         eng.release_all()
 
 

@@ -32,7 +32,7 @@ from ferrum_server.cuda_graphs import (  # noqa: E402
 )
 from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, StepItem  # noqa: E402
 from ferrum_server.engine import Engine  # noqa: E402
-from ferrum_server.kv.manager import Sequence  # noqa: E402
+from ferrum_server.kv.manager import Cache  # noqa: E402
 from ferrum_server.models import tiny_config  # noqa: E402
 from ferrum_server.models.tiny import build_tiny  # noqa: E402
 from ferrum_server.runner import ModelRunner  # noqa: E402
@@ -86,11 +86,11 @@ def test_graph_replay_equals_eager(
     assert all(isinstance(g, torch.cuda.CUDAGraph) for g in graphs.graphs.values())
     vocab = tiny_config().vocab_size
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(batch)).tolist()
-    seqs: list[Sequence] = []
+    seqs: list[Cache] = []
     for i in range(batch):
         length = 1 + (97 * i) % 700  # contexts from 1 to ~700, several block boundaries
         blocks = [perm.pop() for _ in range((length + BLOCK) // BLOCK + 1)]
-        seq = Sequence(f"c{i}", f"r{i}", MAX_SEQ, block_ids=blocks)
+        seq = Cache(f"c{i}", f"r{i}", MAX_SEQ, block_ids=blocks)
         prompt = [(13 * i + 7 * j) % vocab for j in range(length)]
         runner.run([StepItem(ItemKind.PREFILL_CHUNK, f"r{i}", "", prompt, 0, length)], [seq])
         seq.token_ids.extend(prompt)

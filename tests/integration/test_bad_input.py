@@ -16,7 +16,7 @@ MASK_BYTES = VOCAB // 8
 
 def _state(engine: object) -> tuple[object, ...]:
     kv = engine.kv  # type: ignore[attr-defined]
-    seqs = {cid: (s.num_tokens, tuple(s.block_ids)) for cid, s in kv.sequences.items()}
+    seqs = {cid: (s.num_tokens, tuple(s.block_ids)) for cid, s in kv.caches.items()}
     return (seqs, kv.pool.num_free, kv.pool.num_cached, engine.stats.steps)  # type: ignore[attr-defined]
 
 

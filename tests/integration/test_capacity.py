@@ -66,7 +66,7 @@ def no_prefix_server() -> Iterator[LiveServer]:
 def _assert_quiescent(server: LiveServer) -> None:
     kv = server.engine.kv  # type: ignore[attr-defined]
     kv.check()
-    assert not kv.sequences
+    assert not kv.caches
     assert kv.pool.num_available == kv.pool.num_blocks
 
 

@@ -56,7 +56,7 @@ def narrow() -> Iterator[LiveServer]:
 def _assert_quiescent(server: LiveServer) -> None:
     kv = server.engine.kv  # type: ignore[attr-defined]
     kv.check()
-    assert not kv.sequences
+    assert not kv.caches
     assert kv.pool.num_available == kv.pool.num_blocks
 
 
@@ -249,7 +249,7 @@ def test_in_process_backend_matches_grpc(server: LiveServer) -> None:
     finally:
         engine.shutdown()
     assert [r.output_ids for r in results] == over_grpc
-    assert not engine.kv.sequences
+    assert not engine.kv.caches
 
 
 def test_in_process_backend_waits_for_capacity_without_polling(server: LiveServer) -> None:

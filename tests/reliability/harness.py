@@ -129,14 +129,14 @@ class InProcessServer:
     def live_requests(self) -> set[str]:
         """Request ids of the caches alive once background work has settled."""
         self.settle()
-        return {s.request_id for s in self.engine.kv.sequences.values()}
+        return {s.request_id for s in self.engine.kv.caches.values()}
 
     def blocks_leaked(self) -> int:
         """Blocks held by live caches (0 after a clean scenario); checks KV invariants too."""
         self.settle()
         kv = self.engine.kv
         self.run(self.engine.call(kv.check))
-        return int(kv.pool.num_blocks - kv.pool.num_available) + len(kv.sequences)
+        return int(kv.pool.num_blocks - kv.pool.num_available) + len(kv.caches)
 
 
 @contextlib.contextmanager

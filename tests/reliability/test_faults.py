@@ -64,7 +64,7 @@ def plan(plan_file: pathlib.Path, server: InProcessServer) -> Iterator[Any]:
 
 def _snapshot(server: InProcessServer) -> dict[str, tuple[int, tuple[int, ...]]]:
     server.settle()
-    return {c: (s.num_tokens, tuple(s.block_ids)) for c, s in server.engine.kv.sequences.items()}
+    return {c: (s.num_tokens, tuple(s.block_ids)) for c, s in server.engine.kv.caches.items()}
 
 
 def test_injected_oom_fails_only_the_affected_items(server: InProcessServer, plan: Any) -> None:
@@ -214,7 +214,7 @@ def test_caller_gone_during_the_step_releases_what_it_opened(
             plan()
             assert server.live_requests() == {"kept"}  # the opened cache was released
             # The other sequence of that batch is intact and usable (its step committed).
-            seq = server.engine.kv.sequences[ref.cache_id]
+            seq = server.engine.kv.caches[ref.cache_id]
             assert seq.num_tokens == 3
             await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
 
@@ -301,7 +301,7 @@ def test_retry_after_a_mid_step_deadline_replays_the_stored_result(
             tally.resolve("d")
             assert retry == again
             assert retry.completed.kv_cache.num_tokens == ref.num_tokens + 1
-            assert server.engine.kv.sequences[ref.cache_id].num_tokens == ref.num_tokens + 1
+            assert server.engine.kv.caches[ref.cache_id].num_tokens == ref.num_tokens + 1
             await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
 
     run_scenario(scenario())

@@ -50,7 +50,7 @@ def engine() -> Iterator[Engine]:
 
 
 def _live(engine: Engine) -> list[str]:
-    return list(engine.kv.sequences)
+    return list(engine.kv.caches)
 
 
 # Small integers near the interesting edges: 0, limits, just over.
@@ -119,7 +119,7 @@ def plausible_items(draw: st.DrawFn, engine: Engine, kind: str) -> pb.BatchItems
     """Mostly valid items (new prompts, decodes of live caches at their length), sometimes with
     one field nudged past an edge, so that examples get past validation and run."""
     items = pb.BatchItems()
-    live = [s for s in engine.kv.sequences.values() if not s.pending_admission]
+    live = [s for s in engine.kv.caches.values() if not s.pending_admission]
     for _ in range(draw(st.integers(1, 4))):
         decode = (
             live and kind != "batch_prefill" and (kind == "batch_decode" or draw(st.booleans()))

@@ -134,7 +134,7 @@ def test_fencing_refuses_stale_and_unfenced_calls_without_changing_anything() ->
         tally = Tally("fencing[require]")
         with ExecutorClient(server.target) as client:
             instance = client.get_info().executor_instance_id
-            before = (_steps(server), len(server.engine.kv.sequences))
+            before = (_steps(server), len(server.engine.kv.caches))
             for name, claimed in (("unfenced", 0), ("stale", instance ^ 2)):
                 tally.send(name)
                 with pytest.raises(StaleExecutorError) as caught:
@@ -148,7 +148,7 @@ def test_fencing_refuses_stale_and_unfenced_calls_without_changing_anything() ->
                     )
                 assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
                 tally.resolve(name, caught.value.code.name)
-            assert (_steps(server), len(server.engine.kv.sequences)) == before
+            assert (_steps(server), len(server.engine.kv.caches)) == before
             tally.send("fenced")
             answer = client.prefill(
                 pb.PrefillRequest(

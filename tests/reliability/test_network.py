@@ -88,7 +88,7 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                 assert caught.value.code == grpc.StatusCode.UNAVAILABLE
                 await hold
                 assert answer.completed.kv_cache.num_tokens == ref.num_tokens + 1
-                assert server.engine.kv.sequences[ref.cache_id].num_tokens == ref.num_tokens + 1
+                assert server.engine.kv.caches[ref.cache_id].num_tokens == ref.num_tokens + 1
                 assert server.engine.stats.steps - steps <= 2  # decode once (+ the orphan)
                 assert "no-step-id" not in server.live_requests()  # orphan's cache released
                 await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
@@ -233,7 +233,7 @@ def test_stream_cancelled_just_after_its_requests_end_releases_its_caches(
 def test_stream_half_closed_keeps_its_caches(server: InProcessServer) -> None:
     """A client that half-closes after its answers keeps its caches (it releases them)."""
     _stream_after_requests_end(server, "half-closed", 0.01, cancel=False)
-    live = {s.request_id: c for c, s in server.engine.kv.sequences.items()}
+    live = {s.request_id: c for c, s in server.engine.kv.caches.items()}
     assert "half-closed" in live
     server.run(server.engine.call(server.engine.release_caches, [live["half-closed"]]))
     assert server.blocks_leaked() == 0

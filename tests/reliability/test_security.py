@@ -135,7 +135,7 @@ def test_token_roles(server: InProcessServer, pki: Pki, capsys: pytest.CaptureFi
         tally.resolve(name, code.name)
         assert code == expected, name
     with _client(server, pki) as client:
-        live = [s.cache_id for s in server.engine.kv.sequences.values()]
+        live = [s.cache_id for s in server.engine.kv.caches.values()]
         for cache_id in live:
             client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id))
     # Refused streams are refused too, before anything is read.

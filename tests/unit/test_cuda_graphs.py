@@ -27,7 +27,7 @@ from ferrum_server.cuda_graphs import (
     graph_capturer_for,
 )
 from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, StepItem
-from ferrum_server.kv.manager import Sequence
+from ferrum_server.kv.manager import Cache
 from ferrum_server.models import tiny_config
 from ferrum_server.models.tiny import build_tiny
 from ferrum_server.runner import ModelRunner
@@ -105,13 +105,13 @@ class _Pool:
         )
         # Shuffled block ids so tables are not contiguous.
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-        self.seqs: list[Sequence] = []
+        self.seqs: list[Cache] = []
 
-    def open(self, prompt_len: int, seed: int) -> Sequence:
+    def open(self, prompt_len: int, seed: int) -> Cache:
         """A sequence with a prefilled prompt of prompt_len tokens."""
         gen = torch.Generator().manual_seed(seed)
         prompt = torch.randint(0, self.config.vocab_size, (prompt_len,), generator=gen).tolist()
-        seq = Sequence(f"c{seed}", f"r{seed}", MAX_SEQ)
+        seq = Cache(f"c{seed}", f"r{seed}", MAX_SEQ)
         self._grow(seq, prompt_len)
         item = StepItem(ItemKind.PREFILL_CHUNK, seq.request_id, "", prompt, 0, prompt_len)
         self.runner.run([item], [seq])
@@ -119,11 +119,11 @@ class _Pool:
         self.seqs.append(seq)
         return seq
 
-    def _grow(self, seq: Sequence, length: int) -> None:
+    def _grow(self, seq: Cache, length: int) -> None:
         while len(seq.block_ids) * BLOCK < length:
             seq.block_ids.append(self.free.pop())
 
-    def decode_items(self, seqs: list[Sequence], step: int) -> list[StepItem]:
+    def decode_items(self, seqs: list[Cache], step: int) -> list[StepItem]:
         items = []
         for seq in seqs:
             self._grow(seq, seq.num_tokens + 1)
@@ -142,7 +142,7 @@ class _Pool:
             )
         return items
 
-    def commit(self, seqs: list[Sequence], items: list[StepItem]) -> None:
+    def commit(self, seqs: list[Cache], items: list[StepItem]) -> None:
         for seq, item in zip(seqs, items, strict=True):
             seq.token_ids.extend(item.token_ids)
 
@@ -210,7 +210,7 @@ def test_mixed_and_oversized_steps_run_eagerly(pool: _Pool) -> None:
         items = pool.decode_items(seqs, 0)
         assert not pool.runner.run(items, seqs).graphed  # 9 > the largest bucket
         pool.commit(seqs, items)
-        fresh = Sequence("cnew", "rnew", MAX_SEQ, block_ids=[pool.free.pop()])
+        fresh = Cache("cnew", "rnew", MAX_SEQ, block_ids=[pool.free.pop()])
         prefill = StepItem(ItemKind.PREFILL_CHUNK, "rnew", "", [5, 6], 0, 2)
         decode = pool.decode_items(seqs[:1], 1)
         assert not pool.runner.run([prefill, *decode], [fresh, seqs[0]]).graphed

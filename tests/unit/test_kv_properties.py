@@ -51,7 +51,7 @@ class KvMachine(RuleBasedStateMachine):
         self.content: dict[tuple[int, int], int] = {}
 
     def _commit(self, cache_id: str, tokens: list[int]) -> None:
-        seq = self.kv.sequences[cache_id]
+        seq = self.kv.caches[cache_id]
         start = seq.num_tokens
         for offset, token in enumerate(tokens):
             position = start + offset
@@ -60,7 +60,7 @@ class KvMachine(RuleBasedStateMachine):
 
     def _live(self) -> list[str]:
         # Cache ids are random: order by the (deterministic) request ids so draws replay.
-        seqs = sorted(self.kv.sequences.values(), key=lambda s: int(s.request_id[1:]))
+        seqs = sorted(self.kv.caches.values(), key=lambda s: int(s.request_id[1:]))
         return [s.cache_id for s in seqs]
 
     @rule(
@@ -74,36 +74,34 @@ class KvMachine(RuleBasedStateMachine):
         max_tokens = len(tokens) + bound if bound else 0
         decision = self.capacity.try_admit(f"r{self.counter}", tokens, max_tokens, len(tokens), 0)
         if isinstance(decision, Admitted):
-            seq = self.kv.sequences[decision.cache_id]
+            seq = self.kv.caches[decision.cache_id]
             assert seq.num_tokens == decision.cached_prompt_tokens < len(tokens)
             assert seq.token_ids == tokens[: seq.num_tokens]
             self.contexts[decision.cache_id] = tokens
 
     @precondition(
         lambda self: any(
-            s.num_tokens < self.contexts.get(c, []).__len__() for c, s in self.kv.sequences.items()
+            s.num_tokens < self.contexts.get(c, []).__len__() for c, s in self.kv.caches.items()
         )
     )
     @rule(data=st.data())
     def prefill_chunk(self, data: st.DataObject) -> None:
         pending = [
-            c
-            for c in self._live()
-            if self.kv.sequences[c].num_tokens < len(self.contexts.get(c, []))
+            c for c in self._live() if self.kv.caches[c].num_tokens < len(self.contexts.get(c, []))
         ]
         cache_id = pending[data.draw(st.integers(0, len(pending) - 1))]
-        seq, context = self.kv.sequences[cache_id], self.contexts[cache_id]
+        seq, context = self.kv.caches[cache_id], self.contexts[cache_id]
         size = data.draw(st.integers(1, len(context) - seq.num_tokens))
         # Admission reserved the whole context: a chunk never needs new blocks.
         assert self.kv.blocks_needed(seq, seq.num_tokens + size) == 0
         self._commit(cache_id, context[seq.num_tokens : seq.num_tokens + size])
 
-    @precondition(lambda self: bool(self.kv.sequences))
+    @precondition(lambda self: bool(self.kv.caches))
     @rule(data=st.data(), count=st.integers(1, 3))
     def decode_or_verify(self, data: st.DataObject, count: int) -> None:
         live = self._live()
         cache_id = live[data.draw(st.integers(0, len(live) - 1))]
-        seq = self.kv.sequences[cache_id]
+        seq = self.kv.caches[cache_id]
         target = seq.num_tokens + count
         if target > seq.max_tokens:
             return
@@ -115,12 +113,12 @@ class KvMachine(RuleBasedStateMachine):
             cache_id, data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=count, max_size=count))
         )
 
-    @precondition(lambda self: bool(self.kv.sequences))
+    @precondition(lambda self: bool(self.kv.caches))
     @rule(data=st.data())
     def truncate(self, data: st.DataObject) -> None:
         live = self._live()
         cache_id = live[data.draw(st.integers(0, len(live) - 1))]
-        seq = self.kv.sequences[cache_id]
+        seq = self.kv.caches[cache_id]
         new_len = data.draw(st.integers(0, seq.num_tokens))
         if self.kv.pool.num_available == 0:
             return
@@ -131,18 +129,18 @@ class KvMachine(RuleBasedStateMachine):
                     self.content[(target, offset)] = self.content[(source, offset)]
         assert seq.num_tokens == new_len
 
-    @precondition(lambda self: bool(self.kv.sequences))
+    @precondition(lambda self: bool(self.kv.caches))
     @rule(data=st.data(), swap=st.booleans())
     def preempt(self, data: st.DataObject, swap: bool) -> None:
         live = self._live()
         cache_id = live[data.draw(st.integers(0, len(live) - 1))]
-        request_id = self.kv.sequences[cache_id].request_id
+        request_id = self.kv.caches[cache_id].request_id
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
         receipt = self.capacity.preempt(request_id, cache_id, mode)
-        assert receipt.cache_id == cache_id and cache_id not in self.kv.sequences
+        assert receipt.cache_id == cache_id and cache_id not in self.kv.caches
         self.retired.append(cache_id)
 
-    @precondition(lambda self: bool(self.kv.sequences))
+    @precondition(lambda self: bool(self.kv.caches))
     @rule(data=st.data())
     def complete_or_release(self, data: st.DataObject) -> None:
         live = self._live()
@@ -151,14 +149,14 @@ class KvMachine(RuleBasedStateMachine):
         assert not self.kv.release(cache_id).released  # idempotent for the same incarnation
         self.retired.append(cache_id)
 
-    @precondition(lambda self: bool(self.kv.sequences))
+    @precondition(lambda self: bool(self.kv.caches))
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         live = self._live()
         cache_id = live[data.draw(st.integers(0, len(live) - 1))]
-        seq = self.kv.sequences[cache_id]
+        seq = self.kv.caches[cache_id]
         released = self.capacity.cancel_admission(seq.request_id)
-        assert released == (cache_id not in self.kv.sequences)
+        assert released == (cache_id not in self.kv.caches)
 
     @invariant()
     def pool_is_consistent(self) -> None:
@@ -169,7 +167,7 @@ class KvMachine(RuleBasedStateMachine):
     def every_sequence_reads_its_own_tokens(self) -> None:
         if not hasattr(self, "kv"):
             return
-        for seq in self.kv.sequences.values():
+        for seq in self.kv.caches.values():
             for position, token in enumerate(seq.token_ids):
                 slot = (seq.block_ids[position // BLOCK], position % BLOCK)
                 assert self.content.get(slot) == token, (seq.cache_id, position)

@@ -22,6 +22,7 @@ from ferrum_client.scheduler import (
 )
 
 from ferrum_server.capacity import Admitted, Deferred, PreemptionMode
+from ferrum_server.capacity_notifier import CapacityNotifier
 from ferrum_server.convert import sampling_from_pb
 from ferrum_server.domain import (
     GREEDY,
@@ -32,7 +33,6 @@ from ferrum_server.domain import (
     StepItem,
 )
 from ferrum_server.engine import Engine
-from ferrum_server.waits import CapacityNotifier
 
 
 def _sampling(options: SamplingOptions) -> Sampling:

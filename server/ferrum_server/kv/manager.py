@@ -1,4 +1,5 @@
-"""Sequences and their block tables over one BlockPool, with prefix reuse.
+"""Caches (one per request incarnation, named by `cache_id` on the wire) and their block tables
+over one BlockPool, with prefix reuse.
 
 Owned by the engine thread: no locks. Every method either only reads (`blocks_needed`,
 `match_prefix`, `lookup`, ...) or mutates after the caller has checked capacity, so a refused
@@ -32,7 +33,7 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
 
 
 @dataclass(slots=True)
-class Sequence:
+class Cache:
     """One cache incarnation: its blocks and the tokens committed to them."""
 
     cache_id: str
@@ -93,7 +94,7 @@ class KvManager:
         self.max_sequences = max_sequences
         self.prefix_caching = prefix_caching
         self.clock = EpochClock(coordinator_id)
-        self.sequences: dict[str, Sequence] = {}
+        self.caches: dict[str, Cache] = {}
         self._retired: OrderedDict[str, None] = OrderedDict()
         # Content hash -> cache id of the admitted sequence that will compute that block.
         self._pending: dict[bytes, str] = {}
@@ -103,12 +104,12 @@ class KvManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def blocks_needed(self, seq: Sequence | None, target_len: int) -> int:
+    def blocks_needed(self, seq: Cache | None, target_len: int) -> int:
         held = len(seq.block_ids) if seq is not None else 0
         return max(0, self.blocks_for(target_len) - held)
 
-    def lookup(self, cache_id: str) -> Sequence:
-        seq = self.sequences.get(cache_id)
+    def lookup(self, cache_id: str) -> Cache:
+        seq = self.caches.get(cache_id)
         if seq is None:
             state = "released" if cache_id in self._retired else "unknown"
             raise NotFound(f"cache {cache_id!r} is {state}")
@@ -116,14 +117,12 @@ class KvManager:
 
     @property
     def num_free_sequence_slots(self) -> int:
-        return self.max_sequences - len(self.sequences)
+        return self.max_sequences - len(self.caches)
 
     @property
     def num_reserved_blocks(self) -> int:
         """Blocks held past each sequence's committed tokens (admitted, not yet written)."""
-        return sum(
-            len(s.block_ids) - self.blocks_for(s.num_tokens) for s in self.sequences.values()
-        )
+        return sum(len(s.block_ids) - self.blocks_for(s.num_tokens) for s in self.caches.values())
 
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
         """Full cached blocks matching the start of `tokens`, leaving >= 1 token to run."""
@@ -149,24 +148,24 @@ class KvManager:
             parent = content
         return PrefixMatch(block_ids, hashes, num_cached, num_pending)
 
-    def releasable_blocks(self, seq: Sequence) -> int:
+    def releasable_blocks(self, seq: Cache) -> int:
         """Blocks that would leave the used state if `seq` were released now."""
         return sum(1 for b in seq.block_ids if self.pool.ref_count(b) == 1)
 
     # -- mutations (capacity already checked by the caller) -------------------------------
 
-    def open(self, request_id: str, max_tokens: int) -> Sequence:
-        if len(self.sequences) >= self.max_sequences:
+    def open(self, request_id: str, max_tokens: int) -> Cache:
+        if len(self.caches) >= self.max_sequences:
             raise RuntimeError("open() past the sequence ceiling")
         cache_id = secrets.token_hex(12)
-        seq = Sequence(cache_id=cache_id, request_id=request_id, max_tokens=max_tokens)
-        self.sequences[cache_id] = seq
+        seq = Cache(cache_id=cache_id, request_id=request_id, max_tokens=max_tokens)
+        self.caches[cache_id] = seq
         _LOG.debug("cache_opened", request_id=request_id, cache_id=cache_id)
         return seq
 
     def admit(
         self, request_id: str, tokens: list[int], max_tokens: int, match: PrefixMatch
-    ) -> Sequence:
+    ) -> Cache:
         """Open a sequence holding the matched prefix and blocks for all of `tokens`."""
         seq = self.open(request_id, max_tokens)
         for block_id in match.block_ids:
@@ -187,14 +186,14 @@ class KvManager:
                     seq.pending_hashes.append(parent)
         return seq
 
-    def grow(self, seq: Sequence, target_len: int) -> int:
+    def grow(self, seq: Cache, target_len: int) -> int:
         """Make positions [0, target_len) writable; return the number of new blocks."""
         needed = self.blocks_needed(seq, target_len)
         if needed:
             seq.block_ids.extend(self.pool.allocate(needed))
         return needed
 
-    def unreserve(self, seq: Sequence, num_blocks: int) -> int:
+    def unreserve(self, seq: Cache, num_blocks: int) -> int:
         """Give back blocks reserved past the first num_blocks (a step that did not commit).
 
         Only blocks beyond the committed tokens go: they are fresh, unshared and unhashed.
@@ -208,7 +207,7 @@ class KvManager:
         self.clock.bump({KV_BLOCKS} if freed else set())
         return freed
 
-    def commit(self, seq: Sequence, token_ids: list[int]) -> None:
+    def commit(self, seq: Cache, token_ids: list[int]) -> None:
         if self.blocks_for(seq.num_tokens + len(token_ids)) > len(seq.block_ids):
             raise RuntimeError("commit() past the reserved blocks")
         seq.token_ids.extend(token_ids)
@@ -230,7 +229,7 @@ class KvManager:
             # Requests deferred behind this prefix wait on the KV source: wake them.
             self.clock.bump({KV_BLOCKS})
 
-    def truncate(self, seq: Sequence, new_len: int) -> tuple[int, list[tuple[int, int]]]:
+    def truncate(self, seq: Cache, new_len: int) -> tuple[int, list[tuple[int, int]]]:
         """Drop tokens past new_len; return (blocks released, block copies to perform).
 
         Blocks past the admitted context are returned to the pool; the admission reservation
@@ -265,7 +264,7 @@ class KvManager:
         return released, copies
 
     def release(self, cache_id: str) -> ReleaseResult:
-        seq = self.sequences.pop(cache_id, None)
+        seq = self.caches.pop(cache_id, None)
         if seq is None:
             if cache_id in self._retired:
                 return ReleaseResult(released=False, blocks_freed=0)
@@ -290,7 +289,7 @@ class KvManager:
         )
         return ReleaseResult(released=True, blocks_freed=freed)
 
-    def _drop_pending(self, seq: Sequence) -> None:
+    def _drop_pending(self, seq: Cache) -> None:
         for content in seq.pending_hashes:
             if self._pending.get(content) == seq.cache_id:
                 del self._pending[content]
@@ -302,7 +301,7 @@ class KvManager:
         """Raise if any invariant is broken (tests call this after every step)."""
         self.pool.check()
         holders: dict[int, int] = {}
-        for seq in self.sequences.values():
+        for seq in self.caches.values():
             if len(set(seq.block_ids)) != len(seq.block_ids):
                 raise AssertionError(f"cache {seq.cache_id} holds a block twice")
             for block in seq.block_ids:
@@ -314,7 +313,7 @@ class KvManager:
             ):
                 raise AssertionError(f"cache {seq.cache_id} has stale block hashes")
         for content, owner in self._pending.items():
-            if owner not in self.sequences or content not in self.sequences[owner].pending_hashes:
+            if owner not in self.caches or content not in self.caches[owner].pending_hashes:
                 raise AssertionError("a pending prefix block has no live owner")
         for block in range(self.pool.num_blocks):
             if self.pool.ref_count(block) != holders.get(block, 0):

@@ -179,7 +179,7 @@ def status_response(engine: Engine, accepting: bool) -> pb.GetStatusResponse:
         avg_prefill_time_ms=stats.prefill_time_ns / 1e6 / max(1, stats.prefill_steps),
         avg_decode_time_ms=stats.decode_time_ns / 1e6 / max(1, stats.decode_steps),
         memory_usage=_memory(engine),
-        active_sequences=len(engine.kv.sequences),
+        active_sequences=len(engine.kv.caches),
         steps_executed=stats.steps,
         prefill_tokens=stats.prefill_tokens,
         decode_tokens=stats.decode_tokens,

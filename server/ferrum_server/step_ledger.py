@@ -23,8 +23,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from ferrum_server.calls import Ticket
 from ferrum_server.errors import AlreadyExists, ExecutorError
+from ferrum_server.tickets import Ticket
 
 
 def fingerprint(method: str, request: Message) -> bytes:
