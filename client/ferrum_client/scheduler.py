@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import itertools
 import math
 import sys
@@ -57,15 +58,24 @@ from ferrum_client.handles import AsyncExecutorClient, StepStream
 from ferrum_client.pb import executor_pb2 as pb
 from ferrum_client.step_cost import StepCostModel
 
-# Item statuses (numerically the proto's ItemStatus).
-STATUS_INTERMEDIATE = 1
-STATUS_TOKEN = 2
-STATUS_LOGITS = 3
-STATUS_DEFERRED = 4
-STATUS_FAILED = 5
 
-KIND_PREFILL = 1  # pb.ITEM_KIND_PREFILL_CHUNK
-KIND_DECODE = 2  # pb.ITEM_KIND_DECODE
+class ItemKind(enum.IntEnum):
+    """A step item's kind, valued from the proto so the batch columns take it as it is."""
+
+    PREFILL_CHUNK = pb.ITEM_KIND_PREFILL_CHUNK
+    DECODE = pb.ITEM_KIND_DECODE
+
+
+class ItemStatus(enum.IntEnum):
+    """A step result's status, valued from the proto (BatchResults.statuses)."""
+
+    INTERMEDIATE = pb.ITEM_STATUS_INTERMEDIATE
+    TOKEN = pb.ITEM_STATUS_TOKEN
+    LOGITS = pb.ITEM_STATUS_LOGITS
+    DEFERRED = pb.ITEM_STATUS_DEFERRED
+    FAILED = pb.ITEM_STATUS_FAILED
+
+
 # Prefill tokens a step may always carry beside its decodes, however tight the step-time target.
 MIN_PREFILL_TOKENS = 32
 # Step-time target of SchedulerConfig (milliseconds).
@@ -135,7 +145,7 @@ class GenerationResult:
 class PlannedItem:
     """One item of a unified step, transport-neutral."""
 
-    kind: int  # KIND_PREFILL or KIND_DECODE
+    kind: ItemKind
     request_id: str
     cache_id: str
     tokens: Sequence[int]
@@ -556,7 +566,7 @@ class Scheduler:
                 break
             items.append(
                 PlannedItem(
-                    KIND_DECODE,
+                    ItemKind.DECODE,
                     request.result.request_id,
                     request.cache_id,
                     (request.output[-1],),
@@ -593,7 +603,7 @@ class Scheduler:
 
     def _chunk_item(self, request: _Request, chunk: list[int]) -> PlannedItem:
         return PlannedItem(
-            KIND_PREFILL,
+            ItemKind.PREFILL_CHUNK,
             request.result.request_id,
             request.cache_id,
             chunk,
@@ -700,16 +710,16 @@ class Scheduler:
         for k, request in enumerate(step.members):
             request.in_flight = False
             status = statuses[k]
-            if status == STATUS_DEFERRED:
+            if status == ItemStatus.DEFERRED:
                 self.stats.deferred_items += 1
                 blocked.append(request)
                 continue
-            if status == STATUS_FAILED:
+            if status == ItemStatus.FAILED:
                 self.stats.failed_items += 1
                 self._finish_failed(request, "error", result.errors.get(k, "item failed"))
                 continue
             request.computed = committed[k]
-            if status == STATUS_TOKEN and not request.result.finish_reason:
+            if status == ItemStatus.TOKEN and not request.result.finish_reason:
                 token = tokens[k]
                 self._record(request, token, now)
                 events.append((request.result.index, token))

@@ -174,7 +174,7 @@ async def bind_server(
         dtype=engine_config.dtype,
     )
     engine = engine or Engine(engine_config)
-    metrics = Metrics()
+    metrics = engine.recorder.metrics
     metrics.set_cache_config(engine.kv.block_size, engine.kv.pool.num_blocks)
     metrics.set_memory_plan(engine.memory_plan.parts(), len(engine.graph_batch_sizes))
     _LOG.info(
@@ -183,8 +183,6 @@ async def bind_server(
         kv_blocks=engine.memory_plan.num_blocks,
         cuda_graph_batch_sizes=list(engine.graph_batch_sizes),
     )
-    engine.metrics = metrics
-    engine.capacity.metrics = metrics
     engine.limit_responses(message_limits(engine, server_config)[1])
     credentials = security.server_credentials(server_config.security)
     interceptors: list[Any] = [RpcMetricsInterceptor(metrics)]

@@ -1,8 +1,10 @@
-"""Admission probes, preemption and swap: the executor's answers to "does this fit?".
+"""The executor's answers to "does this fit?": the blocks a step reserves before its forward
+(or the deferral evidence when they are not there), slot reservations, admission probes,
+preemption and swap.
 
-Runs on the engine thread (called through Engine). Probes launch no device work; every answer
-is a fact about the pool: admitted (with what is held), deferred (with the exact sources to wait
-on), or rejected (can never fit).
+Runs on the engine thread (called through Engine). None of this launches device work except a
+swap's copy; every answer is a fact about the pool: reserved or admitted (with what is held),
+deferred (with the exact sources to wait on), or rejected (can never fit).
 """
 
 from __future__ import annotations
@@ -14,25 +16,23 @@ from dataclasses import dataclass, field
 import torch
 
 from ferrum_server import logs
-from ferrum_server.domain import Shortfall
+from ferrum_server.domain import (
+    CapacityDeferral,
+    DeferralMode,
+    DeferralStage,
+    ItemKind,
+    Shortfall,
+    ShortfallKind,
+    Step,
+    StepItem,
+)
 from ferrum_server.errors import AlreadyExists, InvalidArgument, NotFound
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, Epochs, SourceKey
 from ferrum_server.kv.manager import Cache, KvManager
-from ferrum_server.metrics import Metrics
+from ferrum_server.recorder import Recorder
 from ferrum_server.validate import Limits, check_instance
 
 _LOG = logs.get(__name__)
-
-# proto enum values (the engine stays protobuf-free)
-SHORTFALL_FIT = 2
-SHORTFALL_SEQUENCE_CEILING = 4
-SHORTFALL_PERMANENT = 5
-SHORTFALL_PREFIX_PENDING = 6
-SHORTFALL_SEQUENCE_LENGTH = 7
-UNIT_BLOCKS = 1
-UNIT_SEQUENCES = 2
-UNIT_TOKENS = 3
-ACTION_WAIT_FOR_RELEASE = 1
 
 
 class PreemptionMode(enum.IntEnum):
@@ -108,6 +108,26 @@ class SwappedKv:
         return self.host_kv.numel() * self.host_kv.element_size()
 
 
+@dataclass(frozen=True, slots=True)
+class SlotRequest:
+    """Make a cache writable up to target_len (ReserveKvSlots); an empty cache_id opens one."""
+
+    cache_id: str
+    request_id: str
+    target_len: int
+    # A fit check only: must fit in the pool's free blocks, but is never allocated.
+    admission_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SlotReservation:
+    block_size: int
+    total_blocks: int
+    free_blocks_before: int
+    free_blocks_after: int
+    allocations: list[tuple[str, int, int]]  # (cache id, blocks before, blocks after)
+
+
 @dataclass(slots=True)
 class CapacityStats:
     probes: int = 0
@@ -124,7 +144,12 @@ class CapacityStats:
 
 class CapacityManager:
     def __init__(
-        self, kv: KvManager, kv_cache: torch.Tensor, limits: Limits, swap_space_bytes: int
+        self,
+        kv: KvManager,
+        kv_cache: torch.Tensor,
+        limits: Limits,
+        swap_space_bytes: int,
+        recorder: Recorder,
     ) -> None:
         self.kv = kv
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
@@ -132,7 +157,170 @@ class CapacityManager:
         self.swap_space_bytes = swap_space_bytes
         self.swapped: OrderedDict[str, SwappedKv] = OrderedDict()  # by request id
         self.stats = CapacityStats()
-        self.metrics: Metrics | None = None
+        self.metrics = recorder.metrics
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def reserve_step(self, step: Step, caches: list[Cache | None]) -> dict[int, CapacityDeferral]:
+        """Take the blocks every runnable item needs, opening caches for opening items (filled
+        into `caches`); return the deferrals of the others. With ALL_OR_NOTHING, one item
+        that does not fit defers every item and nothing is taken."""
+        kv = self.kv
+        free_blocks = kv.pool.num_available
+        free_slots = kv.num_free_sequence_slots
+        runnable: list[int] = []
+        deferrals: dict[int, CapacityDeferral] = {}
+        for index, (item, cache) in enumerate(zip(step.items, caches, strict=True)):
+            needed = kv.blocks_needed(cache, item.end)
+            opens = cache is None
+            if opens and free_slots < 1:
+                deferrals[index] = self._slots_deferral(index, item.request_id)
+            elif needed > free_blocks:
+                stage = DeferralStage.STEP_ADMISSION if opens else DeferralStage.SEQUENCE_EXTENSION
+                deferrals[index] = self._blocks_deferral(
+                    index, item.request_id, stage, needed, free_blocks, item, cache
+                )
+            else:
+                runnable.append(index)
+                free_blocks -= needed
+                free_slots -= int(opens)
+        if deferrals and step.mode == DeferralMode.ALL_OR_NOTHING:
+            first = deferrals[min(deferrals)]
+            return dict.fromkeys(range(len(step.items)), first)
+        for index in runnable:
+            item = step.items[index]
+            cache = caches[index]
+            if cache is None:
+                max_tokens = item.max_sequence_tokens or self.limits.max_sequence_length
+                cache = caches[index] = kv.open(item.request_id, max_tokens)
+            kv.grow(cache, item.end)
+        return deferrals
+
+    def reserve_slots(
+        self, requests: list[SlotRequest], instance_id: int = 0
+    ) -> SlotReservation | CapacityDeferral:
+        """Make every request's cache writable up to its target, all or nothing."""
+        check_instance(instance_id, self.limits)
+        kv = self.kv
+        caches = self._slot_caches(requests)
+        free_before = kv.pool.num_available
+        free, slots = free_before, kv.num_free_sequence_slots
+        for index, (request, cache) in enumerate(zip(requests, caches, strict=True)):
+            if cache is None and slots < 1:
+                return self._slots_deferral(index, request.request_id)
+            needed = kv.blocks_needed(cache, request.target_len)
+            fit = max(
+                needed, kv.blocks_needed(cache, max(request.admission_len, request.target_len))
+            )
+            if fit > free:
+                return self._blocks_deferral(
+                    index,
+                    request.request_id,
+                    DeferralStage.SEQUENCE_EXTENSION,
+                    fit,
+                    free,
+                    None,
+                    cache,
+                )
+            free -= needed
+            slots -= int(cache is None)
+        allocations: list[tuple[str, int, int]] = []
+        for request, cache in zip(requests, caches, strict=True):
+            if cache is None:
+                cache = kv.open(request.request_id, self.limits.max_sequence_length)
+            before = len(cache.block_ids)
+            kv.grow(cache, request.target_len)
+            allocations.append((cache.cache_id, before, len(cache.block_ids)))
+        return SlotReservation(
+            block_size=kv.block_size,
+            total_blocks=kv.pool.num_blocks,
+            free_blocks_before=free_before,
+            free_blocks_after=kv.pool.num_available,
+            allocations=allocations,
+        )
+
+    def _slot_caches(self, requests: list[SlotRequest]) -> list[Cache | None]:
+        """Check every slot request against its cache; None for the ones that open a cache."""
+        longest = self.limits.max_sequence_length
+        seen: set[str] = set()
+        caches: list[Cache | None] = []
+        for index, request in enumerate(requests):
+            if request.target_len == 0 or request.target_len > longest:
+                raise InvalidArgument(
+                    f"item {index}: target_len {request.target_len} outside [1, {longest}]"
+                )
+            if request.admission_len > longest:
+                raise InvalidArgument(
+                    f"item {index}: admission_target_len {request.admission_len} too long"
+                )
+            cache = None
+            if request.cache_id:
+                if request.cache_id in seen:
+                    raise InvalidArgument(f"item {index}: cache {request.cache_id!r} appears twice")
+                seen.add(request.cache_id)
+                cache = self.kv.lookup(request.cache_id)
+                if request.request_id and cache.request_id != request.request_id:
+                    raise InvalidArgument(f"item {index}: cache belongs to another request")
+                if request.target_len < cache.num_tokens:
+                    raise InvalidArgument(f"item {index}: target_len below committed length")
+            caches.append(cache)
+        return caches
+
+    def _slots_deferral(self, index: int, request_id: str) -> CapacityDeferral:
+        """No sequence slot is free for a new cache."""
+        return self._deferral(
+            index,
+            request_id,
+            DeferralStage.STEP_ADMISSION,
+            Shortfall.sequence_slots(self.kv.max_sequences),
+            {SEQUENCE_SLOTS},
+        )
+
+    def _blocks_deferral(
+        self,
+        index: int,
+        request_id: str,
+        stage: DeferralStage,
+        requested: int,
+        free_blocks: int,
+        chunk: StepItem | None,
+        cache: Cache | None,
+    ) -> CapacityDeferral:
+        """Not enough KV blocks; for a prefill chunk, hint a narrower width that fits now."""
+        shortfall = Shortfall.blocks(
+            ShortfallKind.IMMEDIATE_AVAILABILITY,
+            requested=requested,
+            available=free_blocks,
+            total=self.kv.pool.num_blocks,
+        )
+        narrower = 0
+        if chunk is not None and chunk.kind == ItemKind.PREFILL_CHUNK:
+            count = len(chunk.token_ids)
+            held = len(cache.block_ids) if cache else 0
+            fits = (held + free_blocks) * self.kv.block_size - chunk.position
+            if count > 1 and fits >= 1:
+                # Shrink by at least a quarter each time, like the contract's narrowing rule.
+                narrower = min(fits, count - -(-count // 4))
+        return self._deferral(index, request_id, stage, shortfall, {KV_BLOCKS}, narrower)
+
+    def _deferral(
+        self,
+        index: int,
+        request_id: str,
+        stage: DeferralStage,
+        shortfall: Shortfall,
+        sources: set[SourceKey],
+        narrower: int = 0,
+    ) -> CapacityDeferral:
+        return CapacityDeferral(
+            item_index=index,
+            request_id=request_id,
+            stage=stage,
+            shortfall=shortfall,
+            epochs=self.kv.clock.snapshot(),
+            observed=self.kv.clock.observed(sources),
+            narrower_prefill_tokens=narrower,
+        )
 
     # -- admission ------------------------------------------------------------------------
 
@@ -158,14 +346,7 @@ class CapacityManager:
             return self._reject(
                 immediate,
                 fit,
-                Shortfall(
-                    SHORTFALL_SEQUENCE_LENGTH,
-                    UNIT_TOKENS,
-                    longest,
-                    model_max,
-                    model_max,
-                    model_max,
-                ),
+                Shortfall.sequence_length(requested=longest, maximum=model_max),
                 f"{longest} tokens exceed the maximum sequence length {model_max}",
             )
         if fit.kv_blocks > kv.pool.num_blocks:
@@ -173,13 +354,11 @@ class CapacityManager:
             return self._reject(
                 immediate,
                 fit,
-                Shortfall(
-                    SHORTFALL_PERMANENT,
-                    UNIT_BLOCKS,
-                    fit.kv_blocks,
-                    total,
-                    total,
-                    total,
+                Shortfall.blocks(
+                    ShortfallKind.PERMANENT_DOMAIN_MAXIMUM,
+                    requested=fit.kv_blocks,
+                    available=total,
+                    total=total,
                 ),
                 f"{bound} tokens need {fit.kv_blocks} KV blocks; the pool has {total}",
             )
@@ -187,14 +366,7 @@ class CapacityManager:
             return self._defer(
                 immediate,
                 fit,
-                Shortfall(
-                    SHORTFALL_SEQUENCE_CEILING,
-                    UNIT_SEQUENCES,
-                    1,
-                    0,
-                    kv.max_sequences,
-                    kv.max_sequences,
-                ),
+                Shortfall.sequence_slots(kv.max_sequences),
                 SEQUENCE_SLOTS,
                 "sequence_slots",
             )
@@ -208,13 +380,11 @@ class CapacityManager:
             return self._defer(
                 immediate,
                 fit,
-                Shortfall(
-                    SHORTFALL_PREFIX_PENDING,
-                    UNIT_BLOCKS,
-                    match.num_pending,
-                    0,
-                    kv.pool.num_blocks,
-                    kv.pool.num_blocks,
+                Shortfall.blocks(
+                    ShortfallKind.PREFIX_PENDING,
+                    requested=match.num_pending,
+                    available=0,
+                    total=kv.pool.num_blocks,
                 ),
                 KV_BLOCKS,
                 "prefix_pending",
@@ -225,13 +395,11 @@ class CapacityManager:
             return self._defer(
                 immediate,
                 fit,
-                Shortfall(
-                    SHORTFALL_FIT,
-                    UNIT_BLOCKS,
-                    needed,
-                    available,
-                    kv.pool.num_blocks,
-                    kv.pool.num_blocks,
+                Shortfall.blocks(
+                    ShortfallKind.FIT_AVAILABILITY,
+                    requested=needed,
+                    available=available,
+                    total=kv.pool.num_blocks,
                 ),
                 KV_BLOCKS,
                 "kv_blocks",
@@ -241,9 +409,8 @@ class CapacityManager:
         self.stats.admitted += 1
         self.stats.prefix_query_tokens += len(tokens)
         self.stats.prefix_hit_tokens += cached
-        if self.metrics is not None:
-            self.metrics.record_admission("admitted")
-            self.metrics.record_prefix(len(tokens), cached)
+        self.metrics.record_admission("admitted")
+        self.metrics.record_prefix(len(tokens), cached)
         _LOG.info(
             "request_admitted",
             request_id=request_id,
@@ -292,8 +459,7 @@ class CapacityManager:
         self, immediate: Demand, fit: Demand, shortfall: Shortfall, reason: str
     ) -> Rejected:
         self.stats.rejected += 1
-        if self.metrics is not None:
-            self.metrics.record_admission("rejected")
+        self.metrics.record_admission("rejected")
         return Rejected(immediate, fit, [shortfall], reason)
 
     def _defer(
@@ -301,8 +467,7 @@ class CapacityManager:
     ) -> Deferred:
         self.stats.deferred += 1
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
-        if self.metrics is not None:
-            self.metrics.record_admission("deferred")
+        self.metrics.record_admission("deferred")
         clock = self.kv.clock
         return Deferred(immediate, fit, [shortfall], clock.snapshot(), clock.observed({source}))
 
@@ -352,8 +517,7 @@ class CapacityManager:
         pending = seq.pending_admission
         result = self.kv.release(cache_id)
         self.stats.preemptions += 1
-        if self.metrics is not None:
-            self.metrics.record_preemption(used.name.lower())
+        self.metrics.record_preemption(used.name.lower())
         _LOG.info(
             "cache_preempted",
             request_id=seq.request_id,
@@ -399,13 +563,11 @@ class CapacityManager:
             return self._defer(
                 immediate,
                 fit,
-                Shortfall(
-                    SHORTFALL_FIT,
-                    UNIT_BLOCKS,
-                    immediate.kv_blocks,
-                    kv.pool.num_available,
-                    kv.pool.num_blocks,
-                    kv.pool.num_blocks,
+                Shortfall.blocks(
+                    ShortfallKind.FIT_AVAILABILITY,
+                    requested=immediate.kv_blocks,
+                    available=kv.pool.num_available,
+                    total=kv.pool.num_blocks,
                 ),
                 KV_BLOCKS,
                 "kv_blocks",
@@ -426,6 +588,5 @@ class CapacityManager:
         seq.pending_admission = True
         self.stats.admitted += 1
         self.stats.swaps_in += 1
-        if self.metrics is not None:
-            self.metrics.record_admission("admitted")
+        self.metrics.record_admission("admitted")
         return Admitted(request_id, seq.cache_id, restored, len(seq.block_ids), kv.clock.snapshot())

@@ -1,8 +1,13 @@
 """Protobuf <-> domain conversion. Pure functions; the only module besides the servicer that
-imports the generated code."""
+imports the generated code.
+
+The domain enums are checked against their proto twins once, at import (`_check_twins`), so
+every conversion between them below is a cast that cannot silently drift.
+"""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence as Seq
 from typing import TypeVar
 
@@ -12,6 +17,7 @@ from ferrum_server.capacity import (
     Admitted,
     Decision,
     Demand,
+    PreemptionMode,
     PreemptionReceipt,
     Rejected,
     ReleaseSource,
@@ -20,23 +26,53 @@ from ferrum_server.capacity_notifier import CapacityState, source_key
 from ferrum_server.domain import (
     GREEDY,
     CapacityDeferral,
+    CapacityUnit,
     DeferralMode,
+    DeferralStage,
     ItemKind,
     ItemResult,
     ItemStatus,
     OutputPolicy,
     Sampling,
     Shortfall,
+    ShortfallKind,
     Step,
     StepItem,
     StepOutcome,
     Timings,
 )
 from ferrum_server.errors import InvalidArgument
-from ferrum_server.kv.epochs import Epochs, SourceKey
+from ferrum_server.kv.epochs import Epochs, Source, SourceKey
 from ferrum_server.kv.manager import Cache, KvManager
 
 V = TypeVar("V")
+
+
+def _check_twins(
+    domain: type[enum.IntEnum], proto: object, prefix: str, internal: tuple[enum.IntEnum, ...] = ()
+) -> None:
+    """Every member of `domain` but the internal ones must equal the proto value named
+    prefix + its name."""
+    for member in domain:
+        if member in internal:
+            continue
+        twin = getattr(proto, prefix + member.name, None)
+        if twin != member.value:
+            raise ImportError(
+                f"{domain.__name__}.{member.name} = {member.value} has proto twin "
+                f"{prefix}{member.name} = {twin}"
+            )
+
+
+# The one table of domain enum <-> proto enum correspondences. VERIFY is internal (the items of
+# ForwardVerify), never a kind on the wire.
+_check_twins(ItemKind, pb.ItemKind, "ITEM_KIND_", internal=(ItemKind.VERIFY,))
+_check_twins(ItemStatus, pb.ItemStatus, "ITEM_STATUS_")
+_check_twins(DeferralStage, pb.ExecutionCapacityStage, "EXECUTION_CAPACITY_STAGE_")
+_check_twins(ShortfallKind, pb.ShortfallKind, "SHORTFALL_KIND_")
+_check_twins(CapacityUnit, pb.CapacityUnit, "CAPACITY_UNIT_")
+_check_twins(Source, pb.CapacitySource, "CAPACITY_SOURCE_")
+_check_twins(PreemptionMode, pb.PreemptionMode, "PREEMPTION_MODE_")
 
 # -- requests ---------------------------------------------------------------------------------
 
@@ -220,16 +256,7 @@ def sources_to_pb(observed: Seq[tuple[SourceKey, int]]) -> list[pb.CapacityAvail
 
 
 def deferral_to_pb(deferral: CapacityDeferral) -> pb.ExecutionDeferral:
-    s = deferral.shortfall
-    shortfall = pb.CapacityShortfall(
-        domain=0,
-        kind=s.kind,  # type: ignore[arg-type]
-        requested=s.requested,
-        available=s.available,
-        current_total=s.current_total,
-        maximum_total=s.maximum_total,
-        unit=s.unit,  # type: ignore[arg-type]
-    )
+    shortfall = shortfall_to_pb(deferral.shortfall)
     epochs = epochs_to_pb(deferral.epochs)
     return pb.ExecutionDeferral(
         item_index=deferral.item_index,
@@ -239,7 +266,7 @@ def deferral_to_pb(deferral: CapacityDeferral) -> pb.ExecutionDeferral:
             wait_condition=pb.CapacityWaitCondition(
                 coordinator_id=epochs.coordinator_id, observed=sources_to_pb(deferral.observed)
             ),
-            stage=deferral.stage,  # type: ignore[arg-type]
+            stage=pb.ExecutionCapacityStage.ValueType(deferral.stage),
             evidence=pb.ExecutionCapacityEvidence(
                 logical=pb.LogicalCapacityEvidence(shortfalls=[shortfall])
             ),

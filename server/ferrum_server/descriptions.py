@@ -8,7 +8,8 @@ import torch
 from ferrum_client.pb import executor_pb2 as pb
 
 from ferrum_server import __version__, convert
-from ferrum_server.engine import Engine, SlotReservation
+from ferrum_server.capacity import SlotRequest, SlotReservation
+from ferrum_server.engine import Engine
 
 _DTYPES = {
     torch.float32: pb.DATA_TYPE_FP32,
@@ -149,7 +150,7 @@ def kv_snapshot(engine: Engine) -> pb.KvSlotCapacitySnapshot:
 def _memory(engine: Engine) -> pb.ExecutorMemoryUsage:
     weights = engine.model_config.num_parameters * engine.dtype.itemsize
     pool_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
-    used = weights + engine.kv.pool.num_used * engine.block_bytes
+    used = weights + engine.kv.pool.num_used * engine.memory_plan.block_bytes
     allocated = weights + pool_bytes
     peak = allocated
     if engine.device.type == "cuda":
@@ -210,9 +211,9 @@ def reserve_kv_slots(
     cache_ids = convert._column("cache_ids", request.cache_ids, count, "")
     request_ids = convert._column("request_ids", request.request_ids, count, "")
     admission = convert._column("admission_target_lens", request.admission_target_lens, count, 0)
-    outcome = engine.reserve_slots(
+    outcome = engine.capacity.reserve_slots(
         [
-            (cache_ids[i], request_ids[i], request.target_lens[i], admission[i])
+            SlotRequest(cache_ids[i], request_ids[i], request.target_lens[i], admission[i])
             for i in range(count)
         ],
         request.executor_instance_id,

@@ -1,7 +1,9 @@
 """Transport-neutral request and result types of the engine.
 
 The servicer converts protobuf to these and back; the engine and the validator never see
-protobuf. Enum values match the proto enums so conversion is a cast.
+protobuf. Each enum's members are named after, and valued as, their proto twins (the twin of
+`ShortfallKind.PREFIX_PENDING` is `SHORTFALL_KIND_PREFIX_PENDING`); `convert` checks every
+member against the generated code at import, so conversion is a checked cast.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ferrum_server.errors import ExecutorError, public_message
 from ferrum_server.kv.epochs import Epochs, SourceKey
 
 
@@ -91,14 +94,66 @@ class Step:
     executor_instance_id: int = 0
 
 
+class DeferralStage(enum.IntEnum):
+    """Where a step item lacked capacity (proto ExecutionCapacityStage)."""
+
+    SEQUENCE_EXTENSION = 1  # an existing cache could not grow
+    STEP_ADMISSION = 2  # a new cache could not open
+
+
+class ShortfallKind(enum.IntEnum):
+    """Why capacity fell short (proto ShortfallKind)."""
+
+    IMMEDIATE_AVAILABILITY = 1
+    FIT_AVAILABILITY = 2
+    ACTIVE_SEQUENCE_CEILING = 4
+    PERMANENT_DOMAIN_MAXIMUM = 5
+    PREFIX_PENDING = 6
+    SEQUENCE_LENGTH_MAXIMUM = 7
+
+
+class CapacityUnit(enum.IntEnum):
+    """What a shortfall counts (proto CapacityUnit)."""
+
+    BLOCKS = 1
+    SEQUENCES = 2
+    TOKENS = 3
+
+
 @dataclass(frozen=True, slots=True)
 class Shortfall:
-    kind: int  # proto ShortfallKind
-    unit: int  # proto CapacityUnit
+    kind: ShortfallKind
+    unit: CapacityUnit
     requested: int
     available: int
     current_total: int
     maximum_total: int
+
+    @classmethod
+    def blocks(
+        cls, kind: ShortfallKind, *, requested: int, available: int, total: int
+    ) -> Shortfall:
+        """KV blocks short of a pool of `total` blocks (the pool never grows)."""
+        return cls(kind, CapacityUnit.BLOCKS, requested, available, total, total)
+
+    @classmethod
+    def sequence_slots(cls, ceiling: int) -> Shortfall:
+        """Every one of the `ceiling` sequence slots is taken; one more is needed."""
+        return cls(
+            ShortfallKind.ACTIVE_SEQUENCE_CEILING, CapacityUnit.SEQUENCES, 1, 0, ceiling, ceiling
+        )
+
+    @classmethod
+    def sequence_length(cls, *, requested: int, maximum: int) -> Shortfall:
+        """`requested` tokens exceed the model's `maximum` sequence length."""
+        return cls(
+            ShortfallKind.SEQUENCE_LENGTH_MAXIMUM,
+            CapacityUnit.TOKENS,
+            requested,
+            maximum,
+            maximum,
+            maximum,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +162,7 @@ class CapacityDeferral:
 
     item_index: int
     request_id: str
-    stage: int  # proto ExecutionCapacityStage
+    stage: DeferralStage
     shortfall: Shortfall
     epochs: Epochs
     observed: list[tuple[SourceKey, int]]
@@ -121,6 +176,11 @@ class ItemFailure:
     code: int  # gRPC status code number a single-item call would have returned
     message: str
     request_id: str = ""
+
+    @classmethod
+    def from_error(cls, error: ExecutorError, request_id: str) -> ItemFailure:
+        """The failure a single-item call would have raised as `error`."""
+        return cls(error.code.value[0], public_message(error), request_id)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from ferrum_client import pb
 from ferrum_server import convert, errors
-from ferrum_server.capacity import PreemptionMode
+from ferrum_server.capacity import PreemptionMode, SlotRequest
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import DeferralMode, ItemKind
 from ferrum_server.engine import Engine
@@ -258,7 +258,8 @@ def run_call(engine: Engine, kind: str, payload: Any) -> None:
     elif kind == "truncate":
         engine.truncate(*payload)
     elif kind == "reserve":
-        engine.reserve_slots(*payload)
+        requests, instance = payload
+        engine.capacity.reserve_slots([SlotRequest(*r) for r in requests], instance)
     elif kind == "release":
         engine.release(*payload)
     elif kind == "admit":

@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Sequence
 
 from ferrum_client.batch import SamplingOptions
 from ferrum_client.scheduler import (
-    KIND_DECODE,
     Admission,
     PlannedItem,
     StepLimits,
@@ -84,7 +83,7 @@ class InProcessBackend:
         step = Step(
             [
                 StepItem(
-                    kind=ItemKind.DECODE if item.kind == KIND_DECODE else ItemKind.PREFILL_CHUNK,
+                    kind=ItemKind(item.kind),  # both valued as the proto's ItemKind
                     request_id=item.request_id,
                     cache_id=item.cache_id,
                     token_ids=list(item.tokens),

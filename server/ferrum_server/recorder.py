@@ -1,0 +1,101 @@
+"""Accounting of what the engine did: step counters for GetStatus/GetMetrics, and the Prometheus
+metrics. The engine and the capacity manager report to one Recorder given at construction.
+
+Engine thread only, like everything it is told about.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ferrum_server.domain import CapacityDeferral, CapacityUnit, ItemKind, StepItem
+from ferrum_server.kv.manager import Cache, KvManager
+from ferrum_server.metrics import Metrics
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_time_ns: int = 0
+    decode_time_ns: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    items: int = 0
+    current_batch_size: int = 0
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph
+
+
+class Recorder:
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.stats = EngineStats()
+        # Its own registry (never the process-global one), so engines in one process never clash.
+        self.metrics = metrics if metrics is not None else Metrics()
+
+    def forward(self, items: Sequence[StepItem], elapsed_ns: int, graphed: bool) -> None:
+        """Count one forward: elapsed_ns covers forward plus sampling; graphed when it replayed
+        a CUDA graph. A step bisected after a device OOM counts each part that ran."""
+        stats = self.stats
+        stats.steps += 1
+        stats.items += len(items)
+        prefill = sum(len(i.token_ids) for i in items if i.kind != ItemKind.DECODE)
+        stats.prefill_tokens += prefill
+        stats.decode_tokens += sum(1 for i in items if i.kind == ItemKind.DECODE)
+        if prefill:
+            stats.prefill_steps += 1
+            stats.prefill_time_ns += elapsed_ns
+        else:
+            stats.decode_steps += 1
+            stats.decode_time_ns += elapsed_ns
+        stats.graph_steps += int(graphed)
+
+    def step(
+        self,
+        deferrals: Iterable[CapacityDeferral],
+        ran: Sequence[tuple[StepItem, Cache]],
+        elapsed_ns: int,
+        graphed: bool,
+    ) -> None:
+        """Observe a whole step: its deferrals, what ran, and each output's token latency."""
+        metrics = self.metrics
+        for deferral in deferrals:
+            unit = deferral.shortfall.unit
+            metrics.record_deferral(
+                "sequence_slots" if unit == CapacityUnit.SEQUENCES else "kv_blocks"
+            )
+        if not ran:
+            return
+        prefill = decode = verify = 0
+        for item, _ in ran:
+            if item.kind == ItemKind.PREFILL_CHUNK:
+                prefill += len(item.token_ids)
+            elif item.kind == ItemKind.DECODE:
+                decode += 1
+            else:
+                verify += len(item.token_ids)
+        kind = "mixed" if prefill and (decode or verify) else "prefill" if prefill else "decode"
+        metrics.record_step(
+            kind, len(ran), prefill + decode + verify, prefill, decode, verify, elapsed_ns / 1e9
+        )
+        if graphed:
+            metrics.record_cuda_graph_replay()
+        now = time.monotonic()
+        for item, cache in ran:
+            if not item.num_outputs:
+                continue
+            if cache.last_token_s:
+                metrics.observe_itl(now - cache.last_token_s)
+            else:
+                metrics.observe_ttft(now - cache.opened_s)
+            cache.last_token_s = now
+
+    def gauges(self, kv: KvManager) -> None:
+        """Refresh the KV and cache gauges from the pool as it is now."""
+        pool = kv.pool
+        self.metrics.set_kv(pool.num_blocks, pool.num_used, pool.num_cached)
+        waiting = sum(1 for c in kv.caches.values() if c.pending_admission)
+        self.metrics.set_sequences(len(kv.caches) - waiting, waiting)
+        self.metrics.update_device_memory()
