@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The W1 comparison as reported in the README (Benchmarks): both dtypes, every
+# The W1 comparison as reported in docs/benchmarks.md: both dtypes, every
 # compared system, the budget/latency trade-off, pipelining on/off and first tokens aligned
 # (the default) or not, run twice (the machine may be shared; report medians). vLLM is
 # included when scripts/install_vllm_cpu.sh has run.
