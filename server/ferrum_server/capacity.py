@@ -339,8 +339,8 @@ class CapacityManager:
         kv = self.kv
         model_max = self.limits.max_sequence_length
         bound = max_tokens or len(tokens)
-        immediate = Demand(kv.blocks_for(len(tokens)), len(tokens), 1)
-        fit = Demand(kv.blocks_for(bound), bound, 1)
+        immediate = Demand(kv_blocks=kv.blocks_for(len(tokens)), tokens=len(tokens), sequences=1)
+        fit = Demand(kv_blocks=kv.blocks_for(bound), tokens=bound, sequences=1)
         if len(tokens) > model_max or max_tokens > model_max:
             longest = max(len(tokens), max_tokens)
             return self._reject(
@@ -404,7 +404,7 @@ class CapacityManager:
                 KV_BLOCKS,
                 "kv_blocks",
             )
-        seq = kv.admit(request_id, tokens, max_tokens or model_max, match)
+        cache = kv.admit(request_id, tokens, max_tokens or model_max, match)
         cached = match.num_blocks * kv.block_size
         self.stats.admitted += 1
         self.stats.prefix_query_tokens += len(tokens)
@@ -414,11 +414,17 @@ class CapacityManager:
         _LOG.info(
             "request_admitted",
             request_id=request_id,
-            cache_id=seq.cache_id,
+            cache_id=cache.cache_id,
             cached_tokens=cached,
-            blocks=len(seq.block_ids),
+            blocks=len(cache.block_ids),
         )
-        return Admitted(request_id, seq.cache_id, cached, len(seq.block_ids), kv.clock.snapshot())
+        return Admitted(
+            request_id=request_id,
+            cache_id=cache.cache_id,
+            cached_prompt_tokens=cached,
+            held_blocks=len(cache.block_ids),
+            epochs=kv.clock.snapshot(),
+        )
 
     def _validate(
         self,
@@ -448,10 +454,10 @@ class CapacityManager:
             raise InvalidArgument(
                 f"maximum_sequence_tokens {max_tokens} is below the {len(tokens)} input tokens"
             )
-        for seq in self.kv.caches.values():
-            if seq.request_id == request_id:
+        for cache in self.kv.caches.values():
+            if cache.request_id == request_id:
                 raise AlreadyExists(
-                    f"request {request_id!r} already holds cache {seq.cache_id!r}; release or "
+                    f"request {request_id!r} already holds cache {cache.cache_id!r}; release or "
                     f"preempt it before admitting it again"
                 )
 
@@ -460,7 +466,7 @@ class CapacityManager:
     ) -> Rejected:
         self.stats.rejected += 1
         self.metrics.record_admission("rejected")
-        return Rejected(immediate, fit, [shortfall], reason)
+        return Rejected(immediate=immediate, fit=fit, shortfalls=[shortfall], reason=reason)
 
     def _defer(
         self, immediate: Demand, fit: Demand, shortfall: Shortfall, source: SourceKey, reason: str
@@ -469,14 +475,20 @@ class CapacityManager:
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
         self.metrics.record_admission("deferred")
         clock = self.kv.clock
-        return Deferred(immediate, fit, [shortfall], clock.snapshot(), clock.observed({source}))
+        return Deferred(
+            immediate=immediate,
+            fit=fit,
+            shortfalls=[shortfall],
+            epochs=clock.snapshot(),
+            observed=clock.observed({source}),
+        )
 
     def cancel_admission(self, request_id: str, instance_id: int = 0) -> bool:
         """Release an admitted request whose first chunk never ran."""
         check_instance(instance_id, self.limits)
-        for seq in list(self.kv.caches.values()):
-            if seq.request_id == request_id and seq.pending_admission:
-                self.kv.release(seq.cache_id)
+        for cache in list(self.kv.caches.values()):
+            if cache.request_id == request_id and cache.pending_admission:
+                self.kv.release(cache.cache_id)
                 return True
         return False
 
@@ -485,17 +497,17 @@ class CapacityManager:
     def release_sources(self) -> list[ReleaseSource]:
         kv = self.kv
         entries = []
-        for seq in kv.caches.values():
-            blocks = kv.releasable_blocks(seq)
+        for cache in kv.caches.values():
+            blocks = kv.releasable_blocks(cache)
             sources = {SEQUENCE_SLOTS} | ({KV_BLOCKS} if blocks else set())
             entries.append(
                 ReleaseSource(
-                    seq.request_id,
-                    seq.cache_id,
-                    seq.pending_admission,
-                    kv.clock.observed(sources),
-                    blocks,
-                    seq.num_tokens,
+                    request_id=cache.request_id,
+                    cache_id=cache.cache_id,
+                    pending_admission=cache.pending_admission,
+                    sources=kv.clock.observed(sources),
+                    releasable_blocks=blocks,
+                    num_tokens=cache.num_tokens,
                 )
             )
         return entries
@@ -506,34 +518,39 @@ class CapacityManager:
         check_instance(instance_id, self.limits)
         if not cache_id:
             raise InvalidArgument("cache_id is required")
-        seq = self.kv.caches.get(cache_id)
-        if seq is None:
+        cache = self.kv.caches.get(cache_id)
+        if cache is None:
             raise NotFound(f"cache {cache_id!r} is not live (released or unknown)")
-        if request_id and seq.request_id != request_id:
+        if request_id and cache.request_id != request_id:
             raise InvalidArgument(f"cache {cache_id!r} belongs to another request")
         used = mode
-        if mode == PreemptionMode.SWAP and not self._swap_out(seq):
+        if mode == PreemptionMode.SWAP and not self._swap_out(cache):
             used = PreemptionMode.RECOMPUTE
-        pending = seq.pending_admission
+        pending = cache.pending_admission
         result = self.kv.release(cache_id)
         self.stats.preemptions += 1
         self.metrics.record_preemption(used.name.lower())
         _LOG.info(
             "cache_preempted",
-            request_id=seq.request_id,
+            request_id=cache.request_id,
             cache_id=cache_id,
             mode=used.name.lower(),
             blocks_freed=result.blocks_freed,
         )
         return PreemptionReceipt(
-            seq.request_id, cache_id, pending, result.blocks_freed, used, self.kv.clock.snapshot()
+            request_id=cache.request_id,
+            cache_id=cache_id,
+            pending_admission=pending,
+            blocks_freed=result.blocks_freed,
+            mode=used,
+            epochs=self.kv.clock.snapshot(),
         )
 
-    def _swap_out(self, seq: Cache) -> bool:
+    def _swap_out(self, cache: Cache) -> bool:
         """Copy the committed KV to host memory if the swap space allows; True on success."""
-        if seq.num_tokens == 0 or not seq.request_id:
+        if cache.num_tokens == 0 or not cache.request_id:
             return False
-        blocks = seq.block_ids[: self.kv.blocks_for(seq.num_tokens)]
+        blocks = cache.block_ids[: self.kv.blocks_for(cache.num_tokens)]
         per_block = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
         needed = per_block * len(blocks)
         while self.swapped and self._swap_bytes() + needed > self.swap_space_bytes:
@@ -542,7 +559,7 @@ class CapacityManager:
             return False
         index = torch.tensor(blocks, dtype=torch.int64, device=self.kv_cache.device)
         host = self.kv_cache.index_select(2, index).to("cpu")
-        self.swapped[seq.request_id] = SwappedKv(list(seq.token_ids), host)
+        self.swapped[cache.request_id] = SwappedKv(token_ids=list(cache.token_ids), host_kv=host)
         self.stats.swaps_out += 1
         return True
 
@@ -573,20 +590,26 @@ class CapacityManager:
                 "kv_blocks",
             )
         del self.swapped[request_id]
-        seq = kv.open(request_id, max_tokens)
-        seq.pending_admission = True
-        seq.context_tokens = len(tokens)
-        kv.grow(seq, len(tokens))
+        cache = kv.open(request_id, max_tokens)
+        cache.pending_admission = True
+        cache.context_tokens = len(tokens)
+        kv.grow(cache, len(tokens))
         # Keep at least one token to run, so the scheduler gets logits for the next position.
         restored = min(len(swapped.token_ids), len(tokens) - 1)
         num_blocks = swapped.host_kv.shape[2]
         index = torch.tensor(
-            seq.block_ids[:num_blocks], dtype=torch.int64, device=self.kv_cache.device
+            cache.block_ids[:num_blocks], dtype=torch.int64, device=self.kv_cache.device
         )
         self.kv_cache.index_copy_(2, index, swapped.host_kv.to(self.kv_cache.device))
-        kv.commit(seq, tokens[:restored])
-        seq.pending_admission = True
+        kv.commit(cache, tokens[:restored])
+        cache.pending_admission = True
         self.stats.admitted += 1
         self.stats.swaps_in += 1
         self.metrics.record_admission("admitted")
-        return Admitted(request_id, seq.cache_id, restored, len(seq.block_ids), kv.clock.snapshot())
+        return Admitted(
+            request_id=request_id,
+            cache_id=cache.cache_id,
+            cached_prompt_tokens=restored,
+            held_blocks=len(cache.block_ids),
+            epochs=kv.clock.snapshot(),
+        )

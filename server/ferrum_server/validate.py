@@ -44,7 +44,7 @@ def check_instance(claimed: int, limits: Limits) -> None:
 
 
 def validate_step(step: Step, kv: KvManager, limits: Limits) -> list[Cache | None]:
-    """Check the whole step; return each item's sequence (None for items opening a cache)."""
+    """Check the whole step; return each item's cache (None for items opening a cache)."""
     check_instance(step.executor_instance_id, limits)
     items = step.items
     if not items:
@@ -161,16 +161,16 @@ def _check_against_state(index: int, item: StepItem, kv: KvManager) -> Cache | N
     where = f"item {index}"
     if not item.cache_id:
         return None
-    seq = kv.lookup(item.cache_id)
-    if item.request_id and item.request_id != seq.request_id:
+    cache = kv.lookup(item.cache_id)
+    if item.request_id and item.request_id != cache.request_id:
         raise InvalidArgument(f"{where}: cache {item.cache_id!r} belongs to another request")
-    if item.position != seq.num_tokens:
+    if item.position != cache.num_tokens:
         raise PositionMismatch(
             f"{where}: position {item.position} does not match the cache's committed length "
-            f"{seq.num_tokens}"
+            f"{cache.num_tokens}"
         )
-    if item.end > seq.max_tokens:
+    if item.end > cache.max_tokens:
         raise InvalidArgument(
-            f"{where}: position {item.end - 1} is beyond the sequence's maximum {seq.max_tokens}"
+            f"{where}: position {item.end - 1} is beyond the sequence's maximum {cache.max_tokens}"
         )
-    return seq
+    return cache

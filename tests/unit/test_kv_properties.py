@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from ferrum_server.capacity import Admitted, CapacityManager, PreemptionMode
 from ferrum_server.kv.manager import KvManager
+from ferrum_server.recorder import Recorder
 from ferrum_server.validate import Limits
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -41,7 +42,7 @@ class KvMachine(RuleBasedStateMachine):
             instance_id=1,
         )
         self.capacity = CapacityManager(
-            self.kv, kv_cache, limits, swap_space_bytes=1 << 20 if swap else 0
+            self.kv, kv_cache, limits, swap_space_bytes=1 << 20 if swap else 0, recorder=Recorder()
         )
         self.contexts: dict[str, list[int]] = {}  # cache id -> admitted context tokens
         self.counter = 0

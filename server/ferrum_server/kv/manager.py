@@ -48,7 +48,7 @@ class Cache:
     pending_admission: bool = False
     # Tokens of the admitted execution context (0 when opened without admission).
     context_tokens: int = 0
-    # Hashes of full context blocks this sequence will compute that others may wait for.
+    # Hashes of full context blocks this cache will compute that others may wait for.
     pending_hashes: list[bytes] = field(default_factory=list)
     # Monotonic times for time-to-first-token and inter-token metrics.
     opened_s: float = field(default_factory=time.monotonic)
@@ -71,7 +71,7 @@ class PrefixMatch:
     hashes: list[bytes]
     # Matched blocks that are cached (unreferenced): acquiring them takes them out of the pool.
     num_cached: int
-    # Further full blocks that another admitted sequence is about to compute.
+    # Further full blocks that another admitted cache is about to compute.
     num_pending: int = 0
 
     @property
@@ -96,7 +96,7 @@ class KvManager:
         self.clock = EpochClock(coordinator_id)
         self.caches: dict[str, Cache] = {}
         self._retired: OrderedDict[str, None] = OrderedDict()
-        # Content hash -> cache id of the admitted sequence that will compute that block.
+        # Content hash -> cache id of the admitted cache that will compute that block.
         self._pending: dict[bytes, str] = {}
 
     # -- reads -----------------------------------------------------------------------------
@@ -104,16 +104,16 @@ class KvManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def blocks_needed(self, seq: Cache | None, target_len: int) -> int:
-        held = len(seq.block_ids) if seq is not None else 0
+    def blocks_needed(self, cache: Cache | None, target_len: int) -> int:
+        held = len(cache.block_ids) if cache is not None else 0
         return max(0, self.blocks_for(target_len) - held)
 
     def lookup(self, cache_id: str) -> Cache:
-        seq = self.caches.get(cache_id)
-        if seq is None:
+        cache = self.caches.get(cache_id)
+        if cache is None:
             state = "released" if cache_id in self._retired else "unknown"
             raise NotFound(f"cache {cache_id!r} is {state}")
-        return seq
+        return cache
 
     @property
     def num_free_sequence_slots(self) -> int:
@@ -121,7 +121,7 @@ class KvManager:
 
     @property
     def num_reserved_blocks(self) -> int:
-        """Blocks held past each sequence's committed tokens (admitted, not yet written)."""
+        """Blocks held past each cache's committed tokens (admitted, not yet written)."""
         return sum(len(s.block_ids) - self.blocks_for(s.num_tokens) for s in self.caches.values())
 
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
@@ -148,9 +148,9 @@ class KvManager:
             parent = content
         return PrefixMatch(block_ids, hashes, num_cached, num_pending)
 
-    def releasable_blocks(self, seq: Cache) -> int:
-        """Blocks that would leave the used state if `seq` were released now."""
-        return sum(1 for b in seq.block_ids if self.pool.ref_count(b) == 1)
+    def releasable_blocks(self, cache: Cache) -> int:
+        """Blocks that would leave the used state if `cache` were released now."""
+        return sum(1 for b in cache.block_ids if self.pool.ref_count(b) == 1)
 
     # -- mutations (capacity already checked by the caller) -------------------------------
 
@@ -158,70 +158,70 @@ class KvManager:
         if len(self.caches) >= self.max_sequences:
             raise RuntimeError("open() past the sequence ceiling")
         cache_id = secrets.token_hex(12)
-        seq = Cache(cache_id=cache_id, request_id=request_id, max_tokens=max_tokens)
-        self.caches[cache_id] = seq
+        cache = Cache(cache_id=cache_id, request_id=request_id, max_tokens=max_tokens)
+        self.caches[cache_id] = cache
         _LOG.debug("cache_opened", request_id=request_id, cache_id=cache_id)
-        return seq
+        return cache
 
     def admit(
         self, request_id: str, tokens: list[int], max_tokens: int, match: PrefixMatch
     ) -> Cache:
-        """Open a sequence holding the matched prefix and blocks for all of `tokens`."""
-        seq = self.open(request_id, max_tokens)
+        """Open a cache holding the matched prefix and blocks for all of `tokens`."""
+        cache = self.open(request_id, max_tokens)
         for block_id in match.block_ids:
             self.pool.acquire(block_id)
-        seq.block_ids.extend(match.block_ids)
-        seq.block_hashes.extend(match.hashes)
-        seq.token_ids.extend(tokens[: match.num_blocks * self.block_size])
-        seq.pending_admission = True
-        seq.context_tokens = len(tokens)
-        self.grow(seq, len(tokens))
+        cache.block_ids.extend(match.block_ids)
+        cache.block_hashes.extend(match.hashes)
+        cache.token_ids.extend(tokens[: match.num_blocks * self.block_size])
+        cache.pending_admission = True
+        cache.context_tokens = len(tokens)
+        self.grow(cache, len(tokens))
         if self.prefix_caching:
             bs = self.block_size
             parent = match.hashes[-1] if match.hashes else _ROOT_HASH
             for index in range(match.num_blocks, len(tokens) // bs):
                 parent = block_hash(parent, tokens[index * bs : (index + 1) * bs])
                 if self.pool.lookup(parent) is None and parent not in self._pending:
-                    self._pending[parent] = seq.cache_id
-                    seq.pending_hashes.append(parent)
-        return seq
+                    self._pending[parent] = cache.cache_id
+                    cache.pending_hashes.append(parent)
+        return cache
 
-    def grow(self, seq: Cache, target_len: int) -> int:
+    def grow(self, cache: Cache, target_len: int) -> int:
         """Make positions [0, target_len) writable; return the number of new blocks."""
-        needed = self.blocks_needed(seq, target_len)
+        needed = self.blocks_needed(cache, target_len)
         if needed:
-            seq.block_ids.extend(self.pool.allocate(needed))
+            cache.block_ids.extend(self.pool.allocate(needed))
         return needed
 
-    def unreserve(self, seq: Cache, num_blocks: int) -> int:
+    def unreserve(self, cache: Cache, num_blocks: int) -> int:
         """Give back blocks reserved past the first num_blocks (a step that did not commit).
 
         Only blocks beyond the committed tokens go: they are fresh, unshared and unhashed.
         """
-        keep = max(num_blocks, self.blocks_for(seq.num_tokens))
-        dropped = seq.block_ids[keep:]
+        keep = max(num_blocks, self.blocks_for(cache.num_tokens))
+        dropped = cache.block_ids[keep:]
         if not dropped:
             return 0
-        del seq.block_ids[keep:]
+        del cache.block_ids[keep:]
         freed = self.pool.free(dropped)
         self.clock.bump({KV_BLOCKS} if freed else set())
         return freed
 
-    def commit(self, seq: Cache, token_ids: list[int]) -> None:
-        if self.blocks_for(seq.num_tokens + len(token_ids)) > len(seq.block_ids):
+    def commit(self, cache: Cache, token_ids: list[int]) -> None:
+        if self.blocks_for(cache.num_tokens + len(token_ids)) > len(cache.block_ids):
             raise RuntimeError("commit() past the reserved blocks")
-        seq.token_ids.extend(token_ids)
-        seq.pending_admission = False
+        cache.token_ids.extend(token_ids)
+        cache.pending_admission = False
         if not self.prefix_caching:
             return
         bs = self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+        parent = cache.block_hashes[-1] if cache.block_hashes else _ROOT_HASH
         published = False
-        for index in range(len(seq.block_hashes), seq.num_tokens // bs):
-            content = block_hash(parent, seq.token_ids[index * bs : (index + 1) * bs])
-            seq.block_hashes.append(content)
-            self.pool.register(seq.block_ids[index], content)
-            if self._pending.get(content) == seq.cache_id:
+        for index in range(len(cache.block_hashes), cache.num_tokens // bs):
+            content = block_hash(parent, cache.token_ids[index * bs : (index + 1) * bs])
+            cache.block_hashes.append(content)
+            self.pool.register(cache.block_ids[index], content)
+            if self._pending.get(content) == cache.cache_id:
                 del self._pending[content]
                 published = True
             parent = content
@@ -229,50 +229,50 @@ class KvManager:
             # Requests deferred behind this prefix wait on the KV source: wake them.
             self.clock.bump({KV_BLOCKS})
 
-    def truncate(self, seq: Cache, new_len: int) -> tuple[int, list[tuple[int, int]]]:
+    def truncate(self, cache: Cache, new_len: int) -> tuple[int, list[tuple[int, int]]]:
         """Drop tokens past new_len; return (blocks released, block copies to perform).
 
         Blocks past the admitted context are returned to the pool; the admission reservation
         stays. Every kept block from position new_len on will be overwritten, so it must be
-        exclusively this sequence's: a shared block is replaced by a fresh one (copied first
+        exclusively this cache's: a shared block is replaced by a fresh one (copied first
         when it still holds kept tokens: copy-on-write), an unshared one loses its hash.
         """
         bs = self.block_size
-        keep = self.blocks_for(max(new_len, seq.context_tokens))
-        rewritten = range(new_len // bs, min(keep, len(seq.block_ids)))
-        shared = [i for i in rewritten if self.pool.ref_count(seq.block_ids[i]) > 1]
+        keep = self.blocks_for(max(new_len, cache.context_tokens))
+        rewritten = range(new_len // bs, min(keep, len(cache.block_ids)))
+        shared = [i for i in rewritten if self.pool.ref_count(cache.block_ids[i]) > 1]
         if len(shared) > self.pool.num_available:
             raise CapacityExhausted("no free KV block to copy a shared block into")
         copies: list[tuple[int, int]] = []
         for index in rewritten:
-            block = seq.block_ids[index]
+            block = cache.block_ids[index]
             if index in shared:
                 (fresh,) = self.pool.allocate(1)
                 if index * bs < new_len:
                     copies.append((block, fresh))
                 self.pool.free([block])
-                seq.block_ids[index] = fresh
+                cache.block_ids[index] = fresh
             elif self.pool.is_registered(block):
                 self.pool.unregister(block)
-        self._drop_pending(seq)
-        dropped = seq.block_ids[keep:]
-        del seq.block_ids[keep:]
-        del seq.token_ids[new_len:]
-        del seq.block_hashes[new_len // bs :]
+        self._drop_pending(cache)
+        dropped = cache.block_ids[keep:]
+        del cache.block_ids[keep:]
+        del cache.token_ids[new_len:]
+        del cache.block_hashes[new_len // bs :]
         released = self.pool.free(dropped)
         self.clock.bump({KV_BLOCKS} if released else set())
         return released, copies
 
     def release(self, cache_id: str) -> ReleaseResult:
-        seq = self.caches.pop(cache_id, None)
-        if seq is None:
+        cache = self.caches.pop(cache_id, None)
+        if cache is None:
             if cache_id in self._retired:
                 return ReleaseResult(released=False, blocks_freed=0)
             raise NotFound(f"cache {cache_id!r} is unknown")
         # Only whole, committed blocks keep their hash; the rest return to the free list.
-        self._drop_pending(seq)
-        freed = self.pool.free(seq.block_ids)
-        seq.block_ids.clear()
+        self._drop_pending(cache)
+        freed = self.pool.free(cache.block_ids)
+        cache.block_ids.clear()
         self._retired[cache_id] = None
         if len(self._retired) > _RETIRED_MEMORY:
             self._retired.popitem(last=False)
@@ -282,18 +282,18 @@ class KvManager:
         self.clock.bump(sources)
         _LOG.debug(
             "cache_released",
-            request_id=seq.request_id,
+            request_id=cache.request_id,
             cache_id=cache_id,
-            tokens=seq.num_tokens,
+            tokens=cache.num_tokens,
             blocks_freed=freed,
         )
         return ReleaseResult(released=True, blocks_freed=freed)
 
-    def _drop_pending(self, seq: Cache) -> None:
-        for content in seq.pending_hashes:
-            if self._pending.get(content) == seq.cache_id:
+    def _drop_pending(self, cache: Cache) -> None:
+        for content in cache.pending_hashes:
+            if self._pending.get(content) == cache.cache_id:
                 del self._pending[content]
-        seq.pending_hashes.clear()
+        cache.pending_hashes.clear()
 
     # -- checks ----------------------------------------------------------------------------
 
@@ -301,17 +301,17 @@ class KvManager:
         """Raise if any invariant is broken (tests call this after every step)."""
         self.pool.check()
         holders: dict[int, int] = {}
-        for seq in self.caches.values():
-            if len(set(seq.block_ids)) != len(seq.block_ids):
-                raise AssertionError(f"cache {seq.cache_id} holds a block twice")
-            for block in seq.block_ids:
+        for cache in self.caches.values():
+            if len(set(cache.block_ids)) != len(cache.block_ids):
+                raise AssertionError(f"cache {cache.cache_id} holds a block twice")
+            for block in cache.block_ids:
                 holders[block] = holders.get(block, 0) + 1
-            if self.blocks_for(seq.num_tokens) > len(seq.block_ids):
-                raise AssertionError(f"cache {seq.cache_id} has tokens past its blocks")
-            if len(seq.block_hashes) != (
-                seq.num_tokens // self.block_size if self.prefix_caching else 0
+            if self.blocks_for(cache.num_tokens) > len(cache.block_ids):
+                raise AssertionError(f"cache {cache.cache_id} has tokens past its blocks")
+            if len(cache.block_hashes) != (
+                cache.num_tokens // self.block_size if self.prefix_caching else 0
             ):
-                raise AssertionError(f"cache {seq.cache_id} has stale block hashes")
+                raise AssertionError(f"cache {cache.cache_id} has stale block hashes")
         for content, owner in self._pending.items():
             if owner not in self.caches or content not in self.caches[owner].pending_hashes:
                 raise AssertionError("a pending prefix block has no live owner")
