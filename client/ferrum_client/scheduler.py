@@ -29,7 +29,7 @@ the cohorts stay balanced), each step carrying the prefill chunks that fit its b
 The price: each request then decodes in every other step, so a decode-only step carries half
 the batch while still streaming every weight. When a step lasts tens of milliseconds (CPU) and
 the round trip it hides is about one, that costs more than it saves, so the default depth is 1;
-the measured trade-off is in the README (Benchmarks). Hiding the round trip without
+the measured trade-off is in docs/benchmarks.md. Hiding the round trip without
 splitting would need the executor to feed a sequence's last sampled token into the next step
 itself (a placeholder token in the protocol), which the step API does not offer today.
 

@@ -4,8 +4,9 @@
 several in-process servers can each build one. The engine and servicer call its small
 `record_*` / `set_*` / `observe_*` methods; `start_http_server` serves `/metrics`.
 
-`METRIC_DOCS` is the single source of truth for what is exported: the README table is
-rendered from it (`render_markdown_table`) and the tests check the registry against it.
+`METRIC_DOCS` is the single source of truth for what is exported: the metrics table in
+docs/operations.md is rendered from it (`render_markdown_table`) and the tests check the
+registry against it.
 Names carry their unit; counters are listed with the `_total` suffix they are exposed with.
 """
 
@@ -119,7 +120,7 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
 def render_markdown_table(
     docs: Iterable[tuple[str, str, tuple[str, ...], str]] = METRIC_DOCS,
 ) -> str:
-    """The README's metrics table, rendered from METRIC_DOCS."""
+    """The metrics table of docs/operations.md, rendered from METRIC_DOCS."""
     lines = ["| Metric | Type | Labels | Description |", "| --- | --- | --- | --- |"]
     for name, kind, labels, description in docs:
         label_text = ", ".join(f"`{label}`" for label in labels) or "—"
@@ -131,7 +132,7 @@ _HELP = {name: text for name, _, _, text in METRIC_DOCS}
 
 
 def _help(name: str) -> str:
-    """HELP text from METRIC_DOCS, so the exposition and the README say the same thing."""
+    """HELP text from METRIC_DOCS, so the exposition and docs/operations.md say the same thing."""
     return _HELP.get(name) or _HELP.get(f"{name}_total") or _HELP[f"{name}_info"]
 
 

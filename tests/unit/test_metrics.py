@@ -332,3 +332,10 @@ async def test_interceptor_counts_codes_for_every_call_shape() -> None:
         )
         == 1
     )
+
+
+def test_operations_doc_carries_the_rendered_metrics_table() -> None:
+    import pathlib
+
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+    assert render_markdown_table() in doc.read_text()

@@ -2154,7 +2154,7 @@ class PrefillRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     @_builtins.property
     def input_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -2302,7 +2302,7 @@ class DecodeRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     @_builtins.property
     def sampling(self) -> Global___SamplingParams:
@@ -2409,7 +2409,7 @@ class BatchPrefillRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     @_builtins.property
     def items(self) -> Global___BatchItems:
@@ -2482,7 +2482,7 @@ class BatchDecodeRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     @_builtins.property
     def items(self) -> Global___BatchItems:
@@ -2555,7 +2555,7 @@ class UnifiedBatchRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     @_builtins.property
     def items(self) -> Global___BatchItems:
@@ -2723,7 +2723,7 @@ class ForwardVerifyRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -2853,7 +2853,7 @@ class TruncateKvRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     def __init__(
         self,
@@ -2921,7 +2921,7 @@ class ReserveKvSlotsRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -3146,7 +3146,7 @@ class ReleaseCacheRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     def __init__(
         self,
@@ -3220,7 +3220,7 @@ class CompleteCacheRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     def __init__(
         self,
@@ -3803,7 +3803,7 @@ class TryAdmitPrefillRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     @_builtins.property
     def input_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -4837,7 +4837,7 @@ class PreemptExecutionCapacityRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see README).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
     """
     def __init__(
         self,
