@@ -12,13 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
 from ferrum_kernels.backend import KernelBackend, RmsNormResidualFn, RotaryFn, torch_backend
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
-from ferrum_kernels.cpu_linear import PackedWeight, packed_linear, prepack_linears
-from ferrum_kernels.layers import rms_norm, silu_and_mul
+from ferrum_kernels.cpu_linear import prepack_linears
+from ferrum_kernels.layers import TiedLinear, rms_norm, silu_and_mul
 from torch import nn
 
 from ferrum_server.models.config import ModelConfig, RopeScaling
@@ -268,7 +267,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head: nn.Linear | None = None
-        if not config.tie_word_embeddings:
+        self.tied_head: TiedLinear | None = None  # the embedding table as the LM head
+        if config.tie_word_embeddings:
+            self.tied_head = TiedLinear(self.embed_tokens)
+        else:
             self.lm_head = nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
             )
@@ -281,7 +283,6 @@ class LlamaForCausalLM(nn.Module):
         self.reset_rope_cache(device)
         # CPU fast paths (see prepack_for_cpu); plain attributes, not registered state.
         self._cpu_workspace: Workspace | None = None
-        self._tied_head: PackedWeight | None = None
         # Device kernels for attention and the KV write (None = the torch reference path).
         self._kernels: KernelBackend | None = None
         self._ops = TORCH_OPS
@@ -331,11 +332,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()  # type: ignore[no-any-return]
-        if self._tied_head is not None and hidden.device.type == "cpu":
-            return self._tied_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        assert head is not None  # exactly one of the two exists
+        logits: torch.Tensor = head(hidden)
+        return logits.float()
 
     def prepack_for_cpu(self) -> int:
         """Switch a CPU model to its fast paths: oneDNN pre-packed linears (the LM head
@@ -343,10 +343,7 @@ class LlamaForCausalLM(nn.Module):
         linears were packed. A no-op off CPU or where oneDNN is missing."""
         if self.embed_tokens.weight.device.type != "cpu":
             return 0
-        count = prepack_linears(self)
-        if self.lm_head is None and self._tied_head is None:
-            self._tied_head = packed_linear(self.embed_tokens.weight)
-            count += int(self._tied_head is not None)
+        count = prepack_linears(self)  # the tied head (TiedLinear) included
         if self._cpu_workspace is None:
             self._cpu_workspace = Workspace()
         if self._kernels is None:
