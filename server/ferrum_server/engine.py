@@ -59,7 +59,7 @@ from ferrum_server.profiling import (
     model_bytes,
     profile_startup,
 )
-from ferrum_server.runner import ForwardOutput, ModelRunner, model_kernels
+from ferrum_server.runner import ForwardOutput, ModelRunner
 from ferrum_server.tickets import Ticket
 from ferrum_server.validate import Limits, check_instance, validate_step
 
@@ -230,9 +230,7 @@ class Engine:
             scratch_block=scratch_block,
             batch_sizes=sizes,
         )
-        return DecodeGraphs(
-            self.model, kv_cache, layout, self.kernels, capturer, model_kernels(self.kernels)
-        )
+        return DecodeGraphs(self.model, kv_cache, layout, self.kernels, capturer)
 
     def _plan_memory(
         self, capturer: GraphCapturer | None, graph_sizes: tuple[int, ...]
