@@ -16,8 +16,8 @@ Backends:
 ``select_backend(device)`` returns the CPU backend on CPU, the Triton one on CUDA when ``triton``
 imports, and the torch reference otherwise. ``prefer="torch"``, ``"cpu"`` or ``"triton"`` forces
 a choice (``"cpu"`` and ``"triton"`` raise if they cannot be honoured rather than silently
-running something else). With ``prefer="auto"`` the ``FERRUM_KERNEL_BACKEND`` environment
-variable may force it too, which is handy for A/B runs without code changes.
+running something else). The choice is the caller's alone: nothing here reads the environment
+(the CLI maps ``FERRUM_KERNEL_BACKEND`` onto ``--kernel-backend``, so a flag can override it).
 
 Every implementation has the torch reference's semantics, so the model code calls the same
 functions whatever was selected:
@@ -123,8 +123,6 @@ AttentionProvider = Callable[[torch.device], AttentionFn | None]
 # (batch, num_heads, num_kv_heads) -> graph-safe attend(query, kv_layer, scale); called outside
 # graph capture (it may allocate and copy), the returned callable is what gets captured.
 DecodeAttentionFactory = Callable[[DecodeBatch, int, int], DecodeAttentionFn]
-
-_ENV = "FERRUM_KERNEL_BACKEND"
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,12 +286,10 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> KernelBa
 
     prefer: "auto" (the CPU fast path on CPU, Triton on CUDA when it imports, else torch),
     "torch", "cpu" (raises off CPU), "triton" (raises if triton is missing or the device is not
-    CUDA, unless TRITON_INTERPRET=1), or the name of a registered attention provider.
-    ``$FERRUM_KERNEL_BACKEND`` overrides "auto".
+    CUDA, unless TRITON_INTERPRET=1), or the name of a registered attention provider. The
+    environment is not consulted: the caller (the CLI) has already resolved its flags.
     """
     device = torch.device(device)
-    if prefer == "auto":
-        prefer = os.environ.get(_ENV, "auto") or "auto"
     if prefer == "torch":
         return torch_backend()
     if prefer == "cpu":

@@ -38,6 +38,17 @@ def test_select_backend_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         select_backend("cpu", "nope")
 
 
+@pytest.mark.parametrize("value", ["torch", "triton", "nope", ""])
+def test_select_backend_ignores_the_environment(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    # The CLI is the one reader of FERRUM_KERNEL_BACKEND (as --kernel-backend's env twin), so
+    # an explicit "--kernel-backend auto" is not overridden behind its back.
+    monkeypatch.setenv("FERRUM_KERNEL_BACKEND", value)
+    assert select_backend("cpu", "auto").name == "cpu"
+    assert select_backend(torch.device("cpu")).name == "cpu"
+
+
 def _pool_without_this_step(kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """A copy of kv_layer whose slots for this step's tokens hold garbage."""
     pool = kv_layer.clone()
