@@ -4,8 +4,9 @@ Sections (each printed as a table row and stored in the JSON written to ``--out`
 
 * ``rates``: measured device-to-device copy bandwidth (a large tensor copy; reads + writes) and
   bf16 matmul throughput (a large square GEMM). These are the floors the model is judged against.
-* ``kernels``: torch reference vs Triton for decode attention (incl. a split-K long-context case)
-  and for sampling over the full vocabulary (greedy, top-p).
+* ``kernels``: torch reference vs Triton for decode attention (with the step's KV write, as a
+  layer runs it; incl. a split-K long-context case) and for sampling over the full vocabulary
+  (greedy, top-p).
 * ``decode``: one decode step (forward + LM head + greedy sample) at batch 1/8/64/256 with ~512
   tokens of context each, against the weight-read floor = weight bytes / copy bandwidth (and the
   same floor including the KV bytes the step must read); eager and replayed from a CUDA graph
@@ -57,7 +58,6 @@ from ferrum_server.cuda_graphs import (
 )
 from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem
 from ferrum_server.models import LlamaForCausalLM, ModelConfig, tiny_config
-from ferrum_server.runner import model_kernels
 
 GIB = 1024**3
 
@@ -302,7 +302,7 @@ def build_decode_graphs(
         scratch_block=scratch_block,
         batch_sizes=graph_batch_sizes(max(plan.decode_batches)),
     )
-    graphs = DecodeGraphs(model, kv, layout, graph_backend, capturer, model_kernels(backend))
+    graphs = DecodeGraphs(model, kv, layout, graph_backend, capturer)
     graphs.capture(tuple(plan.decode_batches))
     return graphs
 
@@ -412,10 +412,13 @@ def bench_kernels(plan: Plan) -> list[dict[str, Any]]:
         ).to(plan.dtype)  # one layer's pool
         batch = make_batch(plan, items, c.vocab_size)
         q = torch.randn(batch_size, c.num_heads, c.head_dim, dtype=plan.dtype, device=plan.device)
+        k, v = torch.randn(
+            2, batch_size, c.num_kv_heads, c.head_dim, dtype=plan.dtype, device=plan.device
+        )  # this step's K/V, written by the attention call
         row: dict[str, Any] = {"kernel": f"decode_attention b={batch_size} ctx={context}"}
         kv_bytes = kv_bytes_per_token(c, plan.dtype) // c.num_layers * batch_size * context
         for name, backend in backends:
-            s = time_it(partial(backend.attention, q, kv, batch.meta, scale), plan)
+            s = time_it(partial(backend.attention, q, k, v, kv, batch.meta, scale), plan)
             row[f"{name}_us"] = s * 1e6
             row[f"{name}_kv_gbps"] = kv_bytes / s / 1e9
         rows.append(row)
@@ -650,7 +653,7 @@ def run(plan: Plan, *, skip_engine: bool = False) -> dict[str, Any]:
 
     model = build_model(plan)
     # The kernels the server would wire in (Triton on CUDA), for eager and graph steps alike.
-    model.use_kernels(model_kernels(select_backend(plan.device)))
+    model.bind_backend(select_backend(plan.device))
     report["weight_bytes"] = weight_bytes(model)
     decode_items = [(plan.decode_context, 1)] * max(plan.decode_batches)
     prefill_items = [(0, n) for n in plan.prefill_items]

@@ -164,6 +164,7 @@ def check_greedy_against_transformers(
     with the CPU fast paths on, prefill a random prompt in chunks ending at `chunk_ends`, then
     decode `steps` greedy tokens: at every step the last row's logits agree within 1e-3 and
     both pick the same token. Returns our model's config."""
+    from ferrum_kernels.backend import cpu_backend
     from ferrum_server.models import load_model
     from transformers import AutoModelForCausalLM
 
@@ -171,7 +172,7 @@ def check_greedy_against_transformers(
     hf.save_pretrained(tmp_path, safe_serialization=True)
     model, config = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(config, ModelConfig)
-    model.prepack_for_cpu()
+    model.bind_backend(cpu_backend())
     runner = PagedRunner(model, config, num_blocks=num_blocks, block_size=block_size, shuffle=True)
     prompt = torch.randint(0, hf_config.vocab_size, (prompt_len,))
     assert chunk_ends[-1] == prompt_len

@@ -1,37 +1,63 @@
-"""Kernel selection: one object holding the attention / KV-write / norm / rotary / sampling
-implementations a model runs with, chosen once per device.
+"""Kernel selection: one object holding the attention (with its KV write), norm, rotary, SwiGLU
+and sampling implementations a model runs with, chosen once per device.
 
-``select_backend(device)`` returns the Triton kernels on CUDA when ``triton`` imports and the
-torch reference otherwise (always on CPU). ``prefer="torch"`` or ``"triton"`` forces a choice
-(``"triton"`` raises if it cannot be honoured rather than silently running something else).
-With ``prefer="auto"`` the ``FERRUM_KERNEL_BACKEND`` environment variable may force it too,
-which is handy for A/B runs without code changes.
+Backends:
+
+* ``torch``: the reference implementations (``attention``, ``layers``, ``sampling``), any device.
+  The numerics oracle for everything else.
+* ``cpu``: the CPU fast path. Attention is ``cpu_attention.CpuAttention`` (a per-forward plan
+  and a grow-only workspace, native decode/prefill kernels where they build); norm + residual,
+  rotary and SwiGLU are the fused native ``cpu_fused`` kernels, which fall back to the
+  reference per call for inputs they do not serve; ``prepare_model`` pre-packs every linear
+  (the LM head included, tied or not) for oneDNN (``cpu_linear``).
+* ``triton``: the Triton kernels (CUDA; CPU tensors only under ``TRITON_INTERPRET=1``), with the
+  torch SwiGLU, plus a graph-safe decode attention for CUDA graphs.
+
+``select_backend(device)`` returns the CPU backend on CPU, the Triton one on CUDA when ``triton``
+imports, and the torch reference otherwise. ``prefer="torch"``, ``"cpu"`` or ``"triton"`` forces
+a choice (``"cpu"`` and ``"triton"`` raise if they cannot be honoured rather than silently
+running something else). The choice is the caller's alone: nothing here reads the environment
+(the CLI maps ``FERRUM_KERNEL_BACKEND`` onto ``--kernel-backend``, so a flag can override it).
 
 Every implementation has the torch reference's semantics, so the model code calls the same
-five functions whatever was selected:
+functions whatever was selected:
 
-    attention(query [T,H,D], kv_layer, meta, scale) -> [T,H,D]
-    write_kv(kv_layer, key [T,Hkv,D], value [T,Hkv,D], slot_mapping [T]) -> None (in place)
+    attention(query [T,H,D], key [T,Hkv,D], value [T,Hkv,D], kv_layer, meta, scale) -> [T,H,D]
+        writes this step's key/value into kv_layer [2,NB,BS,Hkv,D] at meta.slot_mapping, then
+        attends every item's query rows over its paged history (its new tokens included), so
+        the model never writes K/V itself; a backend may keep per-forward state keyed on the
+        identity of ``meta``, which every layer of a forward shares
+    write_kv(kv_layer, key, value, slot_mapping [T]) -> None (in place): the write alone, the
+        one ``attention`` starts with (the CUDA-graph decode path pairs it with
+        ``decode_attention``)
     rms_norm_residual(x, residual | None, weight, eps) -> (normed, new_residual = x + residual)
+        (the CPU version updates ``residual`` in place)
     rotary(q [T,H,D], k [T,Hkv,D], cos [T,D/2], sin [T,D/2]) -> (q, k)
-        (the Triton version rotates in place and returns its inputs; the torch one returns new
-        tensors; callers must use the returned tensors and not rely on either behaviour)
+        (the Triton and CPU versions rotate in place and return their inputs; the torch one
+        returns new tensors; callers must use the returned tensors and not rely on either)
+    silu_and_mul(gate_up [T,2I]) -> silu(gate) * up [T,I]
     sample(logits [N,V] float32, SamplingTensors) -> SampleOutput
 
-plus, optionally, ``decode_attention(DecodeBatch, num_heads, num_kv_heads)``: a factory for a
-CUDA-graph-safe decode-only attention (see ``DecodeBatch``). Only the Triton backend has one:
-the torch reference (``attention.reference_decode_attention``) gathers every row's whole table
-width, which is fine in tests but far too slow and large for production graphs, so the torch
-backend leaves it None and the engine then runs decode steps eagerly.
+plus, optionally:
+
+* ``decode_attention(DecodeBatch, num_heads, num_kv_heads)``: a factory for a CUDA-graph-safe
+  decode-only attention (see ``DecodeBatch``). Only the Triton backend has one: the torch
+  reference (``attention.reference_decode_attention``) gathers every row's whole table width,
+  which is fine in tests but far too slow and large for production graphs, so the others leave
+  it None and the engine then runs decode steps eagerly.
+* ``prepare_model(model) -> int``: puts a model's weights in the form the backend wants (the CPU
+  backend pre-packs its linears); idempotent, returns how many weights it changed. The model
+  runs it when the backend is bound (``LlamaForCausalLM.bind_backend``).
 
 Third-party attention (FlashInfer, flash-attn) plugs in through ``register_attention_provider``:
-a factory that, given the device, returns an attention callable with the signature above (or
-None when it cannot serve that device). Nothing is registered by default: FlashInfer's paged API
-needs a per-step ``plan`` over host-side index arrays and a workspace buffer, and flash-attn 2's
-paged path needs a pool block size that is a multiple of 256 (the engine defaults to 16); neither
-could be verified on a GPU here, so they are left as documented hooks rather than untested
-adapters. The pool layout ``[2, NB, BS, Hkv, D]`` gives both libraries what they expect for an
-"NHD" paged cache: ``kv_layer[0]`` and ``kv_layer[1]`` are ``[NB, BS, Hkv, D]`` views.
+a factory that, given the device, returns an attention callable with the signature above (KV
+write included: both libraries have their own paged append) or None when it cannot serve that
+device. Nothing is registered by default: FlashInfer's paged API needs a per-step ``plan`` over
+host-side index arrays and a workspace buffer, and flash-attn 2's paged path needs a pool block
+size that is a multiple of 256 (the engine defaults to 16); neither could be verified on a GPU
+here, so they are left as documented hooks rather than untested adapters. The pool layout
+``[2, NB, BS, Hkv, D]`` gives both libraries what they expect for an "NHD" paged cache:
+``kv_layer[0]`` and ``kv_layer[1]`` are ``[NB, BS, Hkv, D]`` views.
 """
 
 from __future__ import annotations
@@ -42,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from ferrum_kernels.attention import (
     AttentionMetadata,
@@ -50,20 +77,38 @@ from ferrum_kernels.attention import (
     paged_attention,
     write_kv,
 )
-from ferrum_kernels.layers import apply_rotary, rms_norm
+from ferrum_kernels.cpu_attention import CpuAttention
+from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
+from ferrum_kernels.cpu_linear import prepack_linears
+from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
 from ferrum_kernels.sampling import SampleOutput, SamplingTensors, sample
 
 __all__ = [
     "AttentionFn",
     "DecodeAttentionFactory",
     "KernelBackend",
+    "ModelPreparer",
+    "PagedAttentionFn",
+    "RmsNormResidualFn",
+    "RotaryFn",
+    "SampleFn",
+    "SiluAndMulFn",
+    "WriteKvFn",
+    "WriteThenAttend",
+    "cpu_backend",
     "register_attention_provider",
     "select_backend",
     "torch_backend",
     "triton_available",
 ]
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+# (query, key, value, kv_layer, meta, scale) -> output; writes key/value into kv_layer first.
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
+    torch.Tensor,
+]
+# (query, kv_layer, meta, scale) -> output, over a pool that already holds this step's K/V.
+PagedAttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 WriteKvFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 RmsNormResidualFn = Callable[
     [torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
@@ -71,26 +116,49 @@ RmsNormResidualFn = Callable[
 RotaryFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]
+SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
 SampleFn = Callable[[torch.Tensor, SamplingTensors], SampleOutput]
+ModelPreparer = Callable[[nn.Module], int]
 AttentionProvider = Callable[[torch.device], AttentionFn | None]
 # (batch, num_heads, num_kv_heads) -> graph-safe attend(query, kv_layer, scale); called outside
 # graph capture (it may allocate and copy), the returned callable is what gets captured.
 DecodeAttentionFactory = Callable[[DecodeBatch, int, int], DecodeAttentionFn]
-
-_ENV = "FERRUM_KERNEL_BACKEND"
 
 
 @dataclass(frozen=True, slots=True)
 class KernelBackend:
     """The kernels a model runs with (see the module docstring for the contracts)."""
 
-    name: str  # "torch", "triton", or "<base>+<attention provider>"
+    name: str  # "torch", "cpu", "triton", or "<base>+<attention provider>"
     attention: AttentionFn
     write_kv: WriteKvFn
     rms_norm_residual: RmsNormResidualFn
     rotary: RotaryFn
+    silu_and_mul: SiluAndMulFn
     sample: SampleFn
     decode_attention: DecodeAttentionFactory | None = None
+    prepare_model: ModelPreparer | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WriteThenAttend:
+    """An ``AttentionFn`` made of a KV write and a paged attention over the pool it wrote."""
+
+    write_kv: WriteKvFn
+    paged_attention: PagedAttentionFn
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # Written before attending so each new token sees its own K/V.
+        self.write_kv(kv_layer, key, value, meta.slot_mapping)
+        return self.paged_attention(query, kv_layer, meta, scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,11 +183,36 @@ def torch_backend() -> KernelBackend:
     """The reference implementations (CPU and CUDA)."""
     return KernelBackend(
         name="torch",
-        attention=paged_attention,
+        attention=WriteThenAttend(write_kv, paged_attention),
         write_kv=write_kv,
         rms_norm_residual=_rms_norm_residual_torch,
         rotary=_rotary_torch,
+        silu_and_mul=silu_and_mul,
         sample=sample,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU fast path
+# ----------------------------------------------------------------------------------------------
+
+
+def cpu_backend() -> KernelBackend:
+    """The CPU fast path. Each call has its own attention workspace and plan: one per model.
+
+    Usable whatever the machine: the native kernels are compiled on first use and every fused
+    function falls back to the reference for what it cannot serve (no compiler,
+    ``FERRUM_CPU_NATIVE=0``, another dtype), as do the packed linears without oneDNN.
+    """
+    return KernelBackend(
+        name="cpu",
+        attention=CpuAttention(),
+        write_kv=write_kv,
+        rms_norm_residual=rms_norm_residual_cpu,
+        rotary=rotary_cpu,
+        silu_and_mul=silu_and_mul_cpu,
+        sample=sample,
+        prepare_model=prepack_linears,
     )
 
 
@@ -145,10 +238,11 @@ def _triton_backend() -> KernelBackend:
 
     return KernelBackend(
         name="triton",
-        attention=paged_attention_triton,
+        attention=WriteThenAttend(triton_write_kv, paged_attention_triton),
         write_kv=triton_write_kv,
         rms_norm_residual=rms_norm_residual_triton,
         rotary=rotary_triton,
+        silu_and_mul=silu_and_mul,
         sample=sample_triton,
         decode_attention=prepare_decode_triton,
     )
@@ -174,10 +268,10 @@ def register_attention_provider(name: str, factory: AttentionProvider) -> None:
     """Make ``select_backend(device, prefer=name)`` use ``factory(device)`` for attention.
 
     The factory returns None when it cannot serve the device (e.g. the library is missing);
-    ``select_backend`` then raises, since the caller asked for it explicitly. The other four
-    kernels come from Triton when usable, else from torch.
+    ``select_backend`` then raises, since the caller asked for it explicitly. The other kernels
+    (the bare ``write_kv`` included) come from Triton when usable, else from torch.
     """
-    if name in ("auto", "torch", "triton"):
+    if name in ("auto", "torch", "cpu", "triton"):
         raise ValueError(f"{name!r} is a built-in backend name")
     _PROVIDERS[name] = factory
 
@@ -190,15 +284,18 @@ def register_attention_provider(name: str, factory: AttentionProvider) -> None:
 def select_backend(device: torch.device | str, prefer: str = "auto") -> KernelBackend:
     """Pick the kernels for ``device``.
 
-    prefer: "auto" (Triton on CUDA when it imports, else torch; ``$FERRUM_KERNEL_BACKEND``
-    overrides), "torch", "triton" (raises if triton is missing or the device is not CUDA, unless
-    TRITON_INTERPRET=1), or the name of a registered attention provider.
+    prefer: "auto" (the CPU fast path on CPU, Triton on CUDA when it imports, else torch),
+    "torch", "cpu" (raises off CPU), "triton" (raises if triton is missing or the device is not
+    CUDA, unless TRITON_INTERPRET=1), or the name of a registered attention provider. The
+    environment is not consulted: the caller (the CLI) has already resolved its flags.
     """
     device = torch.device(device)
-    if prefer == "auto":
-        prefer = os.environ.get(_ENV, "auto") or "auto"
     if prefer == "torch":
         return torch_backend()
+    if prefer == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError(f"CPU kernels requested for {device}")
+        return cpu_backend()
     if prefer == "triton":
         if not _triton_usable(device):
             raise RuntimeError(
@@ -207,12 +304,14 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> KernelBa
             )
         return _triton_backend()
     if prefer == "auto":
+        if device.type == "cpu":
+            return cpu_backend()
         return (
             _triton_backend() if device.type == "cuda" and triton_available() else torch_backend()
         )
     factory = _PROVIDERS.get(prefer)
     if factory is None:
-        known = ["auto", "torch", "triton", *sorted(_PROVIDERS)]
+        known = ["auto", "torch", "cpu", "triton", *sorted(_PROVIDERS)]
         raise ValueError(f"unknown kernel backend {prefer!r}; expected one of {known}")
     attention = factory(device)
     if attention is None:

@@ -1,5 +1,6 @@
 """Paged attention tuned for CPU: same contract as ``attention.paged_attention`` (bit-for-bit
 the same math up to float rounding), but cheaper in the ways that matter on a CPU.
+``CpuAttention`` is the CPU backend's attention: the KV write, then ``cpu_paged_attention``.
 
 * The per-step bookkeeping (which items decode, which rows and blocks they use, masks) is built
   once per forward in a ``CpuAttentionPlan`` and reused by every layer.
@@ -30,10 +31,16 @@ from dataclasses import dataclass
 import torch
 
 from ferrum_kernels import native
-from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
 from ferrum_kernels.cpu_decode import decode_attention
 
-__all__ = ["NATIVE_PREFILL", "CpuAttentionPlan", "Workspace", "cpu_paged_attention"]
+__all__ = [
+    "NATIVE_PREFILL",
+    "CpuAttention",
+    "CpuAttentionPlan",
+    "Workspace",
+    "cpu_paged_attention",
+]
 
 # Decodes per group: small enough that a group's gathered K/V stays in cache, large enough that
 # the per-group overhead (a handful of ops) is amortised.
@@ -417,3 +424,45 @@ def _native_prefill(
         scale,
     )
     return True
+
+
+class CpuAttention:
+    """The CPU backend's attention, ``(query, key, value, kv_layer, meta, scale) -> [T, H, D]``:
+    writes this step's K/V into the pool, then runs ``cpu_paged_attention``.
+
+    It owns what that needs beyond its arguments: a ``Workspace`` (grown once, reused by every
+    layer and step) and the current forward's ``CpuAttentionPlan``. Every layer of a forward
+    passes the same ``AttentionMetadata`` object, so the plan is built by the first layer and
+    found again by identity by the others: once per forward, with no hook for the model to call.
+    (The Triton metadata cache keys on identity the same way; the plan holds its metadata, so
+    the id cannot be reused while it is cached. ``AttentionMetadata`` is slotted and frozen, so
+    it cannot carry the plan itself.) One instance serves one engine thread at a time.
+    """
+
+    def __init__(self) -> None:
+        self.workspace = Workspace()
+        self._plan: CpuAttentionPlan | None = None
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> CpuAttentionPlan:
+        """The plan of ``meta`` over a pool of ``block_size`` blocks, built on first use."""
+        plan = self._plan
+        if plan is None or plan.meta is not meta or plan.block_size != block_size:
+            plan = CpuAttentionPlan.build(meta, block_size)
+            self._plan = plan
+        return plan
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # Written before attending so each new token sees its own K/V.
+        write_kv(kv_layer, key, value, meta.slot_mapping)
+        if kv_layer.device.type != "cpu":  # a pool elsewhere: the reference serves it
+            return paged_attention(query, kv_layer, meta, scale)
+        plan = self.plan(meta, kv_layer.shape[2])
+        return cpu_paged_attention(query, key, value, kv_layer, plan, scale, self.workspace)

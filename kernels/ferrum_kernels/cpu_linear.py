@@ -8,9 +8,10 @@ The arithmetic is the same oneDNN GEMM, so results agree with ``F.linear`` to fl
 
 ``prepack_linears(module)`` swaps every ``nn.Linear`` under ``module`` for a ``PackedLinear`` that
 shares the same ``weight``/``bias`` Parameters (so ``state_dict``/``named_parameters`` and
-weight export are unchanged) and keeps a packed copy beside them. A weight modified in place
-after packing (its version counter moved) is re-packed on the next call, so packing early is
-never wrong, only wasted.
+weight export are unchanged) and keeps a packed copy beside them; a tied LM head
+(``layers.TiedLinear``) gets a packed copy of the embedding table. It is the CPU backend's
+``prepare_model`` step, and idempotent. A weight modified in place after packing (its version
+counter moved) is re-packed on the next call, so packing early is never wrong, only wasted.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ferrum_kernels.layers import TiedLinear
 
 __all__ = ["PackedLinear", "mkldnn_linear_available", "packed_linear", "prepack_linears"]
 
@@ -114,11 +117,15 @@ class PackedLinear(nn.Linear):
 
 
 def prepack_linears(module: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
-    """Replace every packable ``nn.Linear`` below ``module`` in place; return how many."""
+    """Replace every packable ``nn.Linear`` below ``module`` in place and pack every tied head
+    (``TiedLinear``) not packed yet; return how many weights were packed (0 when run again)."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and _packable(child.weight):
                 setattr(parent, name, PackedLinear.from_linear(child, batch_hint))
                 count += 1
+            elif isinstance(child, TiedLinear) and child.packed is None:
+                child.packed = packed_linear(child.weight)
+                count += int(child.packed is not None)
     return count

@@ -1,4 +1,4 @@
-"""Small elementwise building blocks shared by the model code (torch reference path).
+"""Small building blocks shared by the model code (torch reference path).
 
 Each function reproduces the Hugging Face Llama-family numerics (dtype casts included), so a model
 built from them matches ``transformers`` to floating-point noise.
@@ -6,8 +6,11 @@ built from them matches ``transformers`` to floating-point noise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,3 +44,32 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [.., 2 * I] gate/up projection output -> [.., I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class TiedLinear(nn.Module):
+    """A bias-free linear over an embedding table's weight: a tied LM head, [.., N] -> [.., V].
+
+    It owns no Parameter (the embedding does), so parameters, ``state_dict`` and weight export are
+    the same as without it. ``packed`` is an optional faster equivalent of ``F.linear(x, weight)``
+    for CPU inputs that a backend's weight preparation may set (``cpu_linear.prepack_linears``
+    does); this module stays the one place the head's GEMM is chosen.
+    """
+
+    _embedding: nn.Embedding
+    packed: Callable[[torch.Tensor], torch.Tensor] | None
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        # Not registered as a child: the table would then appear twice in state_dict. Looked up
+        # at call time, so the head follows the embedding through .to() / to_empty().
+        object.__setattr__(self, "_embedding", embedding)
+        self.packed = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.device.type == "cpu":
+            return self.packed(x)
+        return F.linear(x, self.weight)

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata, DecodeAttentionFn, DecodeBatch
-from ferrum_kernels.backend import KernelBackend
+from ferrum_kernels.backend import KernelBackend, WriteKvFn
 
 from ferrum_server.models import LlamaForCausalLM
 
@@ -144,14 +144,25 @@ class DecodeGraphLayout:
 
 
 class _BoundAttention:
-    """An AttentionFn that ignores the per-step metadata and attends over the static buffers."""
+    """An AttentionFn for a captured decode forward: the backend's KV write at the metadata's
+    slot mapping (the static slot row), then the graph-safe decode attention over the static
+    buffers (the rest of the per-step metadata is ignored)."""
 
-    def __init__(self, attend: DecodeAttentionFn) -> None:
+    def __init__(self, write_kv: WriteKvFn, attend: DecodeAttentionFn) -> None:
+        self._write_kv = write_kv
         self._attend = attend
 
     def __call__(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,  # [B, H, D]
+        key: torch.Tensor,  # [B, Hkv, D]
+        value: torch.Tensor,  # [B, Hkv, D]
+        kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
+        # Written before attending so each new token sees its own K/V.
+        self._write_kv(kv_layer, key, value, meta.slot_mapping)
         return self._attend(query, kv_layer, scale)
 
 
@@ -165,7 +176,6 @@ class DecodeGraphs:
         layout: DecodeGraphLayout,
         backend: KernelBackend,
         capturer: GraphCapturer,
-        eager_kernels: KernelBackend | None,
     ) -> None:
         if backend.decode_attention is None:
             raise ValueError(f"the {backend.name} kernels have no graph-safe decode attention")
@@ -176,8 +186,6 @@ class DecodeGraphs:
         self.layout = layout
         self.backend = backend
         self.capturer = capturer
-        # What the model runs with outside the graphs (restored after every graph forward).
-        self.eager_kernels = eager_kernels
         config = model.config
         self.vocab_size = config.vocab_size
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -227,7 +235,7 @@ class DecodeGraphs:
         batch = DecodeBatch(tables, context_lens, layout.block_size)
         assert self.backend.decode_attention is not None
         attend = self.backend.decode_attention(batch, self.num_heads, self.num_kv_heads)
-        kernels = replace(self.backend, attention=_BoundAttention(attend))
+        kernels = replace(self.backend, attention=_BoundAttention(self.backend.write_kv, attend))
         token_ids = self.inputs[_TOKEN, :size]  # [B]
         positions = self.inputs[_POSITION, :size]  # [B]
         slots = self.inputs[_SLOT, :size]  # [B], contiguous (a row of the [4, Bmax] buffer)
@@ -239,15 +247,19 @@ class DecodeGraphs:
         meta = AttentionMetadata.build(list(range(size + 1)), [max_context] * size, tables, slots)
         self._metas[size] = meta
         logits = self.logits[:size]  # [B, V]
-        model, kv_cache, eager = self.model, self.kv_cache, self.eager_kernels
+        model, kv_cache = self.model, self.kv_cache
 
         def forward() -> None:
             context_lens.copy_(contexts)  # int64 -> int32 on the device, inside the graph
-            model.use_kernels(kernels)
+            # The graph's kernels for this forward only (a host-side swap, so a captured graph
+            # keeps them); eager steps go on with the model's own backend, whose weights are
+            # already prepared (binding it again changes nothing).
+            eager = model.backend
+            model.bind_backend(kernels)
             try:
                 hidden = model(token_ids, positions, kv_cache, meta)  # [B, hidden]
             finally:
-                model.use_kernels(eager)
+                model.bind_backend(eager)
             logits.copy_(model.compute_logits(hidden))  # [B, V] float32
 
         return forward

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata
-from ferrum_kernels.backend import KernelBackend
-from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors, sample
+from ferrum_kernels.backend import KernelBackend, select_backend
+from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors
 
 from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.domain import ItemKind, OutputPolicy, StepItem
@@ -43,20 +43,19 @@ class ModelRunner:
         block_size: int,
         vocab_size: int,
         device: torch.device,
-        kernels: KernelBackend | None = None,
+        kernels: KernelBackend | None = None,  # None: what select_backend(device) picks
     ) -> None:
         self.model = model
-        self.kernels = model_kernels(kernels)
-        model.use_kernels(self.kernels)
-        self._sample = self.kernels.sample if self.kernels is not None else sample
+        self.kernels = kernels if kernels is not None else select_backend(device)
+        # The model runs every forward with these kernels, its weights prepared for them (on
+        # CPU: pre-packed oneDNN linears); binding again (another runner) changes nothing.
+        model.bind_backend(self.kernels)
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
         if device.type == "cpu":
             _keep_freed_memory()
-            # Pre-packed oneDNN weights and the grouped CPU attention (see ferrum_kernels).
-            self.packed_linears = model.prepack_for_cpu()
         # Captured decode forwards (set by the engine after capture); None = always eager.
         self.graphs: DecodeGraphs | None = None
 
@@ -173,13 +172,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        return self._sample(selected, tensors), token_rows, logits_rows
-
-
-def model_kernels(kernels: KernelBackend | None) -> KernelBackend | None:
-    """What the model runs with: device kernels (Triton on CUDA) for attention, the KV write
-    and sampling, or None for the torch reference (and on CPU its fast paths)."""
-    return kernels if kernels is not None and kernels.name != "torch" else None
+        return self.kernels.sample(selected, tensors), token_rows, logits_rows
 
 
 def _penalty_context(row_items: list[tuple[StepItem, Cache, int]]) -> list[list[int]]:

@@ -34,7 +34,7 @@ from ferrum_server.profiling import (
     model_bytes,
     profile_startup,
 )
-from ferrum_server.runner import ModelRunner, model_kernels
+from ferrum_server.runner import ModelRunner
 from ferrum_server.validate import Limits
 
 _LOG = logs.get(__name__)
@@ -163,7 +163,7 @@ def _decode_graphs(
         scratch_block=scratch_block,
         batch_sizes=sizes,
     )
-    return DecodeGraphs(model, kv_cache, layout, kernels, capturer, model_kernels(kernels))
+    return DecodeGraphs(model, kv_cache, layout, kernels, capturer)
 
 
 def _capture_graphs(

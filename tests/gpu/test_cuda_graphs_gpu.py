@@ -64,7 +64,7 @@ def setup(request: pytest.FixtureRequest) -> Iterator[tuple[ModelRunner, DecodeG
     backend = select_backend(DEV, "triton")
     runner = ModelRunner(model, kv, BLOCK, config.vocab_size, DEV, backend)
     layout = DecodeGraphLayout(BLOCK, MAX_SEQ // BLOCK, num_blocks, graph_batch_sizes(64))
-    graphs = DecodeGraphs(model, kv, layout, backend, CudaGraphCapturer(DEV), runner.kernels)
+    graphs = DecodeGraphs(model, kv, layout, backend, CudaGraphCapturer(DEV))
     graphs.capture()
     yield runner, graphs, num_blocks
     del runner, graphs, kv, model

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ferrum_kernels.backend import cpu_backend
 from ferrum_kernels.cpu_linear import PackedLinear, mkldnn_linear_available, prepack_linears
 from ferrum_server.models import build_tiny, tiny_config
 from transformers import LlamaConfig
@@ -47,8 +48,9 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
 def test_packing_keeps_parameter_names() -> None:
     model = build_tiny(torch.float32, "cpu")
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
-    assert model.prepack_for_cpu() == 2 * 4 + 1  # qkv, o, gate_up, down per layer + LM head
-    assert model.prepack_for_cpu() == 0  # idempotent
+    # qkv, o, gate_up, down per layer + the (tied) LM head
+    assert model.bind_backend(cpu_backend()) == 2 * 4 + 1
+    assert model.bind_backend(cpu_backend()) == 0  # idempotent
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
     assert set(model.hf_state_dict()) == set(build_tiny(torch.float32, "cpu").hf_state_dict())
 
@@ -77,7 +79,7 @@ def test_fast_path_matches_reference_on_mixed_batches(dtype: torch.dtype) -> Non
     config = tiny_config()
     reference = PagedRunner(build_tiny(dtype, "cpu"), config, num_blocks=128, block_size=4)
     fast_model = build_tiny(dtype, "cpu")
-    fast_model.prepack_for_cpu()
+    fast_model.bind_backend(cpu_backend())
     fast = PagedRunner(fast_model, config, num_blocks=128, block_size=4, seed=3)
     want = _mixed_steps(reference, config.vocab_size)
     got = _mixed_steps(fast, config.vocab_size)

@@ -81,14 +81,18 @@ def test_inputs_the_kernels_do_not_serve_fall_back_to_the_reference() -> None:
     assert torch.equal(silu_and_mul_cpu(strided), silu_and_mul(strided))
 
 
-def test_the_model_runs_the_fused_kernels_after_prepacking() -> None:
-    from ferrum_server.models.llama import CPU_OPS, TORCH_OPS
+def test_the_model_runs_the_fused_kernels_once_bound_to_the_cpu_backend() -> None:
+    from ferrum_kernels.backend import cpu_backend
     from ferrum_server.models.tiny import build_tiny
 
     model = build_tiny(torch.float32, torch.device("cpu"))
-    assert model._ops is TORCH_OPS
-    model.prepack_for_cpu()
-    assert model._ops is CPU_OPS
+    assert model.backend.name == "torch"
+    assert model.backend.rms_norm_residual is not rms_norm_residual_cpu
+    model.bind_backend(cpu_backend())
+    kernels = model.backend
+    assert kernels.rms_norm_residual is rms_norm_residual_cpu
+    assert kernels.rotary is rotary_cpu and kernels.silu_and_mul is silu_and_mul_cpu
+    assert all(layer.backend is kernels for layer in model.layers)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -100,9 +100,7 @@ class _Pool:
             scratch_block=num_blocks,
             batch_sizes=graph_batch_sizes(max_batch),
         )
-        self.graphs = DecodeGraphs(
-            self.model, self.kv, layout, _graph_backend(), EagerCapturer(), self.runner.kernels
-        )
+        self.graphs = DecodeGraphs(self.model, self.kv, layout, _graph_backend(), EagerCapturer())
         # Shuffled block ids so tables are not contiguous.
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         self.seqs: list[Cache] = []
@@ -240,7 +238,7 @@ def test_graphs_need_graph_safe_attention_and_a_scratch_block() -> None:
     p = _Pool(num_blocks=4, max_batch=2)
     layout = p.graphs.layout
     with pytest.raises(ValueError, match="graph-safe"):
-        DecodeGraphs(p.model, p.kv, layout, torch_backend(), EagerCapturer(), None)
+        DecodeGraphs(p.model, p.kv, layout, torch_backend(), EagerCapturer())
     with pytest.raises(ValueError, match="scratch block"):
         DecodeGraphs(
             p.model,
@@ -248,7 +246,6 @@ def test_graphs_need_graph_safe_attention_and_a_scratch_block() -> None:
             replace(layout, scratch_block=99),
             _graph_backend(),
             EagerCapturer(),
-            None,
         )
 
 
@@ -334,7 +331,7 @@ def test_startup_profile_runs_its_steps_on_cpu() -> None:
 
     def build(pool: torch.Tensor, scratch: int, sizes: tuple[int, ...]) -> DecodeGraphs:
         layout = DecodeGraphLayout(BLOCK, MAX_SEQ // BLOCK, scratch, sizes)
-        graphs = DecodeGraphs(model, pool, layout, _graph_backend(), EagerCapturer(), None)
+        graphs = DecodeGraphs(model, pool, layout, _graph_backend(), EagerCapturer())
         built.append(graphs)
         return graphs
 

@@ -25,7 +25,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert bench.main(["--dry-run", "--requests", "6", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["dry_run"] is True
-    assert report["backend"] == "torch"
+    assert report["backend"] == "cpu"
     assert report["rates"]["copy_bandwidth_gbps"] > 0
     assert [row["batch"] for row in report["decode"]] == [1, 4]
     assert all(row["step_ms"] > 0 and row["weight_floor_ms"] > 0 for row in report["decode"])

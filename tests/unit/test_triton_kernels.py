@@ -31,6 +31,7 @@ from ferrum_kernels.attention import (
 )
 from ferrum_kernels.backend import (
     KernelBackend,
+    WriteThenAttend,
     register_attention_provider,
     select_backend,
 )
@@ -521,10 +522,11 @@ def test_sampling_is_batch_invariant() -> None:
 
 
 def test_select_backend() -> None:
-    assert select_backend("cpu").name == "torch"  # the interpreter is never picked implicitly
+    assert select_backend("cpu").name == "cpu"  # the interpreter is never picked implicitly
     assert select_backend(torch.device("cpu"), prefer="torch").name == "torch"
     forced = select_backend("cpu", prefer="triton")  # allowed here: TRITON_INTERPRET=1
-    assert forced.name == "triton" and forced.attention is paged_attention_triton
+    assert forced.name == "triton"
+    assert forced.attention == WriteThenAttend(triton_write_kv, paged_attention_triton)
     with pytest.raises(ValueError, match="unknown kernel backend"):
         select_backend("cpu", prefer="nope")
 
@@ -536,8 +538,9 @@ def test_attention_provider_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
 
     def provider(device: torch.device):  # type: ignore[no-untyped-def]
-        def attention(q, kv, meta, scale):  # type: ignore[no-untyped-def]
+        def attention(q, k, v, kv, meta, scale):  # type: ignore[no-untyped-def]
             calls.append("hit")
+            write_kv(kv, k, v, meta.slot_mapping)
             return paged_attention(q, kv, meta, scale)
 
         return attention if device.type == "cpu" else None
@@ -554,7 +557,8 @@ def test_attention_provider_hook(monkeypatch: pytest.MonkeyPatch) -> None:
         dtype=torch.float32,
         seed=0,
     )
-    backend.attention(q, kv, meta, 1.0)
+    k = v = torch.zeros(meta.num_tokens, 1, 16)
+    backend.attention(q, k, v, kv, meta, 1.0)
     assert calls == ["hit"]
 
 
@@ -576,8 +580,8 @@ def _layer(
     k = qkv[:, 64:96].view(t, 2, 16)
     v = qkv[:, 96:].view(t, 2, 16)
     q, k = backend.rotary(q, k, cos, sin)
-    backend.write_kv(kv, k, v, meta.slot_mapping)  # type: ignore[attr-defined]
-    return backend.attention(q, kv, meta, 0.25).reshape(t, 64), residual  # type: ignore[arg-type]
+    out = backend.attention(q, k, v, kv, meta, 0.25)  # type: ignore[arg-type]
+    return out.reshape(t, 64), residual
 
 
 def test_backends_agree_on_an_attention_block() -> None:
@@ -627,7 +631,7 @@ def test_engine_on_triton_kernels_matches_the_torch_engine() -> None:
     outputs = []
     for backend in ("torch", "triton"):
         engine = Engine(EngineConfig(block_size=4, kv_cache_bytes=1 << 20, kernel_backend=backend))
-        assert (engine.runner.kernels is None) == (backend == "torch")
+        assert engine.runner.kernels.name == backend
         prompt = [(7 * i + 3) % 512 for i in range(11)]
         first = engine.execute(Step([StepItem(ItemKind.PREFILL_CHUNK, "r", "", prompt, 0, 11)]))
         result = first.results[0]

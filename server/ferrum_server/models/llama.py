@@ -3,6 +3,10 @@
 Every projection runs once over the flat token dimension T of a unified batch; only attention
 looks at the per-item split carried by ``AttentionMetadata``. q/k/v and gate/up are fused into one
 GEMM each; ``weight_map`` records how the fused tensors map onto HF checkpoint names.
+
+Attention (with the KV write), norm + residual, rotary and SwiGLU come from the one
+``KernelBackend`` the model is bound to (``bind_backend``; the torch reference until then), so
+the model code is the same for every device and kernel choice.
 """
 
 from __future__ import annotations
@@ -12,13 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
-from ferrum_kernels.backend import KernelBackend, RmsNormResidualFn, RotaryFn, torch_backend
-from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
-from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
-from ferrum_kernels.cpu_linear import PackedWeight, packed_linear, prepack_linears
-from ferrum_kernels.layers import rms_norm, silu_and_mul
+from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.backend import KernelBackend, torch_backend
+from ferrum_kernels.layers import TiedLinear, rms_norm
 from torch import nn
 
 from ferrum_server.models.config import ModelConfig, RopeScaling
@@ -125,6 +125,10 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+# What a model runs with until a backend is bound: transformers' numerics on any device.
+_REFERENCE = torch_backend()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | None):
         super().__init__()
@@ -136,10 +140,14 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # The model's backend, set by LlamaForCausalLM.bind_backend (a plain attribute, not state).
+    backend: KernelBackend
+
     def __init__(
         self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | None
     ) -> None:
         super().__init__()
+        self.backend = _REFERENCE
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.scale = d**-0.5
@@ -175,19 +183,17 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,  # [T, head_dim/2]
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
-        ops: LayerOps,
-        cpu: _CpuAttention | None = None,
-        kernels: KernelBackend | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's output [T, hidden], residual stream [T, hidden]); the layer's
         result is their sum, which the next norm forms (fused with it where a kernel can)."""
+        kernels = self.backend
         norm = self.input_layernorm
-        x, residual = ops.norm_residual(hidden, residual, norm.weight, norm.eps)
-        attention = self._attention(x, cos, sin, kv_layer, meta, ops, cpu, kernels)
+        x, residual = kernels.rms_norm_residual(hidden, residual, norm.weight, norm.eps)
+        attention = self._attention(x, cos, sin, kv_layer, meta)
         norm = self.post_attention_layernorm
-        x, residual = ops.norm_residual(attention, residual, norm.weight, norm.eps)
+        x, residual = kernels.rms_norm_residual(attention, residual, norm.weight, norm.eps)
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        mlp_out: torch.Tensor = self.down_proj(ops.silu_and_mul(gate_up))  # [T, hidden]
+        mlp_out: torch.Tensor = self.down_proj(kernels.silu_and_mul(gate_up))  # [T, hidden]
         return mlp_out, residual
 
     def _attention(
@@ -197,10 +203,8 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
-        ops: LayerOps,
-        cpu: _CpuAttention | None = None,
-        kernels: KernelBackend | None = None,
     ) -> torch.Tensor:
+        kernels = self.backend
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) * D]
@@ -211,43 +215,10 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = ops.rotary(q, k, cos, sin)  # may rotate in place (q, k are views of qkv)
-        # Written before attending so each new token sees its own K/V.
-        if kernels is not None:  # device kernels (Triton on CUDA): fused write, paged attention
-            kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
-            o = kernels.attention(q, kv_layer, meta, self.scale)
-            return self.o_proj(o.reshape(t, h * d))  # type: ignore[no-any-return]
-        write_kv(kv_layer, k, v, meta.slot_mapping)
-        if cpu is not None:
-            o = cpu_paged_attention(q, k, v, kv_layer, cpu.plan, self.scale, cpu.workspace)
-        else:
-            o = paged_attention(q, kv_layer, meta, self.scale)  # [T, H, D]
+        q, k = kernels.rotary(q, k, cos, sin)  # may rotate in place (q, k are views of qkv)
+        o = kernels.attention(q, k, v, kv_layer, meta, self.scale)  # [T, H, D]; writes K/V
         out: torch.Tensor = self.o_proj(o.reshape(t, h * d))  # [T, hidden]
         return out
-
-
-@dataclass(frozen=True, slots=True)
-class LayerOps:
-    """The elementwise layers a decoder runs with (contracts of ``ferrum_kernels.backend``)."""
-
-    norm_residual: RmsNormResidualFn
-    rotary: RotaryFn
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-
-
-# The reference (transformers numerics, any device) and the fused native CPU kernels, which
-# fall back to the reference per call when they cannot serve an input.
-_REFERENCE = torch_backend()
-TORCH_OPS = LayerOps(_REFERENCE.rms_norm_residual, _REFERENCE.rotary, silu_and_mul)
-CPU_OPS = LayerOps(rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu)
-
-
-@dataclass(frozen=True, slots=True)
-class _CpuAttention:
-    """The CPU attention path's per-forward plan and the model's scratch memory."""
-
-    plan: CpuAttentionPlan
-    workspace: Workspace
 
 
 class LlamaForCausalLM(nn.Module):
@@ -268,7 +239,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head: nn.Linear | None = None
-        if not config.tie_word_embeddings:
+        self.tied_head: TiedLinear | None = None  # the embedding table as the LM head
+        if config.tie_word_embeddings:
+            self.tied_head = TiedLinear(self.embed_tokens)
+        else:
             self.lm_head = nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
             )
@@ -279,21 +253,25 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.reset_rope_cache(device)
-        # CPU fast paths (see prepack_for_cpu); plain attributes, not registered state.
-        self._cpu_workspace: Workspace | None = None
-        self._tied_head: PackedWeight | None = None
-        # Device kernels for attention and the KV write (None = the torch reference path).
-        self._kernels: KernelBackend | None = None
-        self._ops = TORCH_OPS
+        self._backend = _REFERENCE  # a plain attribute, not registered state
 
-    def use_kernels(self, kernels: KernelBackend | None) -> None:
-        """Run attention, the KV write, norms and rotary with `kernels` (e.g. Triton on CUDA);
-        None returns to the torch reference (or, after prepack_for_cpu, the CPU fast paths)."""
-        self._kernels = kernels
-        if kernels is not None:
-            self._ops = LayerOps(kernels.rms_norm_residual, kernels.rotary, silu_and_mul)
-        else:
-            self._ops = CPU_OPS if self._cpu_workspace is not None else TORCH_OPS
+    @property
+    def backend(self) -> KernelBackend:
+        """The kernels every forward runs with (see bind_backend)."""
+        return self._backend
+
+    def bind_backend(self, backend: KernelBackend) -> int:
+        """Run every later forward with `backend`, after its ``prepare_model`` step has put the
+        weights in the form it wants (the CPU backend pre-packs every linear, the LM head
+        included, for oneDNN). Idempotent; returns how many weights this call prepared (0 when
+        there was nothing left to do). Binding another backend later leaves prepared weights
+        as they are: packed linears compute what ``F.linear`` does (to float rounding) and fall
+        back to it off CPU, so no order of bindings runs a model wrongly."""
+        self._backend = backend
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.backend = backend
+        return backend.prepare_model(self) if backend.prepare_model is not None else 0
 
     def reset_rope_cache(self, device: torch.device | None = None) -> None:
         """(Re)compute the RoPE tables, e.g. after materialising a meta-device model."""
@@ -316,42 +294,18 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, D/2]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, D/2]
-        cpu = None
-        if self._cpu_workspace is not None and kv_cache.device.type == "cpu":
-            # Built once here, used by every layer: the per-item split is the same for all.
-            plan = CpuAttentionPlan.build(meta, kv_cache.shape[3])
-            cpu = _CpuAttention(plan, self._cpu_workspace)
-        ops = self._ops
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(
-                hidden, residual, cos, sin, kv_cache[i], meta, ops, cpu, self._kernels
-            )
-        return ops.norm_residual(hidden, residual, self.norm.weight, self.norm.eps)[0]
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta)
+        norm = self.norm
+        return self._backend.rms_norm_residual(hidden, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()  # type: ignore[no-any-return]
-        if self._tied_head is not None and hidden.device.type == "cpu":
-            return self._tied_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
-
-    def prepack_for_cpu(self) -> int:
-        """Switch a CPU model to its fast paths: oneDNN pre-packed linears (the LM head
-        included, tied or not) and the grouped CPU attention. Idempotent; returns how many
-        linears were packed. A no-op off CPU or where oneDNN is missing."""
-        if self.embed_tokens.weight.device.type != "cpu":
-            return 0
-        count = prepack_linears(self)
-        if self.lm_head is None and self._tied_head is None:
-            self._tied_head = packed_linear(self.embed_tokens.weight)
-            count += int(self._tied_head is not None)
-        if self._cpu_workspace is None:
-            self._cpu_workspace = Workspace()
-        if self._kernels is None:
-            self._ops = CPU_OPS
-        return count
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        assert head is not None  # exactly one of the two exists
+        logits: torch.Tensor = head(hidden)
+        return logits.float()
 
     @torch.no_grad()
     def load_hf_weights(self, get_tensor: Callable[[str], torch.Tensor]) -> None:
