@@ -17,6 +17,7 @@ import torch
 from ferrum_kernels.attention import reference_decode_attention
 from ferrum_kernels.backend import KernelBackend, torch_backend
 from ferrum_server import engine as engine_module
+from ferrum_server import startup
 from ferrum_server.config import EngineConfig
 from ferrum_server.cuda_graphs import (
     DecodeGraphLayout,
@@ -255,10 +256,8 @@ def test_graphs_need_graph_safe_attention_and_a_scratch_block() -> None:
 @pytest.fixture
 def eager_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the engine 'capture' eager stand-ins on CPU, with the reference decode attention."""
-    monkeypatch.setattr(engine_module, "graph_capturer_for", lambda device: EagerCapturer())
-    monkeypatch.setattr(
-        engine_module, "select_backend", lambda device, prefer="auto": _graph_backend()
-    )
+    monkeypatch.setattr(startup, "graph_capturer_for", lambda device: EagerCapturer())
+    monkeypatch.setattr(startup, "select_backend", lambda device, prefer="auto": _graph_backend())
 
 
 def _generate(engine: engine_module.Engine, num_requests: int, steps: int) -> list[list[int]]:

@@ -655,11 +655,12 @@ def test_engine_decode_graphs_on_triton_match_the_eager_torch_engine(
     from dataclasses import replace
 
     from ferrum_server import engine as engine_module
+    from ferrum_server import startup
     from ferrum_server.config import EngineConfig
     from ferrum_server.cuda_graphs import EagerCapturer
     from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, Step, StepItem
 
-    monkeypatch.setattr(engine_module, "graph_capturer_for", lambda device: EagerCapturer())
+    monkeypatch.setattr(startup, "graph_capturer_for", lambda device: EagerCapturer())
     logits = Sampling(policy=OutputPolicy.LOGITS)
     config = EngineConfig(
         block_size=4,
