@@ -27,21 +27,24 @@ __all__ = ["PackedLinear", "mkldnn_linear_available", "packed_linear", "prepack_
 # M the packed layout is tuned for: a typical unified step (a prefill chunk plus decodes).
 DEFAULT_BATCH_HINT = 256
 _SUPPORTED = (torch.float32, torch.bfloat16)
-_available: bool | None = None
+_available: dict[torch.dtype, bool] = {}
 
 
-def mkldnn_linear_available() -> bool:
-    """True when this torch build has oneDNN and the pre-packed linear ops (checked once)."""
-    global _available
-    if _available is None:
+def mkldnn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this torch build has oneDNN and its pre-packed linear ops run `dtype` on this
+    CPU (checked once per dtype). oneDNN's bfloat16 packing needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT and refuses on an AVX2-only CPU, where bfloat16 linears stay on F.linear."""
+    if dtype not in _available:
         try:
-            w = torch.ones(8, 8)
+            w = torch.ones(8, 8, dtype=dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-            out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8), packed, None, "none", [], "")
-            _available = bool(torch.backends.mkldnn.is_available()) and float(out[0, 0]) == 8.0
+            x = torch.ones(1, 8, dtype=dtype)
+            out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            ok = bool(torch.backends.mkldnn.is_available()) and float(out[0, 0]) == 8.0
         except (AttributeError, RuntimeError):
-            _available = False
-    return _available
+            ok = False
+        _available[dtype] = ok
+    return _available[dtype]
 
 
 class PackedWeight:
@@ -82,7 +85,7 @@ def _packable(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype in _SUPPORTED
         and weight.dim() == 2
-        and mkldnn_linear_available()
+        and mkldnn_linear_available(weight.dtype)
     )
 
 
