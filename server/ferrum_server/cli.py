@@ -1,4 +1,7 @@
-"""`ferrum-executor`: serve the executor, run the demo, or drive a server from the command line.
+"""`ferrum-executor serve`: its flags, the configuration they build, and the serving loop.
+
+The `ferrum-executor` command line itself (serve plus the demo, generate and bench tools) is
+`ferrum_server.tools.cli`; it registers `serve` through `add_serve_command`.
 
 Every `serve` flag also reads the environment variable FERRUM_<FLAG> (dashes as underscores),
 so containers can be configured either way; flags win over the environment.
@@ -8,15 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import pathlib
 import signal
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +141,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
 )
 
 
-def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
     for flag in SERVE_FLAGS:
         # Booleans also work as bare switches: --cuda-graphs / --no-cuda-graphs.
         switch = flag.kind is _bool
@@ -266,85 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_server_process(
-    extra_args: Sequence[str] = (), timeout_s: float = 120.0, **popen: Any
-) -> tuple[subprocess.Popen[bytes], int]:
-    """Start `ferrum-executor serve` on 127.0.0.1, port 0; return (process, port) once SERVING."""
-    folder = tempfile.mkdtemp(prefix="ferrum-")
-    port_file = pathlib.Path(folder) / "port"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ferrum_server",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            *extra_args,
-        ],
-        **popen,
-    )
-    deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError("the server did not start in time")
-        time.sleep(0.05)
-    return process, int(port_file.read_text())
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from ferrum_server.demo import run_demo
-
-    process, port = start_server_process(
-        [
-            "--model",
-            args.model,
-            "--dtype",
-            args.dtype,
-            "--metrics-port",
-            "-1",
-            "--log-level",
-            "warning",
-        ]
-    )
-    try:
-        report = asyncio.run(
-            run_demo(
-                f"127.0.0.1:{port}", num_requests=args.requests, max_new_tokens=args.max_new_tokens
-            )
-        )
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
-    sys.stdout.write(json.dumps(report, indent=2) + "\n")
-    return 0 if report["free_blocks_after"] == report["total_blocks"] else 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferrum-executor", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the executor gRPC server")
-    _add_serve_args(serve)
+def add_serve_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add `serve` (its flags and `cmd_serve`) to a command line's subcommands."""
+    serve = subcommands.add_parser("serve", help="run the executor gRPC server")
+    add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
-    demo = sub.add_parser("demo", help="start a local server and drive a short generation")
-    demo.add_argument("--model", default="tiny")
-    demo.add_argument("--dtype", default="float32", choices=DTYPES)
-    demo.add_argument("--requests", type=int, default=4)
-    demo.add_argument("--max-new-tokens", type=int, default=16)
-    demo.set_defaults(func=cmd_demo)
-    from ferrum_server.tools_cli import register_tool_commands
-
-    register_tool_commands(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from ferrum_client import ExecutorClient, ExecutorError, UnavailableError, pb
-from ferrum_server.cli import start_server_process
 from ferrum_server.metrics import METRIC_DOCS
+from ferrum_server.server_process import start_server_process
 from helpers_server import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
