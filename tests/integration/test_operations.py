@@ -165,7 +165,7 @@ def test_health_warmup_serving_drain_and_liveness() -> None:
         return real_warmup(64)
 
     engine.warmup = slow_warmup  # type: ignore[method-assign]
-    config = ServerConfig(port=0, liveness_interval_s=0.05, liveness_timeout_s=0.3)
+    config = ServerConfig(port=0, metrics_port=-1, liveness_interval_s=0.05, liveness_timeout_s=0.3)
     running = asyncio.run_coroutine_threadsafe(
         bind_server(EngineConfig(), config, engine), loop
     ).result(timeout=60)
