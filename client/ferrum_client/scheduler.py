@@ -35,7 +35,7 @@ itself (a placeholder token in the protocol), which the step API does not offer 
 
 The policy talks to the executor through a small ``Backend`` protocol: ``GrpcBackend`` (the
 step stream plus unary calls of ``AsyncExecutorClient``) here, and an in-process backend that
-drives ``Engine`` directly on the server side (``ferrum_server.bench``), so both run the very
+drives ``Engine`` directly on the server side (``ferrum_server.tools.bench``), so both run the very
 same scheduling code.
 """
 

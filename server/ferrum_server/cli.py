@@ -1,30 +1,35 @@
-"""`ferrum-executor`: serve the executor, run the demo, or drive a server from the command line.
+"""`ferrum-executor serve`: its flags, the configuration they build, and the serving loop.
 
-Every `serve` flag also reads the environment variable FERRUM_<FLAG> (dashes as underscores),
-so containers can be configured either way; flags win over the environment.
+The `ferrum-executor` command line itself (serve plus the demo, generate and bench tools) is
+`ferrum_server.tools.cli`; it registers `serve` through `add_serve_command`.
+
+The flags are generated from the configuration dataclasses (EngineConfig, ServerConfig,
+LogConfig, SecurityConfig): each field marked `flag(...)` in its metadata is one flag, its
+default the field's. Every `serve` flag also reads the environment variable FERRUM_<FLAG>
+(dashes as underscores), so containers can be configured either way; flags win over the
+environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import dataclasses
 import os
 import pathlib
 import signal
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Sequence
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from ferrum_server.config import DTYPES, EngineConfig, ServerConfig
+from ferrum_server.config import EngineConfig, LogConfig, ServerConfig
+from ferrum_server.config_flags import flag_info
 from ferrum_server.security import SecurityConfig
 
 
-def _bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -33,11 +38,24 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
+# The parse function of a flag, by the type of its config field.
+_PARSERS: dict[object, Callable[[str], Any]] = {
+    bool: parse_bool,
+    int: int,
+    float: float,
+    str: str,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Flag:
+    """A `serve` flag: one field of a configuration dataclass, described by its metadata."""
+
+    config: type[Any]
+    field: str
     name: str
-    kind: Callable[[str], Any]
-    default: str
+    parse: Callable[[str], Any]
+    default: Any
     help: str
     choices: tuple[str, ...] | None = None
 
@@ -45,127 +63,86 @@ class Flag:
     def env(self) -> str:
         return "FERRUM_" + self.name.upper().replace("-", "_")
 
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
 
-SERVE_FLAGS: tuple[Flag, ...] = (
-    Flag("model", str, "tiny", "'tiny' (built-in random weights) or a Hugging Face folder"),
-    Flag("host", str, "127.0.0.1", "gRPC listen address"),
-    Flag("port", int, "50051", "gRPC port; 0 = any free port"),
-    Flag("device", str, "cpu", "cpu or cuda[:N]"),
-    Flag("dtype", str, "float32", "compute dtype", DTYPES),
-    Flag("block-size", int, "16", "KV block size in tokens"),
-    Flag(
-        "kv-cache-bytes",
-        int,
-        "0",
-        "KV pool bytes; 0 = what GPU memory x utilisation leaves after weights, activations "
-        "and graphs (CUDA) or 256 MiB (CPU)",
-    ),
-    Flag(
-        "gpu-memory-utilization",
-        float,
-        "0.9",
-        "fraction of total GPU memory for weights, peak activations, CUDA graphs and the KV pool",
-    ),
-    Flag("max-batch-tokens", int, "4096", "most tokens in one forward"),
-    Flag("max-batch-size", int, "256", "most items in one forward, and most live sequences"),
-    Flag("max-sequence-length", int, "0", "longest sequence; 0 = the model's positions"),
-    Flag("torch-threads", int, "0", "CPU intra-op threads; 0 = torch's default"),
-    Flag(
-        "kernel-backend",
-        str,
-        "auto",
-        "attention/sampling kernels: auto (Triton on CUDA), torch, triton",
-        ("auto", "torch", "triton"),
-    ),
-    Flag("prefix-caching", _bool, "true", "reuse KV blocks of shared prompt prefixes"),
-    Flag(
-        "cuda-graphs",
-        _bool,
-        "true",
-        "replay decode-only steps from CUDA graphs captured at start-up (CUDA only)",
-    ),
-    Flag(
-        "cuda-graph-max-batch",
-        int,
-        "256",
-        "largest decode batch captured as a CUDA graph; larger steps run eagerly",
-    ),
-    Flag(
-        "swap-space-bytes",
-        int,
-        str(1024**3),
-        "host memory for KV swapped out by preemption; 0 = recompute only",
-    ),
-    Flag("grace-s", float, "30", "seconds in-flight calls may run after SIGTERM"),
-    Flag("metrics-port", int, "9400", "Prometheus /metrics port; 0 = any free port, -1 = off"),
-    Flag("metrics-host", str, "0.0.0.0", "Prometheus listen address"),
-    Flag(
-        "liveness-timeout-s",
-        float,
-        "120",
-        "engine heartbeat deadline before the liveness health service reports NOT_SERVING",
-    ),
-    Flag("log-level", str, "info", "debug, info, warning, error"),
-    Flag(
-        "log-format",
-        str,
-        "auto",
-        "json, console, or auto (console on a terminal)",
-        ("auto", "json", "console"),
-    ),
-    Flag("debug-reflection", _bool, "false", "gRPC server reflection (needs the 'debug' extra)"),
-    # -- security (see docs/readme/hardening.md) --
-    Flag("tls-cert", str, "", "PEM certificate chain; with --tls-key turns TLS on"),
-    Flag("tls-key", str, "", "PEM private key of --tls-cert"),
-    Flag("tls-client-ca", str, "", "PEM CA bundle client certificates must chain to (mutual TLS)"),
-    Flag("auth-token-file", str, "", "file of role:token lines (roles read, execute); '' = off"),
-    Flag("health-port", int, "-1", "plaintext port serving only grpc.health.v1; -1 = off"),
-    # -- limits --
-    Flag("max-message-bytes", int, "0", "max message size both ways; 0 = derived from limits"),
-    Flag("max-concurrent-rpcs", int, "1024", "concurrent RPCs before RESOURCE_EXHAUSTED; 0 = off"),
-    Flag("max-concurrent-streams", int, "256", "HTTP/2 streams per connection"),
-    Flag("max-metadata-bytes", int, "16384", "request metadata (headers) per call"),
-    # -- idempotency and fencing --
-    Flag(
-        "require-fencing",
-        _bool,
-        "false",
-        "refuse mutating calls with executor_instance_id 0 (FAILED_PRECONDITION)",
-    ),
-    Flag("step-ledger-size", int, "4096", "step ids remembered for exactly-once retries"),
-    Flag(
-        "release-on-disconnect",
-        _bool,
-        "true",
-        "release the caches a StepStream opened or touched when it ends abnormally",
-    ),
-)
+    @property
+    def switch(self) -> bool:
+        """Booleans also work as bare switches: --cuda-graphs / --no-cuda-graphs."""
+        return self.parse is parse_bool
+
+    @property
+    def shown_default(self) -> str:
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
+        return str(self.default)
 
 
-def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    for flag in SERVE_FLAGS:
-        # Booleans also work as bare switches: --cuda-graphs / --no-cuda-graphs.
-        switch = flag.kind is _bool
-        # argparse applies `type` to string defaults too, so a bad environment value fails
-        # with the same one-line usage error as a bad flag.
-        parser.add_argument(
-            f"--{flag.name}",
-            type=flag.kind,
-            default=os.environ.get(flag.env, flag.default),
-            choices=flag.choices,
-            help=f"{flag.help} [env {flag.env}, default {flag.default}]",
-            nargs="?" if switch else None,
-            const=True if switch else None,
-        )
-        if switch:
-            parser.add_argument(
-                f"--no-{flag.name}",
-                dest=flag.name.replace("-", "_"),
-                action="store_const",
-                const=False,
-                default=argparse.SUPPRESS,
-                help=f"same as --{flag.name} false",
+def _flags_of(config: type[Any]) -> tuple[Flag, ...]:
+    hints = typing.get_type_hints(config)
+    flags = []
+    for field in dataclasses.fields(config):
+        info = flag_info(field)
+        if info is None:
+            continue
+        if field.default is dataclasses.MISSING or hints[field.name] not in _PARSERS:
+            raise TypeError(
+                f"{config.__name__}.{field.name}: a flag needs a plain default and type"
             )
+        flags.append(
+            Flag(
+                config,
+                field.name,
+                info.name or field.name.replace("_", "-"),
+                _PARSERS[hints[field.name]],
+                field.default,
+                info.help,
+                info.choices,
+            )
+        )
+    return tuple(flags)
+
+
+# The configuration `serve` builds, and the title of each one's flags in --help.
+SECTIONS: dict[type[Any], str] = {
+    EngineConfig: "engine",
+    ServerConfig: "server",
+    SecurityConfig: "security",
+    LogConfig: "logging",
+}
+SERVE_FLAGS: tuple[Flag, ...] = tuple(flag for config in SECTIONS for flag in _flags_of(config))
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags. A flag not given parses to None: `serve_configs` then falls back to
+    its environment twin, else to the dataclass default."""
+    for config, title in SECTIONS.items():
+        group = parser.add_argument_group(title)
+        for flag in SERVE_FLAGS:
+            if flag.config is not config:
+                continue
+            text = f"{flag.help} [env {flag.env}, default {flag.shown_default}]"
+            group.add_argument(
+                f"--{flag.name}",
+                type=flag.parse,
+                default=None,
+                choices=flag.choices,
+                help=text.replace("%", "%%"),
+                nargs="?" if flag.switch else None,
+                const=True if flag.switch else None,
+            )
+            if flag.switch:
+                group.add_argument(
+                    f"--no-{flag.name}",
+                    dest=flag.dest,
+                    action="store_const",
+                    const=False,
+                    default=argparse.SUPPRESS,
+                    help=f"same as --{flag.name} false",
+                )
     parser.add_argument(
         "--port-file",
         type=pathlib.Path,
@@ -174,50 +151,66 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
-    engine = EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_batch_tokens=args.max_batch_tokens,
-        max_batch_size=args.max_batch_size,
-        max_sequence_length=args.max_sequence_length,
-        torch_threads=args.torch_threads,
-        kernel_backend=args.kernel_backend,
-        prefix_caching=args.prefix_caching,
-        swap_space_bytes=args.swap_space_bytes,
-        require_fencing=args.require_fencing,
-        cuda_graphs=args.cuda_graphs,
-        cuda_graph_max_batch=args.cuda_graph_max_batch,
-    )
+def _from_environment(flag: Flag, text: str) -> Any:
+    """The value of FERRUM_<FLAG>, checked as the flag's own value would be."""
+    try:
+        value = flag.parse(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{flag.env}: {exc}") from None
+    except ValueError:
+        kind = getattr(flag.parse, "__name__", "")
+        raise ValueError(f"{flag.env}: invalid {kind} value: {text!r}") from None
+    if flag.choices is not None and value not in flag.choices:
+        raise ValueError(
+            f"{flag.env}: invalid choice: {text!r} (choose from {', '.join(flag.choices)})"
+        )
+    return value
+
+
+_T = TypeVar("_T")
+
+
+def _build(
+    config: Callable[..., _T],
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    **fixed: Any,
+) -> _T:
+    """One config: each flag field from the command line when given (flags win), else from
+    its environment twin when set, else left to the dataclass default."""
+    values: dict[str, Any] = {}
+    for flag in SERVE_FLAGS:
+        if flag.config is not config:
+            continue
+        given = getattr(args, flag.dest, None)
+        if given is not None:
+            values[flag.field] = given
+        elif (text := environ.get(flag.env)) is not None:
+            values[flag.field] = _from_environment(flag, text)
+    return config(**values, **fixed)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfigs:
+    """Everything `serve` is configured with, built once at start-up."""
+
+    engine: EngineConfig
+    server: ServerConfig
+    log: LogConfig
+
+
+def serve_configs(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> ServeConfigs:
+    """Build the configuration of `serve`, once, from parsed `serve` flags and the environment
+    (os.environ unless given): the one place the FERRUM_<FLAG> twins are read."""
+    env = os.environ if environ is None else environ
+    engine = _build(EngineConfig, args, env)
     if engine.model != "tiny" and not pathlib.Path(engine.model).is_dir():
         raise ValueError(f"model path {engine.model} is not a folder")
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        grace_s=args.grace_s,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        reflection=args.debug_reflection,
-        liveness_timeout_s=args.liveness_timeout_s,
-        max_message_bytes=args.max_message_bytes,
-        max_concurrent_rpcs=args.max_concurrent_rpcs,
-        max_concurrent_streams=args.max_concurrent_streams,
-        max_metadata_bytes=args.max_metadata_bytes,
-        health_port=args.health_port,
-        release_on_disconnect=args.release_on_disconnect,
-        step_ledger_size=args.step_ledger_size,
-        security=SecurityConfig(
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
-            auth_token_file=args.auth_token_file,
-        ),
-    )
-    return engine, server
+    security = _build(SecurityConfig, args, env)
+    server = _build(ServerConfig, args, env, security=security)
+    return ServeConfigs(engine, server, _build(LogConfig, args, env))
 
 
 async def _serve(
@@ -252,99 +245,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ferrum_server.app import startup_event
 
     try:
-        engine, server = _configs(args)
-        logs.configure(args.log_level, args.log_format)
+        configs = serve_configs(args)
+        logs.configure(configs.log.level, configs.log.format)
     except ValueError as exc:
         sys.stderr.write(f"ferrum-executor: invalid configuration: {exc}\n")
         return 2
-    logs.get("ferrum_server").info("startup", **startup_event(engine, server))
+    logs.get("ferrum_server").info("startup", **startup_event(configs.engine, configs.server))
     try:
-        asyncio.run(_serve(engine, server, args.port_file))
+        asyncio.run(_serve(configs.engine, configs.server, args.port_file))
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"ferrum-executor: cannot start: {exc}\n")
         return 2
     return 0
 
 
-def start_server_process(
-    extra_args: Sequence[str] = (), timeout_s: float = 120.0, **popen: Any
-) -> tuple[subprocess.Popen[bytes], int]:
-    """Start `ferrum-executor serve` on 127.0.0.1, port 0; return (process, port) once SERVING."""
-    folder = tempfile.mkdtemp(prefix="ferrum-")
-    port_file = pathlib.Path(folder) / "port"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ferrum_server",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            *extra_args,
-        ],
-        **popen,
-    )
-    deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError("the server did not start in time")
-        time.sleep(0.05)
-    return process, int(port_file.read_text())
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from ferrum_server.demo import run_demo
-
-    process, port = start_server_process(
-        [
-            "--model",
-            args.model,
-            "--dtype",
-            args.dtype,
-            "--metrics-port",
-            "-1",
-            "--log-level",
-            "warning",
-        ]
-    )
-    try:
-        report = asyncio.run(
-            run_demo(
-                f"127.0.0.1:{port}", num_requests=args.requests, max_new_tokens=args.max_new_tokens
-            )
-        )
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
-    sys.stdout.write(json.dumps(report, indent=2) + "\n")
-    return 0 if report["free_blocks_after"] == report["total_blocks"] else 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferrum-executor", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the executor gRPC server")
-    _add_serve_args(serve)
+def add_serve_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add `serve` (its flags and `cmd_serve`) to a command line's subcommands."""
+    serve = subcommands.add_parser("serve", help="run the executor gRPC server")
+    add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
-    demo = sub.add_parser("demo", help="start a local server and drive a short generation")
-    demo.add_argument("--model", default="tiny")
-    demo.add_argument("--dtype", default="float32", choices=DTYPES)
-    demo.add_argument("--requests", type=int, default=4)
-    demo.add_argument("--max-new-tokens", type=int, default=16)
-    demo.set_defaults(func=cmd_demo)
-    from ferrum_server.tools_cli import register_tool_commands
-
-    register_tool_commands(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))

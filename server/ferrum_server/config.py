@@ -1,50 +1,91 @@
-"""Frozen configuration, built once at start-up from the CLI and passed down explicitly."""
+"""Frozen configuration, built once at start-up from the CLI and passed down explicitly.
+
+Each field's default lives here (and in security.py) only; its metadata says whether, and as
+which `serve` flag, the CLI exposes it (see config_flags.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferrum_server.config_flags import NOT_A_FLAG, flag
 from ferrum_server.security import SecurityConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+LOG_FORMATS = ("auto", "json", "console")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What the engine needs: model source, placement and KV sizing."""
 
-    model: str = "tiny"
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
+    model: str = field(
+        default="tiny", metadata=flag("'tiny' (built-in random weights) or a Hugging Face folder")
+    )
+    device: str = field(default="cpu", metadata=flag("cpu or cuda[:N]"))
+    dtype: str = field(default="float32", metadata=flag("compute dtype", choices=DTYPES))
+    block_size: int = field(default=16, metadata=flag("KV block size in tokens"))
     # Explicit KV pool size in bytes; 0 = size from free device memory (CUDA) or a default (CPU).
-    kv_cache_bytes: int = 0
+    kv_cache_bytes: int = field(
+        default=0,
+        metadata=flag(
+            "KV pool bytes; 0 = what GPU memory x utilisation leaves after weights, activations "
+            "and graphs (CUDA) or 256 MiB (CPU)"
+        ),
+    )
     # Fraction of the device's total memory the executor plans within: weights, the measured
     # peak activations, CUDA graphs and the KV pool (CUDA only).
-    gpu_memory_utilization: float = 0.9
-    max_batch_tokens: int = 4096
-    max_batch_size: int = 256
-    # 0 = the model's max_position_embeddings.
-    max_sequence_length: int = 0
-    max_num_logprobs: int = 20
-    seed: int = 0
-    # CPU intra-op threads for torch; 0 = leave torch's default.
-    torch_threads: int = 0
-    # Attention/KV-write/sampling kernels: "auto" (Triton on CUDA when installed, else the torch
-    # reference), "torch", or "triton".
-    kernel_backend: str = "auto"
-    # Reuse full KV blocks across requests that share a prompt prefix.
-    prefix_caching: bool = True
-    # Host memory for swapped-out KV of preempted sequences; 0 = recompute only.
-    swap_space_bytes: int = 1024**3
-    # Refuse mutating calls whose executor_instance_id is 0 (unfenced) with FAILED_PRECONDITION.
-    require_fencing: bool = False
-    # Capture decode-only forwards as CUDA graphs at start-up (CUDA with graph-safe kernels only;
-    # ignored on CPU).
-    cuda_graphs: bool = True
-    # Largest decode batch run from a graph (capped at max_batch_size); larger ones run eagerly.
-    cuda_graph_max_batch: int = 256
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=flag(
+            "fraction of total GPU memory for weights, peak activations, CUDA graphs and the "
+            "KV pool"
+        ),
+    )
+    max_batch_tokens: int = field(default=4096, metadata=flag("most tokens in one forward"))
+    max_batch_size: int = field(
+        default=256, metadata=flag("most items in one forward, and most live sequences")
+    )
+    max_sequence_length: int = field(
+        default=0, metadata=flag("longest sequence; 0 = the model's positions")
+    )
+    max_num_logprobs: int = field(default=20, metadata=NOT_A_FLAG)
+    seed: int = field(default=0, metadata=NOT_A_FLAG)
+    torch_threads: int = field(
+        default=0, metadata=flag("CPU intra-op threads; 0 = torch's default")
+    )
+    # "auto" means Triton on CUDA when installed, else the torch reference.
+    kernel_backend: str = field(
+        default="auto",
+        metadata=flag(
+            "attention/sampling kernels: auto (Triton on CUDA), torch, triton",
+            choices=KERNEL_BACKENDS,
+        ),
+    )
+    prefix_caching: bool = field(
+        default=True, metadata=flag("reuse KV blocks of shared prompt prefixes")
+    )
+    # Host memory for swapped-out KV of preempted sequences.
+    swap_space_bytes: int = field(
+        default=1024**3,
+        metadata=flag("host memory for KV swapped out by preemption; 0 = recompute only"),
+    )
+    require_fencing: bool = field(
+        default=False,
+        metadata=flag("refuse mutating calls with executor_instance_id 0 (FAILED_PRECONDITION)"),
+    )
+    # CUDA with graph-safe kernels only; ignored on CPU.
+    cuda_graphs: bool = field(
+        default=True,
+        metadata=flag("replay decode-only steps from CUDA graphs captured at start-up (CUDA only)"),
+    )
+    # Capped at max_batch_size (see graph_max_batch).
+    cuda_graph_max_batch: int = field(
+        default=256,
+        metadata=flag("largest decode batch captured as a CUDA graph; larger steps run eagerly"),
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -76,33 +117,60 @@ class EngineConfig:
 class ServerConfig:
     """Network settings of the gRPC server."""
 
-    host: str = "127.0.0.1"
-    port: int = 50051
-    grace_s: float = 30.0
-    # Largest message received / sent, bytes; derived from the batch limits when 0.
-    max_message_bytes: int = 0
-    # Concurrent RPCs (streams included) before new ones get RESOURCE_EXHAUSTED; 0 = unlimited.
-    max_concurrent_rpcs: int = 1024
-    # HTTP/2 streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS).
-    max_concurrent_streams: int = 256
-    # Request metadata (headers) per call, bytes.
-    max_metadata_bytes: int = 16 * 1024
-    # Plaintext port serving only grpc.health.v1 (for probes when TLS is on); -1 = off.
-    health_port: int = -1
-    # Release every cache a StepStream opened or touched when the stream ends abnormally.
-    release_on_disconnect: bool = True
-    # Step ids remembered for deduplication (most recent first).
-    step_ledger_size: int = 4096
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    # Prometheus /metrics over HTTP: -1 = off, 0 = any free port.
-    metrics_port: int = -1
-    metrics_host: str = "0.0.0.0"
-    # gRPC server reflection (debug only; needs the 'debug' extra).
-    reflection: bool = False
+    host: str = field(default="127.0.0.1", metadata=flag("gRPC listen address"))
+    port: int = field(default=50051, metadata=flag("gRPC port; 0 = any free port"))
+    grace_s: float = field(
+        default=30.0, metadata=flag("seconds in-flight calls may run after SIGTERM")
+    )
+    # Largest message received / sent, bytes.
+    max_message_bytes: int = field(
+        default=0, metadata=flag("max message size both ways; 0 = derived from limits")
+    )
+    # Concurrent RPCs (streams included) before new ones get RESOURCE_EXHAUSTED.
+    max_concurrent_rpcs: int = field(
+        default=1024,
+        metadata=flag("concurrent RPCs before RESOURCE_EXHAUSTED; 0 = off"),
+    )
+    # SETTINGS_MAX_CONCURRENT_STREAMS.
+    max_concurrent_streams: int = field(default=256, metadata=flag("HTTP/2 streams per connection"))
+    max_metadata_bytes: int = field(
+        default=16 * 1024, metadata=flag("request metadata (headers) per call")
+    )
+    # For probes when TLS is on.
+    health_port: int = field(
+        default=-1, metadata=flag("plaintext port serving only grpc.health.v1; -1 = off")
+    )
+    release_on_disconnect: bool = field(
+        default=True,
+        metadata=flag("release the caches a StepStream opened or touched when it ends abnormally"),
+    )
+    # Most recent first.
+    step_ledger_size: int = field(
+        default=4096, metadata=flag("step ids remembered for exactly-once retries")
+    )
+    # Built from SecurityConfig's own flags.
+    security: SecurityConfig = field(default_factory=SecurityConfig, metadata=NOT_A_FLAG)
+    # Prometheus /metrics over HTTP. 9400 is what `ferrum-executor serve` has always listened
+    # on (the container and manifests set it explicitly too).
+    metrics_port: int = field(
+        default=9400,
+        metadata=flag("Prometheus /metrics port; 0 = any free port, -1 = off"),
+    )
+    metrics_host: str = field(default="0.0.0.0", metadata=flag("Prometheus listen address"))
+    # Needs the 'debug' extra.
+    reflection: bool = field(
+        default=False,
+        metadata=flag("gRPC server reflection (needs the 'debug' extra)", name="debug-reflection"),
+    )
     # The engine thread must answer a heartbeat within liveness_timeout_s, checked every
     # liveness_interval_s; otherwise the liveness health service reports NOT_SERVING.
-    liveness_interval_s: float = 5.0
-    liveness_timeout_s: float = 120.0
+    liveness_interval_s: float = field(default=5.0, metadata=NOT_A_FLAG)
+    liveness_timeout_s: float = field(
+        default=120.0,
+        metadata=flag(
+            "engine heartbeat deadline before the liveness health service reports NOT_SERVING"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -127,3 +195,20 @@ class ServerConfig:
             raise ValueError("max concurrent streams must be >= 1 and max metadata >= 1024 bytes")
         if self.step_ledger_size < 1:
             raise ValueError("step ledger size must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    """How the process logs (see `logs.configure`)."""
+
+    level: str = field(
+        default="info", metadata=flag("debug, info, warning, error", name="log-level")
+    )
+    format: str = field(
+        default="auto",
+        metadata=flag(
+            "json, console, or auto (console on a terminal)",
+            name="log-format",
+            choices=LOG_FORMATS,
+        ),
+    )

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hmac
 import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
+
+from ferrum_server.config_flags import flag
 
 if TYPE_CHECKING:  # the stubs make these generic; at run time they are plain classes
     _Interceptor: TypeAlias = grpc.aio.ServerInterceptor[Any, Any]
@@ -50,12 +52,19 @@ _AUTH_HEADER = "authorization"
 class SecurityConfig:
     """Paths only (never secrets themselves), so the config can be logged at start."""
 
-    tls_cert: str = ""
-    tls_key: str = ""
-    # CA bundle that client certificates must chain to; set = mutual TLS.
-    tls_client_ca: str = ""
-    # File of `role:token` lines; empty = no token check.
-    auth_token_file: str = ""
+    tls_cert: str = field(
+        default="", metadata=flag("PEM certificate chain; with --tls-key turns TLS on")
+    )
+    tls_key: str = field(default="", metadata=flag("PEM private key of --tls-cert"))
+    # Set = mutual TLS.
+    tls_client_ca: str = field(
+        default="",
+        metadata=flag("PEM CA bundle client certificates must chain to (mutual TLS)"),
+    )
+    auth_token_file: str = field(
+        default="",
+        metadata=flag("file of role:token lines (roles read, execute); '' = off"),
+    )
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):

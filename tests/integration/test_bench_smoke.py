@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from ferrum_server.bench.harness import percentile, summarize
-from ferrum_server.bench.runners import RequestTrace, RunOutput, RunSpec
-from ferrum_server.bench.workloads import WORKLOADS, matmul_flops
+from ferrum_server.tools.bench.harness import percentile, summarize
+from ferrum_server.tools.bench.runners import RequestTrace, RunOutput, RunSpec
+from ferrum_server.tools.bench.workloads import WORKLOADS, matmul_flops
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -110,7 +110,7 @@ def test_repeated_rounds_interleave_systems_and_report_the_median_round(
 ) -> None:
     """--repeat N runs every system once per round, in turn, and each row is its median round
     (walls scripted here: no model runs)."""
-    from ferrum_server.bench import harness
+    from ferrum_server.tools.bench import harness
 
     walls = {"ferrum-grpc": [4.0, 2.0, 3.0], "ferrum-inproc": [1.0, 5.0, 2.0]}
     order: list[str] = []

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from ferrum_client import ExecutorClient, ExecutorError, UnavailableError, pb
-from ferrum_server.cli import start_server_process
 from ferrum_server.metrics import METRIC_DOCS
+from ferrum_server.server_process import start_server_process
 from helpers_server import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -165,7 +165,7 @@ def test_health_warmup_serving_drain_and_liveness() -> None:
         return real_warmup(64)
 
     engine.warmup = slow_warmup  # type: ignore[method-assign]
-    config = ServerConfig(port=0, liveness_interval_s=0.05, liveness_timeout_s=0.3)
+    config = ServerConfig(port=0, metrics_port=-1, liveness_interval_s=0.05, liveness_timeout_s=0.3)
     running = asyncio.run_coroutine_threadsafe(
         bind_server(EngineConfig(), config, engine), loop
     ).result(timeout=60)

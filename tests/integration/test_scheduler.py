@@ -233,9 +233,9 @@ def test_cancellation_frees_capacity_for_a_waiting_request(small: LiveServer) ->
 
 
 def test_in_process_backend_matches_grpc(server: LiveServer) -> None:
-    from ferrum_server.bench.inproc import InProcessBackend
     from ferrum_server.config import EngineConfig
     from ferrum_server.engine import Engine
+    from ferrum_server.tools.bench.inproc import InProcessBackend
 
     prompts = random_prompts(21, 8, 4, 50)
     config = SchedulerConfig(max_step_tokens=40)
@@ -255,9 +255,9 @@ def test_in_process_backend_matches_grpc(server: LiveServer) -> None:
 def test_in_process_backend_waits_for_capacity_without_polling(server: LiveServer) -> None:
     """A pool too small for the workload: deferred admissions park on the engine's epoch
     bumps (CapacityNotifier), and the outputs still equal the roomy gRPC run."""
-    from ferrum_server.bench.inproc import InProcessBackend
     from ferrum_server.config import EngineConfig
     from ferrum_server.engine import Engine
+    from ferrum_server.tools.bench.inproc import InProcessBackend
 
     prompts = random_prompts(23, 8, 6, 20)
     config = SchedulerConfig(max_step_tokens=32)

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from ferrum_server.cli import start_server_process
-from ferrum_server.demo import run_demo
+from ferrum_server.server_process import start_server_process
+from ferrum_server.tools.demo import run_demo
 
 
 def test_demo_scheduler_drives_a_server_subprocess() -> None:

@@ -19,7 +19,7 @@ from ferrum_client import (
     StaleExecutorError,
     pb,
 )
-from ferrum_server.cli import start_server_process
+from ferrum_server.server_process import start_server_process
 from reliability.harness import Tally, code_name, prompt, report, run_scenario
 
 SERVING, NOT_SERVING = 1, 2

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from ferrum_server.cli import _add_serve_args
+from ferrum_server.cli import add_serve_args
 from ferrum_server.metrics import METRIC_DOCS
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -187,7 +187,7 @@ def _serve_args(container: Doc) -> argparse.Namespace:
     args = [str(a) for a in container["args"]]
     assert args[0] == "serve"
     parser = argparse.ArgumentParser(exit_on_error=False)
-    _add_serve_args(parser)
+    add_serve_args(parser)
     return parser.parse_args(args[1:])
 
 

@@ -1,6 +1,4 @@
-"""Subcommands beyond serving: `generate` (drive a server with the reference scheduler) and
-`bench` (the benchmark harness). `cli.build_parser` registers them through
-`register_tool_commands`, so they live apart from the serving flags."""
+"""`ferrum-executor bench`: its flags and `cmd_bench`, which runs the harness."""
 
 from __future__ import annotations
 
@@ -8,7 +6,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from ferrum_client.scheduler import DEFAULT_TARGET_STEP_MS
 
@@ -19,19 +16,7 @@ def _csv_ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
 
 
-def register_tool_commands(sub: Any) -> None:
-    """Add `generate` and `bench` to the `ferrum-executor` subparsers."""
-    from ferrum_server.generate_cli import add_generate_args, cmd_generate
-
-    generate = sub.add_parser(
-        "generate", help="generate with the reference scheduler (against --target or --local)"
-    )
-    add_generate_args(generate)
-    generate.set_defaults(func=cmd_generate)
-
-    bench = sub.add_parser(
-        "bench", help="benchmark a fixed workload here and on transformers / vLLM"
-    )
+def add_bench_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--workload", default="w1", choices=("w1", "smoke"))
     bench.add_argument(
         "--dtype",
@@ -81,11 +66,10 @@ def register_tool_commands(sub: Any) -> None:
         "--output", type=Path, default=Path("bench-results/bench.json"), help="JSON report"
     )
     bench.add_argument("--no-progress", action="store_true")
-    bench.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ferrum_server.bench.harness import COMPARE_CHOICES, format_table, run_bench
+    from ferrum_server.tools.bench.harness import COMPARE_CHOICES, format_table, run_bench
 
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     compare = [c.strip() for c in args.compare.split(",") if c.strip()]

@@ -1,13 +1,22 @@
-"""A small scheduler loop driven through the client: chunked prefill mixed with decodes in
-unified batches over the step stream. Used by `ferrum-executor demo` and the subprocess test."""
+"""`ferrum-executor demo`: a small scheduler loop driven through the client, chunked prefill
+mixed with decodes in unified batches over the step stream, against a local server subprocess.
+`run_demo` is also used by the subprocess test."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import random
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
 from ferrum_client import AsyncExecutorClient, BatchBuilder, item_views, pb
+
+from ferrum_server.config import DTYPES
+from ferrum_server.server_process import start_server_process
 
 
 @dataclass
@@ -98,3 +107,36 @@ async def run_demo(
         "free_blocks_after": capacity.free_blocks + capacity.cached_blocks,
         "total_blocks": capacity.total_blocks,
     }
+
+
+def add_demo_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    process, port = start_server_process(
+        [
+            "--model",
+            args.model,
+            "--dtype",
+            args.dtype,
+            "--metrics-port",
+            "-1",
+            "--log-level",
+            "warning",
+        ]
+    )
+    try:
+        report = asyncio.run(
+            run_demo(
+                f"127.0.0.1:{port}", num_requests=args.requests, max_new_tokens=args.max_new_tokens
+            )
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    return 0 if report["free_blocks_after"] == report["total_blocks"] else 1

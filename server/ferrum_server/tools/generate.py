@@ -19,6 +19,7 @@ from typing import Any
 from ferrum_client.scheduler import DEFAULT_TARGET_STEP_MS
 
 from ferrum_server.config import DTYPES
+from ferrum_server.server_process import start_server_process
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
@@ -127,8 +128,6 @@ async def _generate(target: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ferrum_server.cli import start_server_process
-
     process = None
     target = args.target
     try:

