@@ -84,7 +84,7 @@ def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[s
     and plain ``F.linear``, in GFLOP/s (the ceiling the throughput is compared against)."""
     import torch
     import torch.nn.functional as F
-    from ferrum_kernels.cpu_linear import mkldnn_linear_available, packed_linear
+    from ferrum_kernels.cpu_linear import packed_linear
 
     c = workload.model
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
@@ -106,7 +106,7 @@ def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[s
             w = (torch.randn(n, k, generator=generator) * 0.02).to(torch_dtype)
             flops = 2 * m * n * k
             candidates: dict[str, Any] = {"f_linear": lambda x=x, w=w: F.linear(x, w)}
-            packed = packed_linear(w) if mkldnn_linear_available() else None
+            packed = packed_linear(w)  # None where oneDNN cannot pack this dtype here
             if packed is not None:
                 candidates["packed"] = packed
             for name, fn in candidates.items():
