@@ -13,7 +13,7 @@ from ferrum_server.security import SecurityConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "cpu", "torch", "triton")
 LOG_FORMATS = ("auto", "json", "console")
 
 
@@ -60,7 +60,8 @@ class EngineConfig:
     kernel_backend: str = field(
         default="auto",
         metadata=flag(
-            "attention/sampling kernels: auto (Triton on CUDA), torch, triton",
+            "kernels: auto (the CPU fast path on CPU, Triton on CUDA), cpu, torch (the "
+            "reference), triton",
             choices=KERNEL_BACKENDS,
         ),
     )
