@@ -34,7 +34,7 @@ from ferrum_server.domain import (
 )
 from ferrum_server.errors import InvalidArgument
 from ferrum_server.kv.epochs import Epochs, SourceKey
-from ferrum_server.kv.manager import Cache, KvManager
+from ferrum_server.kv.manager import Cache, KvManager, KvUsage
 
 V = TypeVar("V")
 
@@ -429,6 +429,17 @@ def receipt_to_pb(r: PreemptionReceipt) -> pb.PreemptExecutionCapacityResponse:
             mode=pb.PreemptionMode.ValueType(int(r.mode)),
             epochs=epochs_to_pb(r.epochs),
         )
+    )
+
+
+def kv_usage_to_pb(usage: KvUsage) -> pb.KvSlotCapacitySnapshot:
+    return pb.KvSlotCapacitySnapshot(
+        block_size=usage.block_size,
+        total_blocks=usage.total_blocks,
+        free_blocks=usage.free_blocks,
+        cached_blocks=usage.cached_blocks,
+        used_blocks=usage.used_blocks,
+        reserved_blocks=usage.reserved_blocks,
     )
 
 

@@ -132,7 +132,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     @_maps_errors
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
-        return await self.engine.call(descriptions.status_response, self.engine, self.accepting)
+        accepting = self.accepting
+        status = await self.engine.call(descriptions.status_of, self.engine)
+        return descriptions.status_response(self.engine, status, accepting)
 
     @_maps_errors
     async def GetMetrics(
@@ -144,8 +146,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def GetKvSlotCapacity(
         self, request: pb.GetKvSlotCapacityRequest, context: Any
     ) -> pb.GetKvSlotCapacityResponse:
-        snapshot = await self.engine.call(descriptions.kv_snapshot, self.engine)
-        return pb.GetKvSlotCapacityResponse(snapshot=snapshot)
+        usage = await self.engine.call(self.engine.kv.usage)
+        return pb.GetKvSlotCapacityResponse(snapshot=convert.kv_usage_to_pb(usage))
 
     @_maps_errors
     async def Warmup(self, request: pb.WarmupRequest, context: Any) -> pb.WarmupResponse:
@@ -589,12 +591,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.GetCapacitySnapshotRequest, context: Any
     ) -> pb.GetCapacitySnapshotResponse:
         engine = self.engine
-        kv_snapshot = await engine.call(descriptions.kv_snapshot, engine)
+        usage = await engine.call(engine.kv.usage)
         state = self.notifier.state
         return pb.GetCapacitySnapshotResponse(
             epochs=convert.epochs_to_pb(state.epochs),
             sources=convert.sources_to_pb(sorted(state.generations.items())),
-            kv=kv_snapshot,
+            kv=convert.kv_usage_to_pb(usage),
             capacity=convert.capacity_snapshot_to_pb(state, engine.kv),
             limits=pb.AdmissionLimits(
                 maximum_active_sequences=engine.config.max_batch_size,
