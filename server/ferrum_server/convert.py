@@ -32,9 +32,13 @@ from ferrum_server.domain import (
     StepOutcome,
     Timings,
 )
+from ferrum_server.engine import SlotReservation
 from ferrum_server.errors import InvalidArgument
 from ferrum_server.kv.epochs import Epochs, SourceKey
 from ferrum_server.kv.manager import Cache, KvManager, KvUsage
+
+# (cache_id, request_id, target_len, admission_target_len): one slot reservation request.
+SlotRequest = tuple[str, str, int, int]
 
 V = TypeVar("V")
 
@@ -197,6 +201,16 @@ def verify_step_from_pb(request: pb.ForwardVerifyRequest) -> Step:
         sampling=sampling_from_pb(request.sampling),
     )
     return Step([item], DeferralMode.ALL_OR_NOTHING, request.executor_instance_id)
+
+
+def slot_requests_from_pb(request: pb.ReserveKvSlotsRequest) -> list[SlotRequest]:
+    count = len(request.target_lens)
+    cache_ids = _column("cache_ids", request.cache_ids, count, "")
+    request_ids = _column("request_ids", request.request_ids, count, "")
+    admission = _column("admission_target_lens", request.admission_target_lens, count, 0)
+    return [
+        (cache_ids[i], request_ids[i], request.target_lens[i], admission[i]) for i in range(count)
+    ]
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -440,6 +454,23 @@ def kv_usage_to_pb(usage: KvUsage) -> pb.KvSlotCapacitySnapshot:
         cached_blocks=usage.cached_blocks,
         used_blocks=usage.used_blocks,
         reserved_blocks=usage.reserved_blocks,
+    )
+
+
+def reservation_to_pb(outcome: SlotReservation | CapacityDeferral) -> pb.ReserveKvSlotsResponse:
+    if not isinstance(outcome, SlotReservation):
+        return pb.ReserveKvSlotsResponse(deferred=deferral_to_pb(outcome))
+    return pb.ReserveKvSlotsResponse(
+        reserved=pb.KvSlotReservation(
+            block_size=outcome.block_size,
+            total_blocks=outcome.total_blocks,
+            free_blocks_before=outcome.free_blocks_before,
+            free_blocks_after=outcome.free_blocks_after,
+            cache_ids=[a[0] for a in outcome.allocations],
+            blocks_before=[a[1] for a in outcome.allocations],
+            blocks_after=[a[2] for a in outcome.allocations],
+            new_blocks=[a[2] - a[1] for a in outcome.allocations],
+        )
     )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ferrum_client.pb import executor_pb2 as pb
 
 from ferrum_server import __version__, convert
-from ferrum_server.engine import Engine, EngineStats, SlotReservation
+from ferrum_server.engine import Engine, EngineStats
 from ferrum_server.kv.manager import KvUsage
 from ferrum_server.profiling import device_peak_bytes
 
@@ -229,34 +229,4 @@ def metrics(engine: Engine) -> pb.ExecutorMetrics:
         throughput_tps=(stats.prefill_tokens + stats.decode_tokens) / busy_s if busy_s else 0.0,
         memory_efficiency=memory.used_bytes / max(1, memory.allocated_bytes),
         batch_utilization=stats.items / max(1, stats.steps) / engine.config.max_batch_size,
-    )
-
-
-def reserve_kv_slots(
-    engine: Engine, request: pb.ReserveKvSlotsRequest
-) -> pb.ReserveKvSlotsResponse:
-    count = len(request.target_lens)
-    cache_ids = convert._column("cache_ids", request.cache_ids, count, "")
-    request_ids = convert._column("request_ids", request.request_ids, count, "")
-    admission = convert._column("admission_target_lens", request.admission_target_lens, count, 0)
-    outcome = engine.reserve_slots(
-        [
-            (cache_ids[i], request_ids[i], request.target_lens[i], admission[i])
-            for i in range(count)
-        ],
-        request.executor_instance_id,
-    )
-    if not isinstance(outcome, SlotReservation):
-        return pb.ReserveKvSlotsResponse(deferred=convert.deferral_to_pb(outcome))
-    return pb.ReserveKvSlotsResponse(
-        reserved=pb.KvSlotReservation(
-            block_size=outcome.block_size,
-            total_blocks=outcome.total_blocks,
-            free_blocks_before=outcome.free_blocks_before,
-            free_blocks_after=outcome.free_blocks_after,
-            cache_ids=[a[0] for a in outcome.allocations],
-            blocks_before=[a[1] for a in outcome.allocations],
-            blocks_after=[a[2] for a in outcome.allocations],
-            new_blocks=[a[2] - a[1] for a in outcome.allocations],
-        )
     )

@@ -17,8 +17,15 @@ from ferrum_server import convert, descriptions, logs
 from ferrum_server.capacity import Admitted, Decision, PreemptionMode
 from ferrum_server.capacity_notifier import CapacityNotifier
 from ferrum_server.dispatch import Dispatcher, deadline_of
-from ferrum_server.domain import DeferralMode, ItemKind, ItemStatus, Step, StepOutcome
-from ferrum_server.engine import Engine
+from ferrum_server.domain import (
+    CapacityDeferral,
+    DeferralMode,
+    ItemKind,
+    ItemStatus,
+    Step,
+    StepOutcome,
+)
+from ferrum_server.engine import Engine, SlotReservation
 from ferrum_server.errors import (
     INTERNAL_MESSAGE,
     ExecutorError,
@@ -480,15 +487,22 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     ) -> pb.ReserveKvSlotsResponse:
         self._require_ready()
         engine = self.engine
+        slots = convert.slot_requests_from_pb(request)
 
-        def release_opened(response: pb.ReserveKvSlotsResponse) -> None:
-            given = list(request.cache_ids) or [""] * len(response.reserved.cache_ids)
-            opened = [c for c, g in zip(response.reserved.cache_ids, given, strict=False) if not g]
-            engine.release_caches(opened)
+        def release_opened(outcome: SlotReservation | CapacityDeferral) -> None:
+            # The caches opened for requests without a cache id: nobody will learn their ids.
+            if isinstance(outcome, SlotReservation):
+                allocations = zip(outcome.allocations, slots, strict=True)
+                engine.release_caches([a[0] for a, slot in allocations if not slot[0]])
 
-        return await engine.run(
-            ticket, descriptions.reserve_kv_slots, engine, request, on_orphan=release_opened
+        outcome = await engine.run(
+            ticket,
+            engine.reserve_slots,
+            slots,
+            request.executor_instance_id,
+            on_orphan=release_opened,
         )
+        return convert.reservation_to_pb(outcome)
 
     @_maps_errors
     async def ReleaseCache(
