@@ -1,5 +1,6 @@
-"""Protobuf <-> domain conversion. Pure functions; the only module besides the servicer that
-imports the generated code.
+"""Protobuf <-> domain conversion: every request is parsed here and every execution, KV and
+capacity response is built here (descriptions.py builds the descriptive ones). Pure functions,
+run on the event loop: the engine thread sees only the domain values they produce.
 
 The domain enums are checked against their proto twins once, at import (`_check_twins`), so
 every conversion between them below is a cast that cannot silently drift.
@@ -21,8 +22,11 @@ from ferrum_server.capacity import (
     PreemptionReceipt,
     Rejected,
     ReleaseSource,
+    SlotRequest,
+    SlotReservation,
 )
-from ferrum_server.capacity_notifier import CapacityState, source_key
+from ferrum_server.capacity_notifier import CapacityState, WaitResult, source_key
+from ferrum_server.config import EngineConfig
 from ferrum_server.domain import (
     GREEDY,
     CapacityDeferral,
@@ -43,7 +47,7 @@ from ferrum_server.domain import (
 )
 from ferrum_server.errors import InvalidArgument
 from ferrum_server.kv.epochs import Epochs, Source, SourceKey
-from ferrum_server.kv.manager import Cache, KvManager
+from ferrum_server.kv.manager import Cache, KvManager, KvUsage, ReleaseResult
 
 V = TypeVar("V")
 
@@ -235,6 +239,27 @@ def verify_step_from_pb(request: pb.ForwardVerifyRequest) -> Step:
     return Step([item], DeferralMode.ALL_OR_NOTHING, request.executor_instance_id)
 
 
+def slot_requests_from_pb(request: pb.ReserveKvSlotsRequest) -> list[SlotRequest]:
+    count = len(request.target_lens)
+    cache_ids = _column("cache_ids", request.cache_ids, count, "")
+    request_ids = _column("request_ids", request.request_ids, count, "")
+    admission = _column("admission_target_lens", request.admission_target_lens, count, 0)
+    return [
+        SlotRequest(cache_ids[i], request_ids[i], request.target_lens[i], admission[i])
+        for i in range(count)
+    ]
+
+
+def preemption_mode_from_pb(value: int) -> PreemptionMode:
+    if value not in (
+        pb.PREEMPTION_MODE_UNSPECIFIED,
+        pb.PREEMPTION_MODE_RECOMPUTE,
+        pb.PREEMPTION_MODE_SWAP,
+    ):
+        raise InvalidArgument(f"unknown preemption mode {value}")
+    return PreemptionMode.SWAP if value == pb.PREEMPTION_MODE_SWAP else PreemptionMode.RECOMPUTE
+
+
 # -- results ----------------------------------------------------------------------------------
 
 
@@ -336,6 +361,155 @@ def sampling_output_to_pb(result: ItemResult) -> pb.SamplingOutput:
 def single_deferral(outcome: StepOutcome) -> pb.ExecutionDeferral | None:
     deferral = outcome.results[0].deferral
     return deferral_to_pb(deferral) if deferral is not None else None
+
+
+def _cache_ref(result: ItemResult, block_size: int) -> pb.KvCacheRef:
+    return pb.KvCacheRef(
+        cache_id=result.cache_id, num_tokens=result.committed_tokens, block_size=block_size
+    )
+
+
+def prefill_response(step: Step, outcome: StepOutcome, block_size: int) -> pb.PrefillResponse:
+    timings = timings_to_pb(outcome.timings)
+    deferral = single_deferral(outcome)
+    if deferral is not None:
+        return pb.PrefillResponse(deferred=deferral, timings=timings)
+    result, item = outcome.results[0], step.items[0]
+    chunk = pb.PrefillChunk(
+        tokens_processed=item.position,
+        tokens_to_process=len(item.token_ids),
+        total_prompt_tokens=item.total_prompt_tokens,
+    )
+    completion = pb.PrefillCompletion(
+        kv_cache=_cache_ref(result, block_size),
+        planned_chunk=chunk,
+        completed_chunk=chunk,
+        request_id=item.request_id,
+    )
+    if result.status != ItemStatus.INTERMEDIATE:
+        completion.output.CopyFrom(sampling_output_to_pb(result))
+    return pb.PrefillResponse(completed=completion, timings=timings)
+
+
+def decode_response(outcome: StepOutcome, block_size: int) -> pb.DecodeResponse:
+    timings = timings_to_pb(outcome.timings)
+    deferral = single_deferral(outcome)
+    if deferral is not None:
+        return pb.DecodeResponse(deferred=deferral, timings=timings)
+    result = outcome.results[0]
+    output = pb.DecodeOutput(
+        kv_cache=_cache_ref(result, block_size), output=sampling_output_to_pb(result)
+    )
+    return pb.DecodeResponse(completed=output, timings=timings)
+
+
+def batch_prefill_response(outcome: StepOutcome) -> pb.BatchPrefillResponse:
+    """A transactional step: deferred whole (nothing ran), or every item's result."""
+    timings = timings_to_pb(outcome.timings)
+    deferral = single_deferral(outcome)
+    if deferral is not None:
+        return pb.BatchPrefillResponse(not_submitted=deferral, timings=timings)
+    return pb.BatchPrefillResponse(completed=results_to_pb(outcome.results), timings=timings)
+
+
+def batch_decode_response(outcome: StepOutcome) -> pb.BatchDecodeResponse:
+    """A transactional step: deferred whole (nothing ran), or every item's result."""
+    timings = timings_to_pb(outcome.timings)
+    deferral = single_deferral(outcome)
+    if deferral is not None:
+        return pb.BatchDecodeResponse(deferred=deferral, timings=timings)
+    return pb.BatchDecodeResponse(completed=results_to_pb(outcome.results), timings=timings)
+
+
+def unified_response(outcome: StepOutcome) -> pb.UnifiedBatchResponse:
+    """Per-item deferral: deferred items are among the results."""
+    return pb.UnifiedBatchResponse(
+        results=results_to_pb(outcome.results), timings=timings_to_pb(outcome.timings)
+    )
+
+
+def verify_response(step: Step, outcome: StepOutcome, block_size: int) -> pb.ForwardVerifyResponse:
+    timings = timings_to_pb(outcome.timings)
+    deferral = single_deferral(outcome)
+    if deferral is not None:
+        return pb.ForwardVerifyResponse(deferred=deferral, timings=timings)
+    result = outcome.results[0]
+    # token_ids is [last selected token, draft_1, ...]: a draft is accepted while it equals the
+    # token chosen at the position before it.
+    drafts = step.items[0].token_ids[1:]
+    accepted = 0
+    for draft, chosen in zip(drafts, result.token_ids, strict=False):
+        if draft != chosen:
+            break
+        accepted += 1
+    output = pb.ForwardVerifyOutput(
+        kv_cache=_cache_ref(result, block_size),
+        token_ids=result.token_ids,
+        token_logprobs=result.logprobs,
+        logits=result.logits,
+        num_accepted_greedy=accepted if result.token_ids else 0,
+    )
+    return pb.ForwardVerifyResponse(completed=output, timings=timings)
+
+
+def truncate_response(cache: Cache, blocks_freed: int, block_size: int) -> pb.TruncateKvResponse:
+    return pb.TruncateKvResponse(kv_cache=kv_ref(cache, block_size), blocks_freed=blocks_freed)
+
+
+def release_response(result: ReleaseResult, epochs: Epochs) -> pb.ReleaseCacheResponse:
+    return pb.ReleaseCacheResponse(
+        released=result.released, blocks_freed=result.blocks_freed, epochs=epochs_to_pb(epochs)
+    )
+
+
+def complete_response(result: ReleaseResult, epochs: Epochs) -> pb.CompleteCacheResponse:
+    return pb.CompleteCacheResponse(
+        released=result.released, blocks_freed=result.blocks_freed, epochs=epochs_to_pb(epochs)
+    )
+
+
+def warmup_response(
+    num_tokens: int, forward_ms: float, kv: KvManager, peak_activation_bytes: int
+) -> pb.WarmupResponse:
+    return pb.WarmupResponse(
+        num_tokens=num_tokens,
+        forward_ms=forward_ms,
+        total_blocks=kv.pool.num_blocks,
+        block_size=kv.block_size,
+        max_supported_total_tokens=kv.pool.num_blocks * kv.block_size,
+        peak_activation_bytes=peak_activation_bytes,
+    )
+
+
+# -- KV slots ---------------------------------------------------------------------------------
+
+
+def kv_usage_to_pb(usage: KvUsage) -> pb.KvSlotCapacitySnapshot:
+    return pb.KvSlotCapacitySnapshot(
+        block_size=usage.block_size,
+        total_blocks=usage.total_blocks,
+        free_blocks=usage.free_blocks,
+        cached_blocks=usage.cached_blocks,
+        used_blocks=usage.used_blocks,
+        reserved_blocks=usage.reserved_blocks,
+    )
+
+
+def reservation_to_pb(outcome: SlotReservation | CapacityDeferral) -> pb.ReserveKvSlotsResponse:
+    if not isinstance(outcome, SlotReservation):
+        return pb.ReserveKvSlotsResponse(deferred=deferral_to_pb(outcome))
+    return pb.ReserveKvSlotsResponse(
+        reserved=pb.KvSlotReservation(
+            block_size=outcome.block_size,
+            total_blocks=outcome.total_blocks,
+            free_blocks_before=outcome.free_blocks_before,
+            free_blocks_after=outcome.free_blocks_after,
+            cache_ids=[a[0] for a in outcome.allocations],
+            blocks_before=[a[1] for a in outcome.allocations],
+            blocks_after=[a[2] for a in outcome.allocations],
+            new_blocks=[a[2] - a[1] for a in outcome.allocations],
+        )
+    )
 
 
 # -- capacity protocol ------------------------------------------------------------------------
@@ -466,4 +640,35 @@ def kv_state_to_pb(state: CapacityState, block_size: int) -> pb.KvSlotCapacitySn
         free_blocks=state.free_blocks,
         cached_blocks=state.cached_blocks,
         used_blocks=state.used_blocks,
+    )
+
+
+def capacity_snapshot_response(
+    state: CapacityState, usage: KvUsage, kv: KvManager, config: EngineConfig
+) -> pb.GetCapacitySnapshotResponse:
+    return pb.GetCapacitySnapshotResponse(
+        epochs=epochs_to_pb(state.epochs),
+        sources=sources_to_pb(sorted(state.generations.items())),
+        kv=kv_usage_to_pb(usage),
+        capacity=capacity_snapshot_to_pb(state, kv),
+        limits=pb.AdmissionLimits(
+            maximum_active_sequences=config.max_batch_size,
+            maximum_scheduled_tokens=config.max_batch_tokens,
+        ),
+    )
+
+
+def wait_response(result: WaitResult) -> pb.WaitForCapacityChangeResponse:
+    return pb.WaitForCapacityChangeResponse(
+        changed=result.changed,
+        current=epochs_to_pb(result.state.epochs),
+        sources=sources_to_pb(result.sources),
+    )
+
+
+def watch_response(state: CapacityState, block_size: int) -> pb.WatchCapacityResponse:
+    return pb.WatchCapacityResponse(
+        epochs=epochs_to_pb(state.epochs),
+        sources=sources_to_pb(sorted(state.generations.items())),
+        kv=kv_state_to_pb(state, block_size),
     )

@@ -1,26 +1,37 @@
-"""Builds the descriptive responses (info, capabilities, status, metrics, capacity)."""
+"""Builds the descriptive responses (info, capabilities, status, metrics) from domain values.
+
+Facts fixed at start-up (the model, the configuration, the memory plan) are read directly.
+State that the engine thread mutates is copied there into plain records (`status_of`), and the
+protobuf is built from those on the event loop: no protobuf object reaches the engine thread.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 
-import torch
 from ferrum_client.pb import executor_pb2 as pb
 
 from ferrum_server import __version__, convert
-from ferrum_server.capacity import SlotRequest, SlotReservation
 from ferrum_server.engine import Engine
+from ferrum_server.kv.manager import KvUsage
+from ferrum_server.profiling import device_peak_bytes
+from ferrum_server.recorder import EngineStats
 
+# Keyed by EngineConfig.dtype, the configuration's string, so describing needs no torch.
 _DTYPES = {
-    torch.float32: pb.DATA_TYPE_FP32,
-    torch.bfloat16: pb.DATA_TYPE_BF16,
-    torch.float16: pb.DATA_TYPE_FP16,
+    "float32": pb.DATA_TYPE_FP32,
+    "bfloat16": pb.DATA_TYPE_BF16,
+    "float16": pb.DATA_TYPE_FP16,
 }
+_BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _device(engine: Engine) -> pb.Device:
-    if engine.device.type == "cuda":
-        return pb.Device(kind=pb.DEVICE_KIND_CUDA, ordinal=engine.device.index or 0)
+    kind, _, ordinal = engine.config.device.partition(":")
+    if kind == "cuda":
+        return pb.Device(kind=pb.DEVICE_KIND_CUDA, ordinal=int(ordinal or 0))
     return pb.Device(kind=pb.DEVICE_KIND_CPU)
 
 
@@ -36,7 +47,7 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         num_kv_heads=mc.num_kv_heads,
         vocab_size=mc.vocab_size,
         max_sequence_length=engine.max_sequence_length,
-        dtype=_DTYPES[engine.dtype],
+        dtype=_DTYPES[engine.config.dtype],
         device=_device(engine),
         head_dim=mc.head_dim,
         eos_token_ids=list(mc.eos_token_ids),
@@ -52,7 +63,7 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         if mc.num_kv_heads < mc.num_heads
         else pb.ATTENTION_TYPE_MULTI_HEAD
     )
-    kv_per_token = mc.kv_bytes_per_token(engine.dtype)
+    kv_per_token = engine.memory_plan.block_bytes // engine.config.block_size
     return pb.ExecutorCapabilities(
         max_batch_size=engine.config.max_batch_size,
         max_sequence_length=engine.max_sequence_length,
@@ -63,7 +74,7 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         supported_dtypes=list(_DTYPES.values()),
         supported_devices=[pb.Device(kind=pb.DEVICE_KIND_CPU), pb.Device(kind=pb.DEVICE_KIND_CUDA)],
         memory_requirements=pb.MemoryRequirements(
-            parameter_memory=mc.num_parameters * engine.dtype.itemsize,
+            parameter_memory=_weights_bytes(engine),
             kv_cache_memory_per_token=kv_per_token // max(1, mc.num_layers),
             typed_sequence_state=pb.TypedSequenceStateMemory(kv_bytes_per_token=kv_per_token),
         ),
@@ -104,7 +115,7 @@ def executor_config(engine: Engine) -> pb.ExecutorConfig:
     return pb.ExecutorConfig(
         model_info=model_info(engine),
         device=_device(engine),
-        dtype=_DTYPES[engine.dtype],
+        dtype=_DTYPES[engine.config.dtype],
         max_batch_size=cfg.max_batch_size,
         max_sequence_length=engine.max_sequence_length,
         attention_config=pb.ExecutorAttentionConfig(
@@ -114,7 +125,7 @@ def executor_config(engine: Engine) -> pb.ExecutorConfig:
         ),
         memory_config=pb.ExecutorMemoryConfig(
             enable_memory_pooling=True,
-            memory_pool_size=engine.kv_cache.numel() * engine.kv_cache.element_size(),
+            memory_pool_size=_pool_bytes(engine),
             max_memory_usage=cfg.gpu_memory_utilization * 100,
         ),
         optimization_config=pb.OptimizationConfig(
@@ -135,43 +146,57 @@ def info_response(engine: Engine) -> pb.GetInfoResponse:
     )
 
 
-def kv_snapshot(engine: Engine) -> pb.KvSlotCapacitySnapshot:
-    pool = engine.kv.pool
-    return pb.KvSlotCapacitySnapshot(
-        block_size=engine.kv.block_size,
-        total_blocks=pool.num_blocks,
-        free_blocks=pool.num_free,
-        cached_blocks=pool.num_cached,
-        used_blocks=pool.num_used,
-        reserved_blocks=engine.kv.num_reserved_blocks,
-    )
+def _weights_bytes(engine: Engine) -> int:
+    return engine.model_config.num_parameters * _BYTES_PER_ELEMENT[engine.config.dtype]
 
 
-def _memory(engine: Engine) -> pb.ExecutorMemoryUsage:
-    weights = engine.model_config.num_parameters * engine.dtype.itemsize
-    pool_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
-    used = weights + engine.kv.pool.num_used * engine.memory_plan.block_bytes
-    allocated = weights + pool_bytes
-    peak = allocated
-    if engine.device.type == "cuda":
-        peak = int(torch.cuda.max_memory_allocated(engine.device))
+def _pool_bytes(engine: Engine) -> int:
+    return engine.kv_cache.numel() * engine.kv_cache.element_size()
+
+
+def _memory(engine: Engine, used_blocks: int, peak_bytes: int | None) -> pb.ExecutorMemoryUsage:
+    weights = _weights_bytes(engine)
+    used = weights + used_blocks * engine.memory_plan.block_bytes
+    allocated = weights + _pool_bytes(engine)
     return pb.ExecutorMemoryUsage(
         allocated_bytes=allocated,
         used_bytes=used,
-        peak_bytes=peak,
+        peak_bytes=allocated if peak_bytes is None else peak_bytes,
         utilization_percent=100.0 * used / allocated,
     )
 
 
-def status_response(engine: Engine, accepting: bool) -> pb.GetStatusResponse:
-    stats = engine.stats
-    if not engine.warmed_up:
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    """What GetStatus reports, read on the engine thread in one go so the figures agree."""
+
+    warmed_up: bool
+    stats: EngineStats  # a copy
+    active_caches: int
+    kv: KvUsage
+    peak_bytes: int | None  # None without device allocator counters (CPU)
+
+
+def status_of(engine: Engine) -> EngineStatus:
+    """Engine thread: copy the state that GetStatus reports."""
+    return EngineStatus(
+        warmed_up=engine.warmed_up,
+        stats=dataclasses.replace(engine.stats),
+        active_caches=len(engine.kv.caches),
+        kv=engine.kv.usage(),
+        peak_bytes=device_peak_bytes(engine.device),
+    )
+
+
+def status_response(engine: Engine, status: EngineStatus, accepting: bool) -> pb.GetStatusResponse:
+    stats = status.stats
+    if not status.warmed_up:
         state = pb.EXECUTOR_STATE_INITIALIZING
     elif not accepting:
         state = pb.EXECUTOR_STATE_SHUTDOWN
     else:
         state = pb.EXECUTOR_STATE_READY
-    status = pb.ExecutorStatus(
+    executor_status = pb.ExecutorStatus(
         state=state,
         is_ready=accepting,
         current_batch_size=stats.current_batch_size,
@@ -179,19 +204,23 @@ def status_response(engine: Engine, accepting: bool) -> pb.GetStatusResponse:
         decode_operations=stats.decode_steps,
         avg_prefill_time_ms=stats.prefill_time_ns / 1e6 / max(1, stats.prefill_steps),
         avg_decode_time_ms=stats.decode_time_ns / 1e6 / max(1, stats.decode_steps),
-        memory_usage=_memory(engine),
-        active_sequences=len(engine.kv.caches),
+        memory_usage=_memory(engine, status.kv.used_blocks, status.peak_bytes),
+        active_sequences=status.active_caches,
         steps_executed=stats.steps,
         prefill_tokens=stats.prefill_tokens,
         decode_tokens=stats.decode_tokens,
     )
-    return pb.GetStatusResponse(status=status, kv_capacity=kv_snapshot(engine))
+    return pb.GetStatusResponse(
+        status=executor_status, kv_capacity=convert.kv_usage_to_pb(status.kv)
+    )
 
 
 def metrics(engine: Engine) -> pb.ExecutorMetrics:
+    # On the event loop, unlike status: the counters are read as they stand, without waiting
+    # behind the steps queued on the engine thread.
     stats = engine.stats
     busy_s = (stats.prefill_time_ns + stats.decode_time_ns) / 1e9
-    memory = _memory(engine)
+    memory = _memory(engine, engine.kv.pool.num_used, device_peak_bytes(engine.device))
     return pb.ExecutorMetrics(
         total_operations=stats.steps,
         prefill_operations=stats.prefill_steps,
@@ -201,34 +230,4 @@ def metrics(engine: Engine) -> pb.ExecutorMetrics:
         throughput_tps=(stats.prefill_tokens + stats.decode_tokens) / busy_s if busy_s else 0.0,
         memory_efficiency=memory.used_bytes / max(1, memory.allocated_bytes),
         batch_utilization=stats.items / max(1, stats.steps) / engine.config.max_batch_size,
-    )
-
-
-def reserve_kv_slots(
-    engine: Engine, request: pb.ReserveKvSlotsRequest
-) -> pb.ReserveKvSlotsResponse:
-    count = len(request.target_lens)
-    cache_ids = convert._column("cache_ids", request.cache_ids, count, "")
-    request_ids = convert._column("request_ids", request.request_ids, count, "")
-    admission = convert._column("admission_target_lens", request.admission_target_lens, count, 0)
-    outcome = engine.capacity.reserve_slots(
-        [
-            SlotRequest(cache_ids[i], request_ids[i], request.target_lens[i], admission[i])
-            for i in range(count)
-        ],
-        request.executor_instance_id,
-    )
-    if not isinstance(outcome, SlotReservation):
-        return pb.ReserveKvSlotsResponse(deferred=convert.deferral_to_pb(outcome))
-    return pb.ReserveKvSlotsResponse(
-        reserved=pb.KvSlotReservation(
-            block_size=outcome.block_size,
-            total_blocks=outcome.total_blocks,
-            free_blocks_before=outcome.free_blocks_before,
-            free_blocks_after=outcome.free_blocks_after,
-            cache_ids=[a[0] for a in outcome.allocations],
-            blocks_before=[a[1] for a in outcome.allocations],
-            blocks_after=[a[2] for a in outcome.allocations],
-            new_blocks=[a[2] - a[1] for a in outcome.allocations],
-        )
     )

@@ -80,6 +80,14 @@ def device_used_bytes(device: torch.device) -> int:
     return 0 if free is None else device_total_bytes(device) - free
 
 
+def device_peak_bytes(device: torch.device) -> int | None:
+    """The most torch's allocator has held on the device since start-up; None on CPU (no
+    allocator counters). Also read while serving, for the status and metrics responses."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
+
+
 def profile_startup(
     model: LlamaForCausalLM,
     config: ModelConfig,

@@ -1,4 +1,11 @@
-"""The gRPC servicer: protobuf <-> domain mapping and status codes, nothing else."""
+"""The gRPC servicer: each RPC is one straight function, protobuf in -> domain (convert.py) ->
+engine -> protobuf out (convert.py, descriptions.py).
+
+Two decorators give every RPC its frame: `_maps_errors` (the one error map) on all of them, and
+`_mutating` on the calls that change state, which also runs the body through the dispatcher:
+fencing and step-id deduplication, the call's deadline, and a caller that leaves (the body gets
+the call's `Ticket` for `engine.run`).
+"""
 
 from __future__ import annotations
 
@@ -12,17 +19,17 @@ from typing import Any, TypeVar
 import grpc
 from ferrum_client.pb import executor_pb2 as pb
 from ferrum_client.pb import executor_pb2_grpc as pb_grpc
+from google.protobuf.message import Message
 
 from ferrum_server import convert, descriptions, logs
-from ferrum_server.capacity import Admitted, Decision, PreemptionMode
+from ferrum_server.capacity import Admitted, Decision, SlotReservation
 from ferrum_server.capacity_notifier import CapacityNotifier
 from ferrum_server.dispatch import Dispatcher, deadline_of
-from ferrum_server.domain import DeferralMode, ItemKind, ItemStatus, Step, StepOutcome
+from ferrum_server.domain import CapacityDeferral, DeferralMode, ItemKind, Step, StepOutcome
 from ferrum_server.engine import Engine
 from ferrum_server.errors import (
     INTERNAL_MESSAGE,
     ExecutorError,
-    InvalidArgument,
     Unavailable,
     public_message,
 )
@@ -30,7 +37,12 @@ from ferrum_server.tickets import Ticket
 
 _LOG = logs.get(__name__)
 R = TypeVar("R")
+Req = TypeVar("Req", bound=Message)
 Handler = Callable[..., Awaitable[R]]
+# A mutating RPC as written: the request and the call's ticket in, the response out.
+Body = Callable[["ExecutorServicer", Req, Ticket[Any]], Awaitable[R]]
+# The same RPC as gRPC calls it: the request and the call's context in.
+Rpc = Callable[["ExecutorServicer", Req, Any], Awaitable[R]]
 
 # grpc.aio ends a stream handler's request iterator the same way whether the client half-closed
 # or the connection was lost (a failed read is reported as the end of the stream); the lost
@@ -78,6 +90,27 @@ def _maps_errors(handler: Handler[R]) -> Handler[R]:
         raise AssertionError("unreachable")  # abort() always raises
 
     return wrapper
+
+
+# The bodies of the mutating RPCs by method name, the name the step ledger fingerprints. A
+# StepStream step starts UnifiedBatch's body from here, so a step id runs once whether it came
+# by the stream or by a unary call.
+_BODIES: dict[str, Body[Any, Any]] = {}
+
+
+def _mutating(body: Body[Req, R]) -> Rpc[Req, R]:
+    """A state-changing RPC: the body runs through the dispatcher, under the one error map."""
+    method = body.__name__
+    _BODIES[method] = body
+
+    @_maps_errors
+    @functools.wraps(body)
+    async def rpc(self: ExecutorServicer, request: Req, context: Any) -> R:
+        return await self.dispatch.mutate(
+            method, request, context, functools.partial(body, self, request)
+        )
+
+    return rpc
 
 
 def _step_error(exc: BaseException) -> pb.StepError:
@@ -132,7 +165,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     @_maps_errors
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
-        return await self.engine.call(descriptions.status_response, self.engine, self.accepting)
+        accepting = self.accepting
+        status = await self.engine.call(descriptions.status_of, self.engine)
+        return descriptions.status_response(self.engine, status, accepting)
 
     @_maps_errors
     async def GetMetrics(
@@ -144,165 +179,71 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def GetKvSlotCapacity(
         self, request: pb.GetKvSlotCapacityRequest, context: Any
     ) -> pb.GetKvSlotCapacityResponse:
-        snapshot = await self.engine.call(descriptions.kv_snapshot, self.engine)
-        return pb.GetKvSlotCapacityResponse(snapshot=snapshot)
+        usage = await self.engine.call(self.engine.kv.usage)
+        return pb.GetKvSlotCapacityResponse(snapshot=convert.kv_usage_to_pb(usage))
 
     @_maps_errors
     async def Warmup(self, request: pb.WarmupRequest, context: Any) -> pb.WarmupResponse:
-        num_tokens, forward_ms = await self.engine.call(self.engine.warmup, request.num_tokens)
-        kv = self.engine.kv
-        return pb.WarmupResponse(
-            num_tokens=num_tokens,
-            forward_ms=forward_ms,
-            total_blocks=kv.pool.num_blocks,
-            block_size=kv.block_size,
-            max_supported_total_tokens=kv.pool.num_blocks * kv.block_size,
-            peak_activation_bytes=self.engine.memory_plan.activation_peak_bytes,
+        engine = self.engine
+        num_tokens, forward_ms = await engine.call(engine.warmup, request.num_tokens)
+        return convert.warmup_response(
+            num_tokens, forward_ms, engine.kv, engine.memory_plan.activation_peak_bytes
         )
 
     # -- execution ------------------------------------------------------------------------
 
-    @_maps_errors
-    async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
-        return await self.dispatch.mutate(
-            "Prefill", request, context, functools.partial(self._prefill, request)
-        )
-
-    async def _prefill(self, request: pb.PrefillRequest, ticket: Ticket[Any]) -> pb.PrefillResponse:
+    @_mutating
+    async def Prefill(self, request: pb.PrefillRequest, ticket: Ticket[Any]) -> pb.PrefillResponse:
         step = convert.prefill_step_from_pb(request)
         outcome = await self._execute(step, ticket)
-        timings = convert.timings_to_pb(outcome.timings)
-        deferral = convert.single_deferral(outcome)
-        if deferral is not None:
-            return pb.PrefillResponse(deferred=deferral, timings=timings)
-        result, item = outcome.results[0], step.items[0]
-        chunk = pb.PrefillChunk(
-            tokens_processed=item.position,
-            tokens_to_process=len(item.token_ids),
-            total_prompt_tokens=item.total_prompt_tokens,
-        )
-        completion = pb.PrefillCompletion(
-            kv_cache=pb.KvCacheRef(
-                cache_id=result.cache_id,
-                num_tokens=result.committed_tokens,
-                block_size=self.engine.kv.block_size,
-            ),
-            planned_chunk=chunk,
-            completed_chunk=chunk,
-            request_id=item.request_id,
-        )
-        if result.status != ItemStatus.INTERMEDIATE:
-            completion.output.CopyFrom(convert.sampling_output_to_pb(result))
-        return pb.PrefillResponse(completed=completion, timings=timings)
+        return convert.prefill_response(step, outcome, self.engine.kv.block_size)
 
-    @_maps_errors
-    async def Decode(self, request: pb.DecodeRequest, context: Any) -> pb.DecodeResponse:
-        return await self.dispatch.mutate(
-            "Decode", request, context, functools.partial(self._decode, request)
-        )
-
-    async def _decode(self, request: pb.DecodeRequest, ticket: Ticket[Any]) -> pb.DecodeResponse:
+    @_mutating
+    async def Decode(self, request: pb.DecodeRequest, ticket: Ticket[Any]) -> pb.DecodeResponse:
         outcome = await self._execute(convert.decode_step_from_pb(request), ticket)
-        timings = convert.timings_to_pb(outcome.timings)
-        deferral = convert.single_deferral(outcome)
-        if deferral is not None:
-            return pb.DecodeResponse(deferred=deferral, timings=timings)
-        result = outcome.results[0]
-        return pb.DecodeResponse(
-            completed=pb.DecodeOutput(
-                kv_cache=pb.KvCacheRef(
-                    cache_id=result.cache_id,
-                    num_tokens=result.committed_tokens,
-                    block_size=self.engine.kv.block_size,
-                ),
-                output=convert.sampling_output_to_pb(result),
-            ),
-            timings=timings,
-        )
+        return convert.decode_response(outcome, self.engine.kv.block_size)
 
-    async def _batch(
-        self,
-        items: pb.BatchItems,
-        mode: DeferralMode,
-        instance_id: int,
-        only: ItemKind | None,
-        ticket: Ticket[Any],
-    ) -> tuple[pb.BatchResults, pb.ExecutionDeferral | None, pb.StepTimings]:
-        step = convert.step_from_pb(items, mode, instance_id, only)
-        outcome = await self._execute(step, ticket)
-        timings = convert.timings_to_pb(outcome.timings)
-        if mode == DeferralMode.ALL_OR_NOTHING and outcome.results[0].deferral is not None:
-            return pb.BatchResults(), convert.single_deferral(outcome), timings
-        return convert.results_to_pb(outcome.results), None, timings
-
-    @_maps_errors
+    @_mutating
     async def BatchPrefill(
-        self, request: pb.BatchPrefillRequest, context: Any
-    ) -> pb.BatchPrefillResponse:
-        return await self.dispatch.mutate(
-            "BatchPrefill", request, context, functools.partial(self._batch_prefill, request)
-        )
-
-    async def _batch_prefill(
         self, request: pb.BatchPrefillRequest, ticket: Ticket[Any]
     ) -> pb.BatchPrefillResponse:
-        results, deferral, timings = await self._batch(
+        step = convert.step_from_pb(
             request.items,
             DeferralMode.ALL_OR_NOTHING,
             request.executor_instance_id,
             ItemKind.PREFILL_CHUNK,
-            ticket,
         )
-        if deferral is not None:
-            return pb.BatchPrefillResponse(not_submitted=deferral, timings=timings)
-        return pb.BatchPrefillResponse(completed=results, timings=timings)
+        return convert.batch_prefill_response(await self._execute(step, ticket))
 
-    @_maps_errors
+    @_mutating
     async def BatchDecode(
-        self, request: pb.BatchDecodeRequest, context: Any
-    ) -> pb.BatchDecodeResponse:
-        return await self.dispatch.mutate(
-            "BatchDecode", request, context, functools.partial(self._batch_decode, request)
-        )
-
-    async def _batch_decode(
         self, request: pb.BatchDecodeRequest, ticket: Ticket[Any]
     ) -> pb.BatchDecodeResponse:
-        results, deferral, timings = await self._batch(
+        step = convert.step_from_pb(
             request.items,
             DeferralMode.ALL_OR_NOTHING,
             request.executor_instance_id,
             ItemKind.DECODE,
-            ticket,
         )
-        if deferral is not None:
-            return pb.BatchDecodeResponse(deferred=deferral, timings=timings)
-        return pb.BatchDecodeResponse(completed=results, timings=timings)
+        return convert.batch_decode_response(await self._execute(step, ticket))
 
-    @_maps_errors
+    @_mutating
     async def UnifiedBatch(
-        self, request: pb.UnifiedBatchRequest, context: Any
-    ) -> pb.UnifiedBatchResponse:
-        return await self.dispatch.mutate(
-            "UnifiedBatch", request, context, functools.partial(self._unified, request)
-        )
-
-    async def _unified(
         self, request: pb.UnifiedBatchRequest, ticket: Ticket[Any]
     ) -> pb.UnifiedBatchResponse:
-        results, _, timings = await self._batch(
-            request.items, DeferralMode.PER_ITEM, request.executor_instance_id, None, ticket
+        step = convert.step_from_pb(
+            request.items, DeferralMode.PER_ITEM, request.executor_instance_id
         )
-        return pb.UnifiedBatchResponse(results=results, timings=timings)
+        return convert.unified_response(await self._execute(step, ticket))
 
     def _start_step(
         self, batch: pb.UnifiedBatchRequest, deadline: float | None
     ) -> tuple[Ticket[Any] | None, asyncio.Future[pb.UnifiedBatchResponse]]:
-        """Submit one stream step (deduplicated with unary UnifiedBatch by batch.step_id)."""
+        """Submit one stream step as a UnifiedBatch (so deduplicated with unary UnifiedBatch
+        calls by batch.step_id)."""
+        body = functools.partial(_BODIES["UnifiedBatch"], self, batch)
         try:
-            return self.dispatch.start(
-                "UnifiedBatch", batch, deadline, functools.partial(self._unified, batch)
-            )
+            return self.dispatch.start("UnifiedBatch", batch, deadline, body)
         except ExecutorError as exc:
             refused: asyncio.Future[pb.UnifiedBatchResponse] = (
                 asyncio.get_running_loop().create_future()
@@ -404,145 +345,82 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         released = await self.engine.call(self.engine.release_caches, sorted(touched))
         _LOG.info("stream_caches_released", caches_released=released)
 
-    @_maps_errors
+    @_mutating
     async def ForwardVerify(
-        self, request: pb.ForwardVerifyRequest, context: Any
-    ) -> pb.ForwardVerifyResponse:
-        return await self.dispatch.mutate(
-            "ForwardVerify", request, context, functools.partial(self._verify, request)
-        )
-
-    async def _verify(
         self, request: pb.ForwardVerifyRequest, ticket: Ticket[Any]
     ) -> pb.ForwardVerifyResponse:
-        outcome = await self._execute(convert.verify_step_from_pb(request), ticket)
-        timings = convert.timings_to_pb(outcome.timings)
-        deferral = convert.single_deferral(outcome)
-        if deferral is not None:
-            return pb.ForwardVerifyResponse(deferred=deferral, timings=timings)
-        result = outcome.results[0]
-        drafts = list(request.token_ids)[1:]
-        accepted = 0
-        for draft, chosen in zip(drafts, result.token_ids, strict=False):
-            if draft != chosen:
-                break
-            accepted += 1
-        output = pb.ForwardVerifyOutput(
-            kv_cache=pb.KvCacheRef(
-                cache_id=result.cache_id,
-                num_tokens=result.committed_tokens,
-                block_size=self.engine.kv.block_size,
-            ),
-            token_ids=result.token_ids,
-            token_logprobs=result.logprobs,
-            logits=result.logits,
-            num_accepted_greedy=accepted if result.token_ids else 0,
-        )
-        return pb.ForwardVerifyResponse(completed=output, timings=timings)
+        step = convert.verify_step_from_pb(request)
+        outcome = await self._execute(step, ticket)
+        return convert.verify_response(step, outcome, self.engine.kv.block_size)
 
-    @_maps_errors
+    @_mutating
     async def TruncateKv(
-        self, request: pb.TruncateKvRequest, context: Any
-    ) -> pb.TruncateKvResponse:
-        return await self.dispatch.mutate(
-            "TruncateKv", request, context, functools.partial(self._truncate, request)
-        )
-
-    async def _truncate(
         self, request: pb.TruncateKvRequest, ticket: Ticket[Any]
     ) -> pb.TruncateKvResponse:
         self._require_ready()
-        seq, freed = await self.engine.run(
+        engine = self.engine
+        cache, freed = await engine.run(
             ticket,
-            self.engine.truncate,
+            engine.truncate,
             request.cache_id,
             request.new_length,
             request.executor_instance_id,
         )
-        return pb.TruncateKvResponse(
-            kv_cache=convert.kv_ref(seq, self.engine.kv.block_size), blocks_freed=freed
-        )
+        return convert.truncate_response(cache, freed, engine.kv.block_size)
 
     # -- KV and release -------------------------------------------------------------------
 
-    @_maps_errors
+    @_mutating
     async def ReserveKvSlots(
-        self, request: pb.ReserveKvSlotsRequest, context: Any
-    ) -> pb.ReserveKvSlotsResponse:
-        return await self.dispatch.mutate(
-            "ReserveKvSlots", request, context, functools.partial(self._reserve, request)
-        )
-
-    async def _reserve(
         self, request: pb.ReserveKvSlotsRequest, ticket: Ticket[Any]
     ) -> pb.ReserveKvSlotsResponse:
         self._require_ready()
         engine = self.engine
+        slots = convert.slot_requests_from_pb(request)
 
-        def release_opened(response: pb.ReserveKvSlotsResponse) -> None:
-            given = list(request.cache_ids) or [""] * len(response.reserved.cache_ids)
-            opened = [c for c, g in zip(response.reserved.cache_ids, given, strict=False) if not g]
-            engine.release_caches(opened)
+        def release_opened(outcome: SlotReservation | CapacityDeferral) -> None:
+            # The caches opened for requests without a cache id: nobody will learn their ids.
+            if isinstance(outcome, SlotReservation):
+                allocations = zip(outcome.allocations, slots, strict=True)
+                engine.release_caches([a[0] for a, slot in allocations if not slot.cache_id])
 
-        return await engine.run(
-            ticket, descriptions.reserve_kv_slots, engine, request, on_orphan=release_opened
+        outcome = await engine.run(
+            ticket,
+            engine.capacity.reserve_slots,
+            slots,
+            request.executor_instance_id,
+            on_orphan=release_opened,
         )
+        return convert.reservation_to_pb(outcome)
 
-    @_maps_errors
+    @_mutating
     async def ReleaseCache(
-        self, request: pb.ReleaseCacheRequest, context: Any
-    ) -> pb.ReleaseCacheResponse:
-        return await self.dispatch.mutate(
-            "ReleaseCache", request, context, functools.partial(self._release, request)
-        )
-
-    async def _release(
         self, request: pb.ReleaseCacheRequest, ticket: Ticket[Any]
     ) -> pb.ReleaseCacheResponse:
-        result = await self.engine.run(
-            ticket, self.engine.release, request.cache_id, request.executor_instance_id
+        engine = self.engine
+        result = await engine.run(
+            ticket, engine.release, request.cache_id, request.executor_instance_id
         )
-        return pb.ReleaseCacheResponse(
-            released=result.released,
-            blocks_freed=result.blocks_freed,
-            epochs=convert.epochs_to_pb(self.engine.kv.clock.snapshot()),
-        )
+        return convert.release_response(result, engine.kv.clock.snapshot())
 
-    @_maps_errors
+    @_mutating
     async def CompleteCache(
-        self, request: pb.CompleteCacheRequest, context: Any
-    ) -> pb.CompleteCacheResponse:
-        return await self.dispatch.mutate(
-            "CompleteCache", request, context, functools.partial(self._complete, request)
-        )
-
-    async def _complete(
         self, request: pb.CompleteCacheRequest, ticket: Ticket[Any]
     ) -> pb.CompleteCacheResponse:
-        result = await self.engine.run(
+        engine = self.engine
+        result = await engine.run(
             ticket,
-            self.engine.complete,
+            engine.complete,
             request.request_id,
             request.cache_id,
             request.executor_instance_id,
         )
-        return pb.CompleteCacheResponse(
-            released=result.released,
-            blocks_freed=result.blocks_freed,
-            epochs=convert.epochs_to_pb(self.engine.kv.clock.snapshot()),
-        )
+        return convert.complete_response(result, engine.kv.clock.snapshot())
 
     # -- capacity protocol ----------------------------------------------------------------
 
-    @_maps_errors
+    @_mutating
     async def TryAdmitPrefill(
-        self, request: pb.TryAdmitPrefillRequest, context: Any
-    ) -> pb.TryAdmitPrefillResponse:
-        return await self.dispatch.mutate(
-            "TryAdmitPrefill", request, context, functools.partial(self._try_admit, request)
-        )
-
-    async def _try_admit(
         self, request: pb.TryAdmitPrefillRequest, ticket: Ticket[Any]
     ) -> pb.TryAdmitPrefillResponse:
         self._require_ready()
@@ -589,17 +467,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.GetCapacitySnapshotRequest, context: Any
     ) -> pb.GetCapacitySnapshotResponse:
         engine = self.engine
-        kv_snapshot = await engine.call(descriptions.kv_snapshot, engine)
-        state = self.notifier.state
-        return pb.GetCapacitySnapshotResponse(
-            epochs=convert.epochs_to_pb(state.epochs),
-            sources=convert.sources_to_pb(sorted(state.generations.items())),
-            kv=kv_snapshot,
-            capacity=convert.capacity_snapshot_to_pb(state, engine.kv),
-            limits=pb.AdmissionLimits(
-                maximum_active_sequences=engine.config.max_batch_size,
-                maximum_scheduled_tokens=engine.config.max_batch_tokens,
-            ),
+        usage = await engine.call(engine.kv.usage)
+        return convert.capacity_snapshot_response(
+            self.notifier.state, usage, engine.kv, engine.config
         )
 
     @_maps_errors
@@ -610,11 +480,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         remaining = context.time_remaining()
         timeout_s = request.timeout_ms / 1000 if request.timeout_ms else remaining
         result = await self.notifier.wait(request.condition.coordinator_id, observed, timeout_s)
-        return pb.WaitForCapacityChangeResponse(
-            changed=result.changed,
-            current=convert.epochs_to_pb(result.state.epochs),
-            sources=convert.sources_to_pb(result.sources),
-        )
+        return convert.wait_response(result)
 
     async def WatchCapacity(
         self, request: pb.WatchCapacityRequest, context: Any
@@ -624,11 +490,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         try:
             state = self.notifier.state
             while True:
-                yield pb.WatchCapacityResponse(
-                    epochs=convert.epochs_to_pb(state.epochs),
-                    sources=convert.sources_to_pb(sorted(state.generations.items())),
-                    kv=convert.kv_state_to_pb(state, block_size),
-                )
+                yield convert.watch_response(state, block_size)
                 state = await queue.get()
         finally:
             self.notifier.unwatch(queue)
@@ -640,28 +502,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         entries = await self.engine.call(self.engine.capacity.release_sources)
         return convert.release_sources_to_pb(entries)
 
-    @_maps_errors
+    @_mutating
     async def PreemptExecutionCapacity(
-        self, request: pb.PreemptExecutionCapacityRequest, context: Any
-    ) -> pb.PreemptExecutionCapacityResponse:
-        return await self.dispatch.mutate(
-            "PreemptExecutionCapacity", request, context, functools.partial(self._preempt, request)
-        )
-
-    async def _preempt(
         self, request: pb.PreemptExecutionCapacityRequest, ticket: Ticket[Any]
     ) -> pb.PreemptExecutionCapacityResponse:
-        if request.mode not in (
-            pb.PREEMPTION_MODE_UNSPECIFIED,
-            pb.PREEMPTION_MODE_RECOMPUTE,
-            pb.PREEMPTION_MODE_SWAP,
-        ):
-            raise InvalidArgument(f"unknown preemption mode {request.mode}")
-        mode = (
-            PreemptionMode.SWAP
-            if request.mode == pb.PREEMPTION_MODE_SWAP
-            else (PreemptionMode.RECOMPUTE)
-        )
+        mode = convert.preemption_mode_from_pb(request.mode)
         receipt = await self.engine.run(
             ticket,
             self.engine.capacity.preempt,

@@ -223,6 +223,48 @@ def test_caller_gone_during_the_step_releases_what_it_opened(
     report(tally)
 
 
+@pytest.mark.parametrize("method", ["reserve_slots", "try_admit"])
+def test_caller_gone_during_a_reservation_releases_what_it_opened(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """ReserveKvSlots without a cache id and TryAdmitPrefill open a cache whose id only the
+    response carries: when the caller has left by the time it is ready, the cache is released."""
+    tally = Tally(f"cancelled-mid-{method}")
+    engine = server.engine
+    owner = engine.capacity if method == "reserve_slots" else engine
+    real = getattr(owner, method)
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.8)  # on the engine thread, after the call started: its caller leaves
+        return real(*args)
+
+    monkeypatch.setattr(owner, method, slow)
+
+    async def scenario() -> None:
+        async with AsyncExecutorClient(server.target, timeout_s=0.3) as short:
+            tally.send(method)
+            with pytest.raises(ExecutorError) as caught:
+                if method == "reserve_slots":
+                    request = pb.ReserveKvSlotsRequest(
+                        request_ids=["gone-reserve"], target_lens=[9]
+                    )
+                    await short.reserve_kv_slots(request)
+                else:
+                    admit = pb.TryAdmitPrefillRequest(
+                        request_id="gone-admit", input_tokens=[4, 5, 6], product_prompt_tokens=3
+                    )
+                    await short.try_admit_prefill(admit)
+            tally.resolve(method, code_name(caught.value))
+            assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(1.0)  # the call finishes after its caller left
+
+    run_scenario(scenario())
+    monkeypatch.undo()
+    assert not server.live_requests() & {"gone-reserve", "gone-admit"}
+    tally.blocks_leaked = server.blocks_leaked()
+    report(tally)
+
+
 @pytest.mark.parametrize("release_on_disconnect", [True, False])
 def test_abandoned_step_stream_drops_queued_steps(
     server: InProcessServer, plan: Any, release_on_disconnect: bool

@@ -66,6 +66,19 @@ class ReleaseResult:
 
 
 @dataclass(frozen=True, slots=True)
+class KvUsage:
+    """The pool's block counts at one moment: a copy, so it can leave the engine thread."""
+
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    # Held past each sequence's committed tokens (admitted, not yet written).
+    reserved_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixMatch:
     block_ids: list[int]
     hashes: list[bytes]
@@ -123,6 +136,17 @@ class KvManager:
     def num_reserved_blocks(self) -> int:
         """Blocks held past each cache's committed tokens (admitted, not yet written)."""
         return sum(len(s.block_ids) - self.blocks_for(s.num_tokens) for s in self.caches.values())
+
+    def usage(self) -> KvUsage:
+        pool = self.pool
+        return KvUsage(
+            block_size=self.block_size,
+            total_blocks=pool.num_blocks,
+            free_blocks=pool.num_free,
+            cached_blocks=pool.num_cached,
+            used_blocks=pool.num_used,
+            reserved_blocks=self.num_reserved_blocks,
+        )
 
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
         """Full cached blocks matching the start of `tokens`, leaving >= 1 token to run."""
