@@ -47,6 +47,7 @@ from ferrum_kernels.attention import AttentionMetadata, reference_decode_attenti
 from ferrum_kernels.backend import KernelBackend, select_backend
 from ferrum_kernels.sampling import SamplingTensors, build_sampling_tensors
 from ferrum_server import engine as engine_module
+from ferrum_server import startup
 from ferrum_server.config import EngineConfig
 from ferrum_server.cuda_graphs import (
     DecodeGraphLayout,
@@ -513,8 +514,8 @@ def run_engine(plan: Plan, model: LlamaForCausalLM, kv_budget_bytes: int) -> dic
         prefix_caching=False,
         swap_space_bytes=0,
     )
-    # The engine loads by name; hand it the model we already built on the device instead.
-    with mock.patch.object(engine_module, "load_model", return_value=(model, plan.config)):
+    # Start-up loads by name; hand it the model we already built on the device instead.
+    with mock.patch.object(startup, "load_model", return_value=(model, plan.config)):
         engine = engine_module.Engine(config)
     try:
         report = _drive(plan, engine, make_requests(plan))
