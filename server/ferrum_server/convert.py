@@ -336,12 +336,12 @@ def results_to_pb(results: Seq[ItemResult]) -> pb.BatchResults:
     return out
 
 
-def kv_ref(seq: Cache, block_size: int) -> pb.KvCacheRef:
+def kv_ref(cache: Cache, block_size: int) -> pb.KvCacheRef:
     return pb.KvCacheRef(
-        cache_id=seq.cache_id,
-        num_tokens=seq.num_tokens,
+        cache_id=cache.cache_id,
+        num_tokens=cache.num_tokens,
         block_size=block_size,
-        block_ids=seq.block_ids,
+        block_ids=cache.block_ids,
     )
 
 

@@ -60,11 +60,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
-    def run(self, items: list[StepItem], sequences: list[Cache]) -> ForwardOutput:
-        """Run one forward over `items` whose sequences already hold blocks for the new tokens."""
+    def run(self, items: list[StepItem], caches: list[Cache]) -> ForwardOutput:
+        """Run one forward over `items` whose caches already hold blocks for the new tokens."""
         started = time.perf_counter_ns()
-        if self._graphable(items, sequences):
-            return self._run_graph(items, sequences, started)
+        if self._graphable(items, caches):
+            return self._run_graph(items, caches, started)
         counts = [len(item.token_ids) for item in items]
         query_start = [0, *itertools.accumulate(counts)]
         context_lens = [item.end for item in items]
@@ -85,8 +85,8 @@ class ModelRunner:
             - starts_t[item_of_token]
             + offsets_t[item_of_token]
         )  # [T]
-        width = max(len(seq.block_ids) for seq in sequences)
-        table_rows = [seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in sequences]
+        width = max(len(cache.block_ids) for cache in caches)
+        table_rows = [cache.block_ids + [0] * (width - len(cache.block_ids)) for cache in caches]
         block_tables = torch.tensor(table_rows, dtype=torch.int64, device=device)  # [B, width]
         block_of_token = block_tables[item_of_token, positions // self.block_size]  # [T]
         slot_mapping = block_of_token * self.block_size + positions % self.block_size  # [T]
@@ -105,45 +105,43 @@ class ModelRunner:
         rows_t = torch.tensor(output_rows, dtype=torch.int64, device=device)
         logits = self.model.compute_logits(hidden[rows_t])  # [R, vocab] float32
         forwarded = time.perf_counter_ns()
-        sampled, token_rows, logits_rows = self._select(items, sequences, logits)
+        sampled, token_rows, logits_rows = self._select(items, caches, logits)
         finished = time.perf_counter_ns()
         return ForwardOutput(
             sampled, token_rows, logits_rows, forwarded - started, finished - forwarded
         )
 
-    def _graphable(self, items: list[StepItem], sequences: list[Cache]) -> bool:
+    def _graphable(self, items: list[StepItem], caches: list[Cache]) -> bool:
         """Decode-only steps within the captured buckets replay a graph; the rest run eagerly."""
         graphs = self.graphs
         if graphs is None or not all(
             item.kind == ItemKind.DECODE and len(item.token_ids) == 1 for item in items
         ):
             return False
-        return graphs.accepts(len(items), max(len(seq.block_ids) for seq in sequences))
+        return graphs.accepts(len(items), max(len(cache.block_ids) for cache in caches))
 
-    def _run_graph(
-        self, items: list[StepItem], sequences: list[Cache], started: int
-    ) -> ForwardOutput:
+    def _run_graph(self, items: list[StepItem], caches: list[Cache], started: int) -> ForwardOutput:
         assert self.graphs is not None
         logits = self.graphs.run(
             [item.token_ids[0] for item in items],
             [item.position for item in items],
-            [seq.block_ids for seq in sequences],
+            [cache.block_ids for cache in caches],
         )  # [B, vocab] float32: every decode item has exactly one output row
         forwarded = time.perf_counter_ns()
-        sampled, token_rows, logits_rows = self._select(items, sequences, logits)
+        sampled, token_rows, logits_rows = self._select(items, caches, logits)
         finished = time.perf_counter_ns()
         return ForwardOutput(
             sampled, token_rows, logits_rows, forwarded - started, finished - forwarded, True
         )
 
     def _select(
-        self, items: list[StepItem], sequences: list[Cache], logits: torch.Tensor
+        self, items: list[StepItem], caches: list[Cache], logits: torch.Tensor
     ) -> tuple[SampleOutput | None, list[int], dict[int, bytes]]:
         token_rows: list[int] = []
         logits_rows: dict[int, bytes] = {}
-        row_items: list[tuple[StepItem, Cache, int]] = []  # (item, seq, position sampled)
+        row_items: list[tuple[StepItem, Cache, int]] = []  # (item, cache, position sampled)
         row = 0
-        for item, seq in zip(items, sequences, strict=True):
+        for item, cache in zip(items, caches, strict=True):
             for k in range(item.num_outputs):
                 # The token chosen at this row sits at position end - num_outputs + k + 1.
                 position = item.end - item.num_outputs + k + 1
@@ -151,7 +149,7 @@ class ModelRunner:
                     logits_rows[row] = logits[row].to("cpu").numpy().astype("<f4").tobytes()
                 else:
                     token_rows.append(row)
-                    row_items.append((item, seq, position))
+                    row_items.append((item, cache, position))
                 row += 1
         if not token_rows:
             return None, token_rows, logits_rows
@@ -178,13 +176,13 @@ class ModelRunner:
 def _penalty_context(row_items: list[tuple[StepItem, Cache, int]]) -> list[list[int]]:
     """HF convention: the penalty covers every context token up to the sampled position."""
     context: list[list[int]] = []
-    for item, seq, position in row_items:
+    for item, cache, position in row_items:
         if item.sampling.repetition_penalty in (0.0, 1.0):
             context.append([])
             continue
-        # seq.token_ids holds tokens before item.position; the item's own tokens follow.
+        # cache.token_ids holds tokens before item.position; the item's own tokens follow.
         upto = position - item.position
-        context.append(seq.token_ids + item.token_ids[:upto])
+        context.append(cache.token_ids + item.token_ids[:upto])
     return context
 
 

@@ -320,8 +320,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         all has nothing a late cancellation could release, so it need not wait)."""
         if not cache_ids:
             return False
-        sequences = self.engine.kv.caches
-        return await self.engine.call(lambda: any(c in sequences for c in cache_ids))
+        live = self.engine.kv.caches
+        return await self.engine.call(lambda: any(c in live for c in cache_ids))
 
     def _abandon_stream(self, unanswered: collections.deque[Any], touched: set[str]) -> None:
         futures = []
