@@ -2,7 +2,11 @@
 
 Every method that touches state runs on one worker thread, in submission order, so the KV
 manager needs no locks and a step always sees the state its predecessors left. RPC handlers
-await `Engine.call`.
+await `Engine.call` (or `Engine.run` with the caller's ticket).
+
+The engine owns the thread and `execute`; the rest is delegated: start-up to
+`startup.build_parts`, "does it fit" to `capacity`, the forward to `runner`, accounting to the
+`recorder` it is given. docs/architecture.md follows one step through them.
 """
 
 from __future__ import annotations
