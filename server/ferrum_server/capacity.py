@@ -418,13 +418,7 @@ class CapacityManager:
             cached_tokens=cached,
             blocks=len(cache.block_ids),
         )
-        return Admitted(
-            request_id=request_id,
-            cache_id=cache.cache_id,
-            cached_prompt_tokens=cached,
-            held_blocks=len(cache.block_ids),
-            epochs=kv.clock.snapshot(),
-        )
+        return self._admitted(cache, cached)
 
     def _validate(
         self,
@@ -606,10 +600,14 @@ class CapacityManager:
         self.stats.admitted += 1
         self.stats.swaps_in += 1
         self.metrics.record_admission("admitted")
+        return self._admitted(cache, restored)
+
+    def _admitted(self, cache: Cache, cached_prompt_tokens: int) -> Admitted:
+        """The receipt of an admission that opened `cache` with that many tokens in place."""
         return Admitted(
-            request_id=request_id,
+            request_id=cache.request_id,
             cache_id=cache.cache_id,
-            cached_prompt_tokens=restored,
+            cached_prompt_tokens=cached_prompt_tokens,
             held_blocks=len(cache.block_ids),
-            epochs=kv.clock.snapshot(),
+            epochs=self.kv.clock.snapshot(),
         )
