@@ -22,6 +22,7 @@ from torch import Tensor
 from ferrum_kernels import native
 
 __all__ = [
+    "GREEDY_TEMPERATURE_FLOOR",
     "SampleOutput",
     "SamplingTensors",
     "build_sampling_tensors",
@@ -32,6 +33,11 @@ __all__ = [
 
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
+# Temperatures below this are greedy. Dividing float32 logits by a temperature near 1e-39 (or a
+# denormal such as 1e-45) overflows them to inf, and the draw then picks an arbitrary token;
+# from here down, sampling is indistinguishable from greedy anyway (logit gaps of 1e-4 already
+# scale to 10).
+GREEDY_TEMPERATURE_FLOOR = 1e-5
 
 
 def _as_i64(value: int) -> int:
@@ -55,7 +61,7 @@ _UNIFORM_BITS = 23
 class SamplingTensors:
     """Per-row sampling parameters for one batch, already on the logits' device."""
 
-    temperature: Tensor  # [N] float32; <= 0 => greedy (argmax)
+    temperature: Tensor  # [N] float32; <= 0 => greedy (argmax); never in (0, 1e-5)
     top_k: Tensor  # [N] int64; <= 0 (or >= V) => disabled
     top_p: Tensor  # [N] float32; >= 1.0 => disabled
     seeds: Tensor  # [N] int64; per-request seed
@@ -213,8 +219,9 @@ def build_sampling_tensors(
     if num_logprobs < 0:
         raise ValueError("num_logprobs must be >= 0")
 
+    temperature = [t if t >= GREEDY_TEMPERATURE_FLOOR else 0.0 for t in temperature]
     floats = torch.tensor(
-        [list(temperature), list(top_p), list(repetition_penalty)], dtype=torch.float32
+        [temperature, list(top_p), list(repetition_penalty)], dtype=torch.float32
     ).reshape(3, n)  # [3, N]; reshape keeps the shape when n == 0
 
     # Only rows that actually penalise contribute ids: the others would scatter for nothing.

@@ -53,10 +53,6 @@ class Sampling:
     num_logprobs: int = 0
     token_mask: bytes = b""
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 GREEDY = Sampling()
 

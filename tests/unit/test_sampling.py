@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from ferrum_kernels.sampling import (
+    GREEDY_TEMPERATURE_FLOOR,
     SampleOutput,
     SamplingTensors,
     _apply_repetition_penalty,
@@ -217,6 +218,25 @@ def test_tiny_top_p_equals_greedy(top_p: float) -> None:
     logits = torch.randn(n, vocab)
     params = _params(n, vocab, temperature=2.0, top_p=top_p, seeds=list(range(n)))
     assert torch.equal(sample(logits, params).token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e-20, 9.9e-6])
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_temperature_below_the_floor_is_greedy(temperature: float, top_k: int) -> None:
+    # Dividing float32 logits by 1e-45 or 1e-39 overflows them to inf; before the floor the
+    # draw then matched greedy for 0 and 2 of 20 prompts (issue #17). 1e-20 and 9.9e-6 do not
+    # overflow these logits: they pin down that the floor itself is greedy.
+    torch.manual_seed(6)
+    n, vocab = 64, 32000
+    logits = torch.randn(n, vocab) * 8
+    params = _params(n, vocab, temperature=temperature, top_k=top_k, seeds=list(range(n)))
+    assert temperature < GREEDY_TEMPERATURE_FLOOR
+    assert torch.equal(sample(logits, params).token_ids, logits.argmax(-1))
+
+
+def test_temperature_at_the_floor_still_samples() -> None:
+    params = _params(4, 100, temperature=[GREEDY_TEMPERATURE_FLOOR, 1e-6, 0.5, 0.0])
+    assert params.temperature.tolist() == pytest.approx([GREEDY_TEMPERATURE_FLOOR, 0.0, 0.5, 0.0])
 
 
 def test_sampled_tokens_stay_in_top_k() -> None:
