@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import socket
 import time
 from dataclasses import dataclass
@@ -166,6 +167,9 @@ async def bind_server(
     engine_config: EngineConfig, server_config: ServerConfig, engine: Engine | None = None
 ) -> RunningServer:
     """Load the model and start answering on the ports; NOT_SERVING until `warm_up`."""
+    if server_config.reflection and importlib.util.find_spec("grpc_reflection") is None:
+        # Checked before the model loads, which can take minutes on a real checkpoint.
+        raise ValueError(_REFLECTION_MISSING)
     _LOG.info(
         "lifecycle",
         state="loading",
@@ -281,11 +285,14 @@ def _check_free(host: str, port: int) -> None:
             raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
 
 
+_REFLECTION_MISSING = "--debug-reflection needs the 'debug' extra (grpcio-reflection)"
+
+
 def _enable_reflection(server: grpc.aio.Server) -> None:
     try:
         from grpc_reflection.v1alpha import reflection
     except ImportError:
-        raise ValueError("--debug-reflection needs the 'debug' extra (grpcio-reflection)") from None
+        raise ValueError(_REFLECTION_MISSING) from None
     reflection.enable_server_reflection(
         (SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"), server
     )

@@ -278,3 +278,21 @@ def test_rpc_failures_are_logged_with_ids_and_no_tokens(tmp_path: object) -> Non
     assert failures[1]["code"] == "INVALID_ARGUMENT" and failures[1]["request_id"] == "req-8"
     text = open(log).read()  # noqa: SIM115
     assert "9999" not in text and "input_tokens" not in text
+
+
+def test_debug_reflection_without_its_package_is_refused_before_the_model_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from ferrum_server import app
+    from ferrum_server.config import EngineConfig, ServerConfig
+
+    monkeypatch.setitem(sys.modules, "grpc_reflection", None)  # as if not installed
+
+    def load_model(config: EngineConfig) -> None:
+        raise AssertionError("the model was loaded before the configuration was checked")
+
+    monkeypatch.setattr(app, "Engine", load_model)
+    with pytest.raises(ValueError, match="needs the 'debug' extra"):
+        asyncio.run(app.bind_server(EngineConfig(), ServerConfig(port=0, reflection=True)))
