@@ -19,6 +19,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from ferrum_server import logs
 from ferrum_server.config_flags import flag
 
 if TYPE_CHECKING:  # the stubs make these generic; at run time they are plain classes
@@ -44,6 +45,7 @@ _READ_METHODS = frozenset(
         "ListReleaseSources",
     )
 )
+_LOG = logs.get(__name__)
 _OPEN_PREFIX = "/grpc.health.v1.Health/"
 _AUTH_HEADER = "authorization"
 
@@ -153,8 +155,22 @@ class TokenAuthInterceptor(_Interceptor):
                     presented = text[len("Bearer ") :].encode()
         role = self.role_of(presented) if presented else None
         if role is None:
+            # Logged without the token; the refusal is counted by the RPC metrics
+            # (grpc_server_handled_total with its code), which wrap this interceptor.
+            _LOG.warning(
+                "auth_refused",
+                method=handler_call_details.method,
+                code="UNAUTHENTICATED",
+                reason="invalid token" if presented else "no token",
+            )
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
         if needed == "execute" and role != "execute":
+            _LOG.warning(
+                "auth_refused",
+                method=handler_call_details.method,
+                code="PERMISSION_DENIED",
+                reason=f"a {role} token on an execute method",
+            )
             return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, "token lacks this role")
         return handler
 

@@ -150,6 +150,26 @@ def test_token_roles(server: InProcessServer, pki: Pki, capsys: pytest.CaptureFi
     report(tally)
 
 
+def test_refused_calls_are_logged_without_the_token(
+    server: InProcessServer, pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    wrong = "wr0ng-t0ken-for-tests"
+    with _client(server, pki, wrong) as client:
+        assert _code(client.get_status) == grpc.StatusCode.UNAUTHENTICATED
+    with _client(server, pki, READ_TOKEN) as client:
+        call = lambda: client.prefill(pb.PrefillRequest(request_id="log", input_tokens=[1]))  # noqa: E731
+        assert _code(call) == grpc.StatusCode.PERMISSION_DENIED
+    output = capsys.readouterr()
+    text = output.out + output.err
+    refusals = [line for line in text.splitlines() if "auth_refused" in line]
+    assert len(refusals) == 2, text
+    assert "GetStatus" in refusals[0] and "UNAUTHENTICATED" in refusals[0]
+    assert "Prefill" in refusals[1] and "PERMISSION_DENIED" in refusals[1]
+    for token in (wrong, READ_TOKEN, EXEC_TOKEN):
+        assert token not in text
+
+
 def test_token_comparison_prefers_execute_and_rejects_prefixes(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "tokens"
     path.write_text("read:shared\nexecute:shared\nread:abc\n")
