@@ -154,6 +154,22 @@ class RunningServer:
             await asyncio.sleep(interval_s)
 
 
+class HealthServicer(health_aio.HealthServicer):  # type: ignore[misc]  # untyped library
+    """The standard health servicer plus `List`, which grpcio-health-checking leaves
+    unimplemented (it answered UNIMPLEMENTED with the library's internal text)."""
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: Any
+    ) -> health_pb2.HealthListResponse:
+        statuses = dict(self._server_status)  # service name -> status, "" included
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in sorted(statuses.items())
+            }
+        )
+
+
 async def start_server(
     engine_config: EngineConfig, server_config: ServerConfig, engine: Engine | None = None
 ) -> RunningServer:
@@ -206,7 +222,7 @@ async def bind_server(
         release_on_disconnect=server_config.release_on_disconnect,
     )
     pb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
-    health_servicer = health_aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, _NOT_SERVING)

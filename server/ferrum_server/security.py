@@ -10,6 +10,7 @@ never needs a token, so probes work; with TLS on, a plaintext health-only port s
 from __future__ import annotations
 
 import hmac
+import inspect
 import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -256,8 +257,14 @@ class MalformedRequestInterceptor(_Interceptor):
         )
 
 
+def _yields(behaviour: Any) -> bool:
+    """Whether a streaming handler yields its responses. The other shape grpc.aio allows writes
+    them with `context.write` and returns (the standard health servicer's Watch does)."""
+    return inspect.isasyncgenfunction(behaviour)
+
+
 def _guard_unary(behaviour: Any, streaming: bool) -> Any:
-    if streaming:
+    if streaming and _yields(behaviour):
 
         async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
             if request is _MALFORMED:
@@ -285,7 +292,7 @@ def _guard_stream(behaviour: Any, streaming: bool) -> Any:
 
         return iterate()
 
-    if streaming:
+    if streaming and _yields(behaviour):
 
         async def stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
             async for response in behaviour(checked(requests, context), context):

@@ -296,3 +296,36 @@ def test_debug_reflection_without_its_package_is_refused_before_the_model_loads(
     monkeypatch.setattr(app, "Engine", load_model)
     with pytest.raises(ValueError, match="needs the 'debug' extra"):
         asyncio.run(app.bind_server(EngineConfig(), ServerConfig(port=0, reflection=True)))
+
+
+def test_standard_health_watch_list_and_client_side_health_checking(
+    live_server: LiveServer,
+) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(live_server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        # Watch is a streaming handler that writes instead of yielding: the request guard used
+        # to fail it with UNKNOWN.
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert next(watch).status == serving
+        watch.cancel()
+        listed = health.List(health_pb2.HealthListRequest(), timeout=10)
+        assert {name: s.status for name, s in listed.statuses.items()} == {
+            "": serving,
+            "ferrum.executor.v1.ExecutorService": serving,
+            "ferrum.executor.v1.Liveness": serving,
+        }
+    # gRPC's client-side health checking (healthCheckConfig) watches "" before it sends a call.
+    config = json.dumps(
+        {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}
+    )
+    options = [("grpc.service_config", config)]
+    with grpc.insecure_channel(live_server.target, options=options) as channel:
+        get_info = channel.unary_unary(
+            "/ferrum.executor.v1.ExecutorService/GetInfo",
+            request_serializer=pb.GetInfoRequest.SerializeToString,
+            response_deserializer=pb.GetInfoResponse.FromString,
+        )
+        assert get_info(pb.GetInfoRequest(), timeout=10).model_info.model_id == "tiny"
