@@ -9,6 +9,7 @@ never needs a token, so probes work; with TLS on, a plaintext health-only port s
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import inspect
 import pathlib
@@ -49,6 +50,11 @@ _READ_METHODS = frozenset(
 _LOG = logs.get(__name__)
 _OPEN_PREFIX = "/grpc.health.v1.Health/"
 _AUTH_HEADER = "authorization"
+# A caller without a token may name its session, so that what the executor keeps per caller
+# (step ids, limits) is kept apart from other callers'. Longer values are refused.
+SESSION_HEADER = "ferrum-session"
+MAX_SESSION_BYTES = 256
+ANONYMOUS = "anonymous"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +121,26 @@ def load_tokens(path: str) -> list[tuple[str, bytes]]:
     if not tokens:
         raise ValueError("the auth token file holds no token")
     return tokens
+
+
+def caller_identity(metadata: Any) -> str:
+    """Who is calling, for what the executor keeps per caller (never the secret itself).
+
+    With a bearer token: a digest of the token (the interceptor has already checked it). Without
+    one: the caller-chosen `ferrum-session` header, or ANONYMOUS (every such caller is one).
+    A session header longer than MAX_SESSION_BYTES raises ValueError.
+    """
+    session = ""
+    for key, value in metadata or ():
+        text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+        if key == _AUTH_HEADER and text.startswith("Bearer "):
+            digest = hashlib.blake2b(text[len("Bearer ") :].encode(), digest_size=8)
+            return "token:" + digest.hexdigest()
+        if key == SESSION_HEADER:
+            session = text
+    if len(session.encode()) > MAX_SESSION_BYTES:
+        raise ValueError(f"the {SESSION_HEADER} header is longer than {MAX_SESSION_BYTES} bytes")
+    return "session:" + session if session else ANONYMOUS
 
 
 def required_role(method: str) -> str | None:

@@ -38,6 +38,8 @@ class Tally:
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     codes: collections.Counter[str] = field(default_factory=collections.Counter)
     blocks_leaked: int = 0
+    # Peak RSS growth of the server process over a flood scenario (None when not measured).
+    rss_growth_bytes: int | None = None
     started: float = field(default_factory=time.monotonic)
     notes: str = ""
 
@@ -69,6 +71,8 @@ class Tally:
             f"lost={self.lost} duplicated={self.duplicated} blocks_leaked={self.blocks_leaked} "
             f"({elapsed:.1f}s)"
         )
+        if self.rss_growth_bytes is not None:
+            text += f" rss_growth={self.rss_growth_bytes / 2**20:.1f}MiB"
         return f"{text} {self.notes}".rstrip()
 
 
