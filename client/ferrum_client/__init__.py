@@ -16,6 +16,7 @@ from ferrum_client.errors import (
     PositionMismatchError,
     ResourceExhaustedError,
     StaleExecutorError,
+    StepResultEvictedError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "ResourceExhaustedError",
     "SamplingOptions",
     "StaleExecutorError",
+    "StepResultEvictedError",
     "StepStream",
     "UnauthenticatedError",
     "UnavailableError",

@@ -60,6 +60,26 @@ STEP_RETRY_MAX_BACKOFF_S = 1.0
 STEP_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
+# A caller-chosen session id, sent on every call when set: the executor keeps step ids (and
+# other per-caller state) per session, so two schedulers never see each other's stored results.
+# Under token auth it refines the token's scope for step ids.
+SESSION_HEADER = "ferrum-session"
+MAX_SESSION_BYTES = 256
+Metadata = tuple[tuple[str, str], ...]
+
+
+def call_metadata(token: str | None = None, session_id: str | None = None) -> Metadata | None:
+    """The metadata every call of a handle carries: the bearer token and the session id."""
+    if session_id is not None and not 0 < len(session_id.encode()) <= MAX_SESSION_BYTES:
+        raise ValueError(f"session_id must be 1 to {MAX_SESSION_BYTES} bytes")
+    metadata: Metadata = ()
+    if token:
+        metadata += (("authorization", f"Bearer {token}"),)
+    if session_id:
+        metadata += ((SESSION_HEADER, session_id),)
+    return metadata or None
+
+
 def tls_credentials(
     root_ca: bytes | str | pathlib.Path | None = None,
     client_cert: bytes | str | pathlib.Path | None = None,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
+
+from ferrum_client.pb import executor_pb2 as pb
 
 
 class ExecutorError(Exception):
@@ -30,6 +34,14 @@ class NotFoundError(ExecutorError):
 
 class StaleExecutorError(ExecutorError):
     """The executor restarted since the caller last synced (FAILED_PRECONDITION)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StepResultEvictedError(ExecutorError):
+    """FAILED_PRECONDITION with reason STEP_RESULT_EVICTED: the step id was used, but the
+    executor no longer holds its result. The step ran (or may have) and is never run again under
+    this id: re-read the state (GetStatus, ListReleaseSources) before going on."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -100,19 +112,40 @@ _BY_CODE: dict[grpc.StatusCode, type[ExecutorError]] = {
 }
 
 
-def from_status(code: grpc.StatusCode, message: str) -> ExecutorError:
+# Typed reasons (pb.ErrorReason names without the prefix), where the code alone is ambiguous.
+# Unary calls carry the name in this trailing metadata; stream steps in StepError.reason.
+REASON_METADATA = "ferrum-error-reason"
+_BY_REASON: dict[str, type[ExecutorError]] = {"STEP_RESULT_EVICTED": StepResultEvictedError}
+
+
+def from_status(code: grpc.StatusCode, message: str, reason: str = "") -> ExecutorError:
+    typed = _BY_REASON.get(reason)
+    if typed is not None and typed.code == code:
+        return typed(message)
     cls = _BY_CODE.get(code, ExecutorError)
     return cls(message, code) if cls is ExecutorError else cls(message)
+
+
+def _reason(error: grpc.RpcError) -> str:
+    # (key, value) pairs: namedtuples from the blocking channel, a Metadata object from aio.
+    trailers: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == REASON_METADATA:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return ""
 
 
 def from_rpc_error(error: grpc.RpcError) -> ExecutorError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    return from_status(code, details or "")
+    return from_status(code, details or "", _reason(error))
 
 
-def from_step_error(code: int, message: str) -> ExecutorError:
+def from_step_error(code: int, message: str, reason: int = 0) -> ExecutorError:
+    known = reason in pb.ErrorReason.values()
+    name = pb.ErrorReason.Name(pb.ErrorReason.ValueType(reason)) if known and reason else ""
+    name = name.removeprefix("ERROR_REASON_")
     for status in grpc.StatusCode:
         if status.value[0] == code:
-            return from_status(status, message)
+            return from_status(status, message, name)
     return ExecutorError(message)

@@ -4,6 +4,8 @@ return the generated protobuf messages, and raise `ferrum_client.errors` excepti
 
 Security: pass `credentials` (see `ferrum_client.channel.tls_credentials`) for TLS / mTLS and
 `token` for bearer-token auth (sent as `authorization` metadata; use it over TLS or loopback).
+`session_id` (sent as `ferrum-session` metadata) names the caller's session: the executor keeps
+step ids per caller, so give each scheduler its own, stable across its reconnects.
 
 Retries: read-only calls are retried by the channel on UNAVAILABLE. A mutating call is retried
 (on UNAVAILABLE, within the same overall timeout) only when it carries a non-zero `step_id`,
@@ -28,6 +30,8 @@ from ferrum_client.channel import (
     STEP_RETRY_INITIAL_BACKOFF_S,
     STEP_RETRY_MAX_BACKOFF_S,
     STEP_RETRYABLE,
+    Metadata,
+    call_metadata,
 )
 from ferrum_client.errors import ExecutorError, from_rpc_error, from_step_error
 from ferrum_client.pb import executor_pb2 as pb
@@ -35,11 +39,6 @@ from ferrum_client.pb import executor_pb2_grpc as pb_grpc
 
 R = TypeVar("R")
 _CANCELLED = grpc.StatusCode.CANCELLED
-Metadata = tuple[tuple[str, str], ...]
-
-
-def _auth_metadata(token: str | None) -> Metadata | None:
-    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def _retry_delay(request: Any, error: grpc.RpcError, attempt: int) -> float | None:
@@ -67,6 +66,7 @@ class ExecutorClient:
         timeout_s: float | None = 60.0,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        session_id: str | None = None,
     ) -> None:
         options = list(CHANNEL_OPTIONS)
         self._channel = (
@@ -77,7 +77,7 @@ class ExecutorClient:
         self._stub = pb_grpc.ExecutorServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
-        self._metadata = _auth_metadata(token)
+        self._metadata = call_metadata(token, session_id)
 
     def __enter__(self) -> ExecutorClient:
         return self
@@ -183,8 +183,12 @@ class ExecutorClient:
     ) -> pb.WaitForCapacityChangeResponse:
         return self._call("WaitForCapacityChange", request)  # type: ignore[no-any-return]
 
-    def list_release_sources(self) -> pb.ListReleaseSourcesResponse:
-        return self._call("ListReleaseSources", pb.ListReleaseSourcesRequest())  # type: ignore[no-any-return]
+    def list_release_sources(
+        self, request: pb.ListReleaseSourcesRequest | None = None
+    ) -> pb.ListReleaseSourcesResponse:
+        """One page (up to 1024 entries); pass `next_page_token` back as `page_token`."""
+        request = request or pb.ListReleaseSourcesRequest()
+        return self._call("ListReleaseSources", request)  # type: ignore[no-any-return]
 
     def preempt_execution_capacity(
         self, request: pb.PreemptExecutionCapacityRequest
@@ -202,6 +206,7 @@ class AsyncExecutorClient:
         timeout_s: float | None = 60.0,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        session_id: str | None = None,
     ) -> None:
         options = list(CHANNEL_OPTIONS)
         self._channel = (
@@ -212,7 +217,7 @@ class AsyncExecutorClient:
         self._stub = pb_grpc.ExecutorServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
-        self._metadata = _auth_metadata(token)
+        self._metadata = call_metadata(token, session_id)
 
     async def __aenter__(self) -> AsyncExecutorClient:
         return self
@@ -331,8 +336,12 @@ class AsyncExecutorClient:
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
-    async def list_release_sources(self) -> pb.ListReleaseSourcesResponse:
-        return await self._call("ListReleaseSources", pb.ListReleaseSourcesRequest())  # type: ignore[no-any-return]
+    async def list_release_sources(
+        self, request: pb.ListReleaseSourcesRequest | None = None
+    ) -> pb.ListReleaseSourcesResponse:
+        """One page (up to 1024 entries); pass `next_page_token` back as `page_token`."""
+        request = request or pb.ListReleaseSourcesRequest()
+        return await self._call("ListReleaseSources", request)  # type: ignore[no-any-return]
 
     async def preempt_execution_capacity(
         self, request: pb.PreemptExecutionCapacityRequest
@@ -391,9 +400,8 @@ class StepStream:
             async for response in self._call:
                 future = self._waiting.pop(response.step_id)
                 if response.HasField("error"):
-                    future.set_exception(
-                        from_step_error(response.error.code, response.error.message)
-                    )
+                    error = response.error
+                    future.set_exception(from_step_error(error.code, error.message, error.reason))
                 else:
                     future.set_result(response.result)
         except grpc.RpcError as error:

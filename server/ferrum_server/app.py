@@ -219,6 +219,8 @@ async def bind_server(
         engine,
         CapacityNotifier(engine.kv, asyncio.get_running_loop()),
         step_ledger_size=server_config.step_ledger_size,
+        step_ledger_max_bytes=server_config.step_ledger_max_bytes,
+        step_ledger_evicted_ids=server_config.step_ledger_evicted_ids,
         release_on_disconnect=server_config.release_on_disconnect,
     )
     pb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)

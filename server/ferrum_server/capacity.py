@@ -488,10 +488,14 @@ class CapacityManager:
 
     # -- preemption -----------------------------------------------------------------------
 
-    def release_sources(self) -> list[ReleaseSource]:
+    def release_sources(self, after: str = "", limit: int = 0) -> list[ReleaseSource]:
+        """What releasing each live cache would free, ordered by cache id: the caches after
+        the cache id `after`, at most `limit` of them (0 = all)."""
         kv = self.kv
+        cache_ids = sorted(c for c in kv.caches if c > after)
         entries = []
-        for cache in kv.caches.values():
+        for cache_id in cache_ids[:limit] if limit else cache_ids:
+            cache = kv.caches[cache_id]
             blocks = kv.releasable_blocks(cache)
             sources = {SEQUENCE_SLOTS} | ({KV_BLOCKS} if blocks else set())
             entries.append(

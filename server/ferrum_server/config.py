@@ -145,9 +145,24 @@ class ServerConfig:
         default=True,
         metadata=flag("release the caches a StepStream opened or touched when it ends abnormally"),
     )
-    # Most recent first.
+    # The step ledger's bounds, each evicting the oldest first (see step_ledger.py).
     step_ledger_size: int = field(
-        default=4096, metadata=flag("step ids remembered for exactly-once retries")
+        default=4096, metadata=flag("step ids whose results are held for exactly-once retries")
+    )
+    step_ledger_max_bytes: int = field(
+        default=64 * 1024**2,
+        metadata=flag(
+            "bytes of stored responses (serialized size) the step ledger holds; a larger "
+            "response is not kept"
+        ),
+    )
+    # About 190 bytes each (measured): 12 MiB at the default.
+    step_ledger_evicted_ids: int = field(
+        default=65536,
+        metadata=flag(
+            "evicted step ids remembered, so that a retry answers FAILED_PRECONDITION "
+            "(result no longer held) instead of running again"
+        ),
     )
     # Built from SecurityConfig's own flags.
     security: SecurityConfig = field(default_factory=SecurityConfig, metadata=NOT_A_FLAG)
@@ -194,8 +209,10 @@ class ServerConfig:
             raise ValueError("max concurrent RPCs must be >= 0")
         if self.max_concurrent_streams < 1 or self.max_metadata_bytes < 1024:
             raise ValueError("max concurrent streams must be >= 1 and max metadata >= 1024 bytes")
-        if self.step_ledger_size < 1:
-            raise ValueError("step ledger size must be >= 1")
+        if self.step_ledger_size < 1 or self.step_ledger_evicted_ids < 1:
+            raise ValueError("step ledger size and evicted step ids must be >= 1")
+        if self.step_ledger_max_bytes < 0:
+            raise ValueError("step ledger max bytes must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,8 @@ from collections.abc import Sequence as Seq
 from typing import TypeVar
 
 from ferrum_client.pb import executor_pb2 as pb
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from ferrum_server.capacity import (
     Admitted,
@@ -45,9 +47,10 @@ from ferrum_server.domain import (
     StepOutcome,
     Timings,
 )
-from ferrum_server.errors import InvalidArgument
+from ferrum_server.errors import ErrorReason, InvalidArgument
 from ferrum_server.kv.epochs import Epochs, Source, SourceKey
 from ferrum_server.kv.manager import Cache, KvManager, KvUsage, ReleaseResult
+from ferrum_server.validate import MAX_ID_BYTES
 
 V = TypeVar("V")
 
@@ -77,8 +80,35 @@ _check_twins(ShortfallKind, pb.ShortfallKind, "SHORTFALL_KIND_")
 _check_twins(CapacityUnit, pb.CapacityUnit, "CAPACITY_UNIT_")
 _check_twins(Source, pb.CapacitySource, "CAPACITY_SOURCE_")
 _check_twins(PreemptionMode, pb.PreemptionMode, "PREEMPTION_MODE_")
+_check_twins(ErrorReason, pb.ErrorReason, "ERROR_REASON_")
+
+# Most entries in one ListReleaseSources answer (ids are at most MAX_ID_BYTES, so a page stays
+# near 0.6 MiB, under every message limit).
+MAX_RELEASE_SOURCES_PAGE = 1024
 
 # -- requests ---------------------------------------------------------------------------------
+
+
+def check_ids(request: Message, path: str = "") -> None:
+    """Every string field of a request is an id (request, cache, page token): at most
+    MAX_ID_BYTES bytes of UTF-8 each, or INVALID_ARGUMENT naming the field. Checked before
+    anything else looks at the request: ids are fingerprinted, logged, stored and echoed in
+    answers (a 1.3 MB id once made every ListReleaseSources answer outgrow the message limit)."""
+    for field, value in request.ListFields():
+        name = path + field.name
+        if field.type == FieldDescriptor.TYPE_STRING:
+            texts = value if field.is_repeated else (value,)
+            for index, text in enumerate(texts):
+                # A str of at most MAX_ID_BYTES / 4 characters fits whatever its characters.
+                if len(text) * 4 > MAX_ID_BYTES and len(text.encode()) > MAX_ID_BYTES:
+                    where = f"{name}[{index}]" if field.is_repeated else name
+                    raise InvalidArgument(
+                        f"{where} is {len(text.encode())} bytes; ids are limited to "
+                        f"{MAX_ID_BYTES} bytes"
+                    )
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            for child in value if field.is_repeated else (value,):
+                check_ids(child, name + ".")
 
 
 def _column(name: str, values: Seq[V], count: int, default: V) -> Seq[V]:
@@ -596,8 +626,19 @@ def condition_from_pb(condition: pb.CapacityWaitCondition) -> list[tuple[SourceK
     return [(source_key(o.source, o.domain), o.epoch) for o in condition.observed]
 
 
-def release_sources_to_pb(entries: Seq[ReleaseSource]) -> pb.ListReleaseSourcesResponse:
+def release_sources_page_size(requested: int) -> int:
+    return min(requested, MAX_RELEASE_SOURCES_PAGE) or MAX_RELEASE_SOURCES_PAGE
+
+
+def release_sources_to_pb(
+    entries: Seq[ReleaseSource], page_size: int
+) -> pb.ListReleaseSourcesResponse:
+    """One page: the first page_size entries (ordered by cache id); a further entry means more
+    follow, and the last cache id of the page is the next page's token."""
+    page = entries[:page_size]
+    more = len(entries) > page_size
     return pb.ListReleaseSourcesResponse(
+        next_page_token=page[-1].cache_id if more and page else "",
         entries=[
             pb.ReleaseSourceEntry(
                 request_id=e.request_id,
@@ -611,8 +652,8 @@ def release_sources_to_pb(entries: Seq[ReleaseSource]) -> pb.ListReleaseSourcesR
                 releasable_blocks=e.releasable_blocks,
                 num_tokens=e.num_tokens,
             )
-            for e in entries
-        ]
+            for e in page
+        ],
     )
 
 

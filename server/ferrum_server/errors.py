@@ -6,13 +6,30 @@ messages. Anything else becomes INTERNAL with a generic text (details go to the 
 
 from __future__ import annotations
 
+import enum
+
 import grpc
+
+
+class ErrorReason(enum.IntEnum):
+    """Why a call failed, where the status code alone is ambiguous (twin of pb.ErrorReason).
+
+    Unary calls carry it as the trailing metadata REASON_METADATA (the member's name); a stream
+    step carries it in StepError.reason.
+    """
+
+    UNSPECIFIED = 0
+    STEP_RESULT_EVICTED = 1
+
+
+REASON_METADATA = "ferrum-error-reason"
 
 
 class ExecutorError(Exception):
     """Base class: a request the executor refuses, with the status code it maps to."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: ErrorReason = ErrorReason.UNSPECIFIED
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -47,6 +64,14 @@ class StaleInstance(ExecutorError):
     """The caller believes in an executor instance that is not this one (restart)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StepResultEvicted(ExecutorError):
+    """A step id whose stored result the step ledger no longer holds: the step ran (or may have),
+    and it is never run again under this id. The caller must re-read the state."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = ErrorReason.STEP_RESULT_EVICTED
 
 
 class PositionMismatch(ExecutorError):

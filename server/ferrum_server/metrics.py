@@ -85,6 +85,9 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
     (f"{PREFIX}_cuda_graphs", "gauge", (),
      "Decode batch sizes captured as CUDA graphs (0 = every step runs eagerly)."),
     (f"{PREFIX}_ready", "gauge", (), "1 while the executor reports SERVING, else 0."),
+    (f"{PREFIX}_step_ledger_bytes", "gauge", (),
+     "Bytes of stored responses the step ledger holds for exactly-once retries (serialized "
+     "size; at most --step-ledger-max-bytes)."),
     (f"{PREFIX}_tokens_total", "counter", ("kind",),
      "Tokens run through the model, by kind (prefill, decode, verify)."),
     (f"{PREFIX}_steps_total", "counter", (), "Batched forward steps executed."),
@@ -174,6 +177,7 @@ class Metrics:
         )
         self.cuda_graphs = self._gauge(f"{p}_cuda_graphs")
         self.ready = self._gauge(f"{p}_ready")
+        self.step_ledger_bytes = self._gauge(f"{p}_step_ledger_bytes")
         self.tokens = self._counter(f"{p}_tokens", "kind")
         self.steps = self._counter(f"{p}_steps")
         self.cuda_graph_replays = self._counter(f"{p}_cuda_graph_replays")
@@ -298,6 +302,9 @@ class Metrics:
         self.device_reserved.set(torch.cuda.memory_reserved(device))
 
     # -- server-side ----------------------------------------------------------------------
+
+    def set_step_ledger_bytes(self, num_bytes: int) -> None:
+        self.step_ledger_bytes.set(num_bytes)
 
     def observe_rpc(self, method: str, code: str, seconds: float, grpc_type: str = "unary") -> None:
         """A finished RPC; method is the full '/package.Service/Method' path or 'Method'."""

@@ -1,10 +1,11 @@
 """The gRPC servicer: each RPC is one straight function, protobuf in -> domain (convert.py) ->
 engine -> protobuf out (convert.py, descriptions.py).
 
-Two decorators give every RPC its frame: `_maps_errors` (the one error map) on all of them, and
-`_mutating` on the calls that change state, which also runs the body through the dispatcher:
-fencing and step-id deduplication, the call's deadline, and a caller that leaves (the body gets
-the call's `Ticket` for `engine.run`).
+Two decorators give every RPC its frame: `_maps_errors` (the edge checks that hold for every
+request, id lengths, and the one error map) on all of them, and `_mutating` on the calls that
+change state, which also runs the body through the dispatcher: fencing and per-caller step-id
+deduplication, the call's deadline, and a caller that leaves (the body gets the call's `Ticket`
+for `engine.run`).
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ from google.protobuf.message import Message
 from ferrum_server import convert, descriptions, logs
 from ferrum_server.capacity import Admitted, Decision, SlotReservation
 from ferrum_server.capacity_notifier import CapacityNotifier
-from ferrum_server.dispatch import Dispatcher, deadline_of
+from ferrum_server.dispatch import Dispatcher, deadline_of, step_scope
 from ferrum_server.domain import CapacityDeferral, DeferralMode, ItemKind, Step, StepOutcome
 from ferrum_server.engine import Engine
 from ferrum_server.errors import (
     INTERNAL_MESSAGE,
+    REASON_METADATA,
     ExecutorError,
+    InvalidArgument,
     Unavailable,
     public_message,
 )
+from ferrum_server.step_ledger import StepLedger
 from ferrum_server.tickets import Ticket
 
 _LOG = logs.get(__name__)
@@ -52,28 +56,43 @@ Rpc = Callable[["ExecutorServicer", Req, Any], Awaitable[R]]
 HALF_CLOSE_GRACE_S = 0.25
 
 
+# Longest id a log line carries: a refused overlong id is logged cut to this, not whole.
+_LOGGED_ID_CHARS = 64
+
+
+def _clip(value: str) -> str:
+    return value if len(value) <= _LOGGED_ID_CHARS else value[:_LOGGED_ID_CHARS] + "..."
+
+
 def _ids(request: Any) -> dict[str, object]:
-    """Request and cache ids of a request, for logs (never tokens)."""
+    """Request and cache ids of a request, for logs (never tokens); each clipped."""
     ids: dict[str, object] = {}
     for name in ("request_id", "cache_id"):
         value = getattr(request, name, "")
         if value:
-            ids[name] = value
+            ids[name] = _clip(value)
     items = getattr(request, "items", None)
     if items is not None and hasattr(items, "cache_ids"):
-        ids["cache_ids"] = [c for c in items.cache_ids if c][:16]
+        ids["cache_ids"] = [_clip(c) for c in items.cache_ids if c][:16]
         ids["num_items"] = len(items.kinds)
     return ids
 
 
+def _trailers(exc: ExecutorError) -> tuple[tuple[str, str], ...]:
+    """The typed reason of an error whose status code alone is ambiguous, for the client."""
+    return ((REASON_METADATA, exc.reason.name),) if exc.reason else ()
+
+
 def _maps_errors(handler: Handler[R]) -> Handler[R]:
-    """Turn domain errors into their status codes and anything else into a bare INTERNAL."""
+    """Check the request's ids, then run the handler; turn domain errors into their status
+    codes and anything else into a bare INTERNAL."""
 
     @functools.wraps(handler)
     async def wrapper(
         self: ExecutorServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> R:
         try:
+            convert.check_ids(request)
             return await handler(self, request, context)
         except ExecutorError as exc:
             _LOG.info(
@@ -83,7 +102,7 @@ def _maps_errors(handler: Handler[R]) -> Handler[R]:
                 reason=type(exc).__name__,
                 **_ids(request),
             )
-            await context.abort(exc.code, public_message(exc))
+            await context.abort(exc.code, public_message(exc), _trailers(exc))
         except Exception:
             _LOG.exception("rpc_failed", method=handler.__name__, code="INTERNAL", **_ids(request))
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
@@ -115,7 +134,11 @@ def _mutating(body: Body[Req, R]) -> Rpc[Req, R]:
 
 def _step_error(exc: BaseException) -> pb.StepError:
     if isinstance(exc, ExecutorError):
-        return pb.StepError(code=exc.code.value[0], message=public_message(exc))
+        return pb.StepError(
+            code=exc.code.value[0],
+            message=public_message(exc),
+            reason=pb.ErrorReason.ValueType(exc.reason),
+        )
     return pb.StepError(code=grpc.StatusCode.INTERNAL.value[0], message=INTERNAL_MESSAGE)
 
 
@@ -126,13 +149,21 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         notifier: CapacityNotifier,
         *,
         step_ledger_size: int = 4096,
+        step_ledger_max_bytes: int = 64 * 1024**2,
+        step_ledger_evicted_ids: int = 65536,
         release_on_disconnect: bool = True,
         half_close_grace_s: float = HALF_CLOSE_GRACE_S,
     ) -> None:
         self.engine = engine
         self.notifier = notifier
         self.accepting = False  # flipped on after warmup, off when draining
-        self.dispatch = Dispatcher(engine, step_ledger_size)
+        ledger = StepLedger(
+            step_ledger_size,
+            step_ledger_max_bytes,
+            step_ledger_evicted_ids,
+            on_bytes=engine.recorder.metrics.set_step_ledger_bytes,
+        )
+        self.dispatch = Dispatcher(engine, ledger)
         self.release_on_disconnect = release_on_disconnect
         self.half_close_grace_s = half_close_grace_s
 
@@ -237,13 +268,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return convert.unified_response(await self._execute(step, ticket))
 
     def _start_step(
-        self, batch: pb.UnifiedBatchRequest, deadline: float | None
+        self, batch: pb.UnifiedBatchRequest, deadline: float | None, scope: str
     ) -> tuple[Ticket[Any] | None, asyncio.Future[pb.UnifiedBatchResponse]]:
-        """Submit one stream step as a UnifiedBatch (so deduplicated with unary UnifiedBatch
-        calls by batch.step_id)."""
+        """Submit one stream step as a UnifiedBatch (so deduplicated with the same caller's
+        unary UnifiedBatch calls by batch.step_id)."""
         body = functools.partial(_BODIES["UnifiedBatch"], self, batch)
         try:
-            return self.dispatch.start("UnifiedBatch", batch, deadline, body)
+            convert.check_ids(batch)
+            return self.dispatch.start("UnifiedBatch", batch, deadline, body, scope)
         except ExecutorError as exc:
             refused: asyncio.Future[pb.UnifiedBatchResponse] = (
                 asyncio.get_running_loop().create_future()
@@ -269,12 +301,16 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         touched: set[str] = set()
         deadline = deadline_of(context)
         broken = False
+        try:
+            scope = step_scope(context.invocation_metadata())
+        except InvalidArgument as exc:
+            await context.abort(exc.code, public_message(exc))
 
         async def read() -> None:
             nonlocal broken
             try:
                 async for request in request_iterator:
-                    entry = (request.step_id, *self._start_step(request.batch, deadline))
+                    entry = (request.step_id, *self._start_step(request.batch, deadline, scope))
                     unanswered.append(entry)
                     await pending.put(entry)
             except Exception:
@@ -499,8 +535,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def ListReleaseSources(
         self, request: pb.ListReleaseSourcesRequest, context: Any
     ) -> pb.ListReleaseSourcesResponse:
-        entries = await self.engine.call(self.engine.capacity.release_sources)
-        return convert.release_sources_to_pb(entries)
+        page_size = convert.release_sources_page_size(request.page_size)
+        entries = await self.engine.call(
+            self.engine.capacity.release_sources, request.page_token, page_size + 1
+        )
+        return convert.release_sources_to_pb(entries, page_size)
 
     @_mutating
     async def PreemptExecutionCapacity(

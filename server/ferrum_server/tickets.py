@@ -34,6 +34,14 @@ class Ticket(Generic[T]):
         self.value: T | None = None
         self.on_orphan: Callable[[T], Any] | None = None
 
+    @classmethod
+    def finished_work(cls) -> Ticket[Any]:
+        """A ticket for work that finished and whose outcome is stored (the step ledger): later
+        callers join it for the stored response; it keeps no value and never runs a hook."""
+        ticket: Ticket[Any] = cls()
+        ticket.started = ticket.finished = ticket._cleaned = True
+        return ticket
+
     def join(self, deadline: float | None) -> bool:
         """Another caller waits for this work; False when it was already abandoned unstarted."""
         with self._lock:

@@ -13,7 +13,8 @@ from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, Step, StepIte
 from ferrum_server.errors import InvalidArgument, PositionMismatch, StaleInstance
 from ferrum_server.kv.manager import Cache, KvManager
 
-# Longest request or cache id accepted (ids are logged and sized into the message limits).
+# Longest id accepted, in bytes of UTF-8: every string field of a request (convert.check_ids)
+# and every step item's ids. Ids are logged, stored and echoed in answers.
 MAX_ID_BYTES = 256
 
 
@@ -87,8 +88,8 @@ def response_bytes(items: list[StepItem], limits: Limits) -> int:
 def _check_item(index: int, item: StepItem, limits: Limits) -> None:
     where = f"item {index}"
     count = len(item.token_ids)
-    if len(item.request_id) > MAX_ID_BYTES or len(item.cache_id) > MAX_ID_BYTES:
-        raise InvalidArgument(f"{where}: ids are limited to {MAX_ID_BYTES} characters")
+    if max(len(item.request_id.encode()), len(item.cache_id.encode())) > MAX_ID_BYTES:
+        raise InvalidArgument(f"{where}: ids are limited to {MAX_ID_BYTES} bytes")
     if count == 0:
         raise InvalidArgument(f"{where}: empty token list")
     if item.kind == ItemKind.DECODE and count != 1:

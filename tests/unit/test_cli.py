@@ -27,6 +27,8 @@ FLAG_NAMES = {
     "auth-token-file", "health-port", "max-message-bytes", "max-concurrent-rpcs",
     "max-concurrent-streams", "max-metadata-bytes", "require-fencing", "step-ledger-size",
     "release-on-disconnect",
+    # Added since (issue #17).
+    "step-ledger-max-bytes", "step-ledger-evicted-ids",
 }  # fmt: skip
 # Fields set in code only.
 NOT_FLAGS = {
@@ -66,6 +68,8 @@ def _samples(model_dir: Path) -> dict[str, tuple[str, Any]]:
         "health-port": ("9401", 9401),
         "release-on-disconnect": ("0", False),
         "step-ledger-size": ("128", 128),
+        "step-ledger-max-bytes": ("1048576", 1048576),
+        "step-ledger-evicted-ids": ("1024", 1024),
         "metrics-port": ("-1", -1),
         "metrics-host": ("127.0.0.1", "127.0.0.1"),
         "debug-reflection": ("1", True),

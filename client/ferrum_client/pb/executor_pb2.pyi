@@ -21,6 +21,13 @@ Conventions used throughout:
   retired forever; a re-admitted request gets a new id.
 - `executor_instance_id` on mutating calls fences callers from before a restart: 0 skips the
   check, any other value must equal the running instance's id (see GetInfoResponse).
+- Every string field of a request is an id (request, cache, page token) of at most 256 bytes
+  of UTF-8; a longer one answers INVALID_ARGUMENT naming the field, and nothing changes.
+- `step_id` on mutating calls makes a retry exactly-once. Step ids are scoped per caller (its
+  token, and its `ferrum-session` header; see docs/security.md): another caller's step id never
+  matches. A step id whose stored result was evicted answers FAILED_PRECONDITION with reason
+  ERROR_REASON_STEP_RESULT_EVICTED (trailing metadata `ferrum-error-reason` on unary calls,
+  StepError.reason on the step stream); the step is never run again.
 """
 
 from collections import abc as _abc
@@ -328,6 +335,35 @@ ITEM_STATUS_FAILED: ItemStatus.ValueType  # 5
 a cache it opened was released; see `errors`. The other items of the batch are unaffected.
 """
 Global___ItemStatus: _TypeAlias = ItemStatus  # noqa: Y015
+
+class _ErrorReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ERROR_REASON_UNSPECIFIED: _ErrorReason.ValueType  # 0
+    ERROR_REASON_STEP_RESULT_EVICTED: _ErrorReason.ValueType  # 1
+    """FAILED_PRECONDITION: the step id was used (by this caller), but its stored result is no
+    longer held (evicted by the step ledger's count or byte bound, or larger than the byte bound).
+    The step ran, or may have; it is never run again under this id. Re-read the state (GetStatus,
+    ListReleaseSources) before going on.
+    """
+
+class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
+    """Why a call failed, where its status code alone is ambiguous. A unary call carries it as the
+    trailing metadata `ferrum-error-reason` (the value's name without the ERROR_REASON_ prefix); a
+    step-stream step carries it in StepError.reason.
+    """
+
+ERROR_REASON_UNSPECIFIED: ErrorReason.ValueType  # 0
+ERROR_REASON_STEP_RESULT_EVICTED: ErrorReason.ValueType  # 1
+"""FAILED_PRECONDITION: the step id was used (by this caller), but its stored result is no
+longer held (evicted by the step ledger's count or byte bound, or larger than the byte bound).
+The step ran, or may have; it is never run again under this id. Re-read the state (GetStatus,
+ListReleaseSources) before going on.
+"""
+Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 class _CapacitySource:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -2154,7 +2190,8 @@ class PrefillRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     @_builtins.property
     def input_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -2302,7 +2339,8 @@ class DecodeRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     @_builtins.property
     def sampling(self) -> Global___SamplingParams:
@@ -2409,7 +2447,8 @@ class BatchPrefillRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     @_builtins.property
     def items(self) -> Global___BatchItems:
@@ -2482,7 +2521,8 @@ class BatchDecodeRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     @_builtins.property
     def items(self) -> Global___BatchItems:
@@ -2555,7 +2595,8 @@ class UnifiedBatchRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     @_builtins.property
     def items(self) -> Global___BatchItems:
@@ -2681,19 +2722,23 @@ class StepError(_message.Message):
 
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """gRPC status code number (e.g. 3 = INVALID_ARGUMENT)."""
     message: _builtins.str
     """Message."""
+    reason: Global___ErrorReason.ValueType
+    """Why, where the code alone is ambiguous (UNSPECIFIED otherwise)."""
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         message: _builtins.str = ...,
+        reason: Global___ErrorReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2723,7 +2768,8 @@ class ForwardVerifyRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -2853,7 +2899,8 @@ class TruncateKvRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     def __init__(
         self,
@@ -2921,7 +2968,8 @@ class ReserveKvSlotsRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -3146,7 +3194,8 @@ class ReleaseCacheRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     def __init__(
         self,
@@ -3220,7 +3269,8 @@ class CompleteCacheRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     def __init__(
         self,
@@ -3803,7 +3853,8 @@ class TryAdmitPrefillRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     @_builtins.property
     def input_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -4732,16 +4783,25 @@ Global___ExecutionDeferral: _TypeAlias = ExecutionDeferral  # noqa: Y015
 
 @_typing.final
 class ListReleaseSourcesRequest(_message.Message):
-    """Request for ListReleaseSources."""
+    """Request for ListReleaseSources. Answers are pages of at most 1024 entries, ordered by cache id."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """Most entries in this answer; 0 or more than 1024 = 1024."""
+    page_token: _builtins.str
+    """`next_page_token` of the previous answer; empty = from the start."""
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -4798,18 +4858,24 @@ class ListReleaseSourcesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRIES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Empty on the last page; otherwise pass it as `page_token` for the next. Each page is read
+    at its own moment: a cache opened or released between pages may be missed or gone.
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReleaseSourceEntry]:
-        """Live requests."""
+        """Live requests, ordered by cache id."""
 
     def __init__(
         self,
         *,
         entries: _abc.Iterable[Global___ReleaseSourceEntry] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -4837,7 +4903,8 @@ class PreemptExecutionCapacityRequest(_message.Message):
     step_id: _builtins.int
     """Caller-chosen idempotency key, 0 = none. A retry with the same step id and an identical
     request returns the stored result without running again; a different request under a used
-    id answers ALREADY_EXISTS. Ids are remembered per executor instance (bounded; see docs/security.md).
+    id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
+    FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
     def __init__(
         self,

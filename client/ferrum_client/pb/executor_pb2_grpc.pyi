@@ -21,6 +21,13 @@ Conventions used throughout:
   retired forever; a re-admitted request gets a new id.
 - `executor_instance_id` on mutating calls fences callers from before a restart: 0 skips the
   check, any other value must equal the running instance's id (see GetInfoResponse).
+- Every string field of a request is an id (request, cache, page token) of at most 256 bytes
+  of UTF-8; a longer one answers INVALID_ARGUMENT naming the field, and nothing changes.
+- `step_id` on mutating calls makes a retry exactly-once. Step ids are scoped per caller (its
+  token, and its `ferrum-session` header; see docs/security.md): another caller's step id never
+  matches. A step id whose stored result was evicted answers FAILED_PRECONDITION with reason
+  ERROR_REASON_STEP_RESULT_EVICTED (trailing metadata `ferrum-error-reason` on unary calls,
+  StepError.reason on the step stream); the step is never run again.
 """
 
 from collections import abc as _abc
