@@ -553,7 +553,9 @@ class Scheduler:
         if request.wait is None:
             return
         self.stats.capacity_waits += 1
-        timeout_ms = min(self.config.wait_timeout_ms, math.ceil(self._idle_bound_s() * 1e3))
+        timeout_ms = self.config.wait_timeout_ms
+        if self._idle_bound_s() < math.inf:  # wake in time to renew the caches held idle
+            timeout_ms = min(timeout_ms, math.ceil(self._idle_bound_s() * 1e3))
         if await self.backend.wait_for_capacity(request.wait, timeout_ms):
             self.stats.wakeups += 1
             request.wait = None
