@@ -195,6 +195,9 @@ class ExecutorClient:
     ) -> pb.PreemptExecutionCapacityResponse:
         return self._call("PreemptExecutionCapacity", request)  # type: ignore[no-any-return]
 
+    def renew_cache_lease(self, request: pb.RenewCacheLeaseRequest) -> pb.RenewCacheLeaseResponse:
+        return self._call("RenewCacheLease", request)  # type: ignore[no-any-return]
+
 
 class AsyncExecutorClient:
     """asyncio handle, same operations as ExecutorClient, plus the step stream."""
@@ -347,6 +350,11 @@ class AsyncExecutorClient:
         self, request: pb.PreemptExecutionCapacityRequest
     ) -> pb.PreemptExecutionCapacityResponse:
         return await self._call("PreemptExecutionCapacity", request)  # type: ignore[no-any-return]
+
+    async def renew_cache_lease(
+        self, request: pb.RenewCacheLeaseRequest
+    ) -> pb.RenewCacheLeaseResponse:
+        return await self._call("RenewCacheLease", request)  # type: ignore[no-any-return]
 
     async def watch_capacity(self) -> AsyncIterator[pb.WatchCapacityResponse]:
         """Capacity changes as they happen (the first message is the current state)."""

@@ -191,6 +191,8 @@ class StepLimits:
 
     max_tokens: int = 0
     max_items: int = 0
+    # The executor's cache lease: a cache no call names for this long expires; 0 = none.
+    cache_lease_s: float = 0.0
 
 
 @runtime_checkable
@@ -217,6 +219,10 @@ class Backend(Protocol):
 
     async def preempt(self, request_id: str, cache_id: str, mode: int) -> None: ...
 
+    async def renew_leases(self, cache_ids: Sequence[str]) -> list[str]:
+        """Renew the caches' leases; return the ids that were no longer live."""
+        ...
+
 
 class GrpcBackend:
     """``Backend`` over one executor's gRPC API: steps on the bidirectional step stream."""
@@ -230,7 +236,9 @@ class GrpcBackend:
         self._stream = self.client.step_stream()
         await self._stream.__aenter__()
         return StepLimits(
-            capabilities.admission_limits.maximum_scheduled_tokens, capabilities.max_batch_size
+            capabilities.admission_limits.maximum_scheduled_tokens,
+            capabilities.max_batch_size,
+            capabilities.cache_lease_ms / 1000,
         )
 
     async def close(self) -> None:
@@ -296,6 +304,12 @@ class GrpcBackend:
             )
         )
 
+    async def renew_leases(self, cache_ids: Sequence[str]) -> list[str]:
+        response = await self.client.renew_cache_lease(
+            pb.RenewCacheLeaseRequest(cache_ids=cache_ids)
+        )
+        return list(response.not_live_cache_ids)
+
 
 def encode_items(items: Sequence[PlannedItem]) -> pb.BatchItems:
     """Columnar BatchItems, built a column at a time (one extend per column, not per item)."""
@@ -341,6 +355,7 @@ class _Request:
     wait: object | None = None
     in_flight: bool = False
     cancelled: bool = False
+    touched_s: float = 0.0  # time.monotonic() when a call last named its cache
 
     @property
     def output(self) -> list[int]:
@@ -389,6 +404,8 @@ class SchedulerStats:
     records: list[StepRecord] = field(default_factory=list)
     # Largest number of steps in flight at once.
     max_in_flight: int = 0
+    # RenewCacheLease calls for caches held idle (see _renew_idle_leases).
+    lease_renewals: int = 0
 
 
 @dataclass(slots=True)
@@ -478,6 +495,7 @@ class Scheduler:
                     self._waiting.append(request)
                 await self._drop_cancelled()
                 await self._admit()
+                await self._renew_idle_leases()
                 while len(in_flight) < self.config.pipeline_depth:
                     step = self._plan(len(in_flight))
                     if step is None:
@@ -490,7 +508,8 @@ class Scheduler:
                 elif self._waiting and self._waiting[0].wait is not None:
                     await self._wait_for_capacity()
                 elif pending:
-                    await asyncio.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+                    arrival = max(0.0, start + pending[0][0] - time.perf_counter())
+                    await asyncio.sleep(min(arrival, self._idle_bound_s()))
                 elif self._running or self._waiting:
                     # Unreachable: with nothing in flight every running request can be planned
                     # (a positive budget always fits a decode or a chunk), and a waiting head
@@ -518,6 +537,7 @@ class Scheduler:
                 self._waiting.popleft()
                 request.cache_id = decision.cache_id
                 request.computed = decision.cached_prompt_tokens
+                request.touched_s = time.monotonic()
                 self._running.append(request)
             elif decision.kind == "rejected":
                 self._waiting.popleft()
@@ -533,9 +553,37 @@ class Scheduler:
         if request.wait is None:
             return
         self.stats.capacity_waits += 1
-        if await self.backend.wait_for_capacity(request.wait, self.config.wait_timeout_ms):
+        timeout_ms = self.config.wait_timeout_ms
+        if self._idle_bound_s() < math.inf:  # wake in time to renew the caches held idle
+            timeout_ms = min(timeout_ms, math.ceil(self._idle_bound_s() * 1e3))
+        if await self.backend.wait_for_capacity(request.wait, timeout_ms):
             self.stats.wakeups += 1
             request.wait = None
+
+    # -- cache leases -----------------------------------------------------------------------
+
+    def _idle_bound_s(self) -> float:
+        """Longest the loop may sleep: half the cache lease while it holds caches."""
+        lease_s = self._limits.cache_lease_s
+        return lease_s / 2 if lease_s and self._running else math.inf
+
+    async def _renew_idle_leases(self) -> None:
+        """Renew the caches that no step has named for half the executor's cache lease (a
+        prompt held for alignment, or waiting its turn to prefill), so none expires while this
+        scheduler holds it. A cache the executor expired anyway is re-admitted as after a
+        recompute preemption."""
+        lease_s = self._limits.cache_lease_s
+        now = time.monotonic()
+        idle = [r for r in self._running if not r.in_flight and now - r.touched_s >= lease_s / 2]
+        if not lease_s or not idle:
+            return
+        self.stats.lease_renewals += 1
+        gone = set(await self.backend.renew_leases([r.cache_id for r in idle]))
+        for request in idle:
+            request.touched_s = now
+            if request.cache_id in gone:
+                self._running.remove(request)
+                self._requeue(request)
 
     def _release_waits(self) -> None:
         """Our own releases advance sources too: let the head re-probe once."""
@@ -621,8 +669,10 @@ class Scheduler:
         chunks: list[int],
         tokens: int,
     ) -> _InFlight:
+        now = time.monotonic()
         for request in members:
             request.in_flight = True
+            request.touched_s = now
         self.stats.steps += 1
         self.stats.step_tokens.append(tokens)
         record = StepRecord(
@@ -775,6 +825,10 @@ class Scheduler:
         )
         self.stats.preemptions += 1
         victim.result.num_preemptions += 1
+        self._requeue(victim)
+
+    def _requeue(self, victim: _Request) -> None:
+        """Put a request whose cache is gone first in the queue, its outputs to be replayed."""
         victim.context = victim.prompt + victim.output
         victim.cache_id, victim.computed, victim.wait = "", 0, None
         self._release_waits()

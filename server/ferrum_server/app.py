@@ -88,18 +88,22 @@ class RunningServer:
     health_server: grpc.aio.Server | None = None
     health_port: int = -1
     _watchdog: asyncio.Task[None] | None = None
+    _sweeper: asyncio.Task[None] | None = None
 
     async def warm_up(self) -> None:
-        """Run a real forward, start the liveness watchdog, then report SERVING."""
+        """Run a real forward, start the liveness watchdog and the lease sweep, then report
+        SERVING."""
         engine = self.engine
         _LOG.info("lifecycle", state="warming_up")
-        num_tokens, forward_ms = await engine.call(engine.warmup, 0)
+        warm = await engine.call(engine.warmup, 0)
+        if warm.deferral is not None:  # the pool is empty at start: every block is available
+            raise RuntimeError("warmup found no KV block available")
         engine.publish_gauges()
         _LOG.info(
             "lifecycle",
             state="warmed_up",
-            tokens=num_tokens,
-            forward_ms=round(forward_ms, 1),
+            tokens=warm.num_tokens,
+            forward_ms=round(warm.forward_ms, 1),
             kv_blocks=engine.kv.pool.num_blocks,
             block_size=engine.kv.block_size,
         )
@@ -107,6 +111,7 @@ class RunningServer:
         self._watchdog = asyncio.ensure_future(
             self.watch_engine(config.liveness_interval_s, config.liveness_timeout_s)
         )
+        self._sweeper = asyncio.ensure_future(self.sweep_leases(engine.config.sweep_interval_s))
         await self.mark_serving()
 
     async def mark_serving(self) -> None:
@@ -128,6 +133,8 @@ class RunningServer:
             await self.health_server.stop(0)
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         released = await self.engine.call(self.engine.release_all)
         self.engine.shutdown()
         self.metrics.stop_http_server()
@@ -152,6 +159,16 @@ class RunningServer:
                     waited_s=round(time.monotonic() - started, 3),
                 )
             await asyncio.sleep(interval_s)
+
+    async def sweep_leases(self, interval_s: float) -> None:
+        """Every interval_s, on the engine thread (which owns the KV state): release caches
+        past their lease and expire stale prefix marks (Engine.sweep)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.engine.call(self.engine.sweep)
+            except Exception:  # a bug here must not end the sweep for good
+                _LOG.exception("lease_sweep_failed")
 
 
 class HealthServicer(health_aio.HealthServicer):  # type: ignore[misc]  # untyped library

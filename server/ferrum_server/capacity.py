@@ -10,6 +10,7 @@ deferred (with the exact sources to wait on), or rejected (can never fit).
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -102,6 +103,8 @@ class SwappedKv:
 
     token_ids: list[int]
     host_kv: torch.Tensor  # [L, 2, num_blocks, block_size, kv_heads, head_dim] on the CPU
+    # When it was swapped out (monotonic): swapped KV expires with the cache lease.
+    swapped_s: float = field(default_factory=time.monotonic)
 
     @property
     def num_bytes(self) -> int:
@@ -150,11 +153,14 @@ class CapacityManager:
         limits: Limits,
         swap_space_bytes: int,
         recorder: Recorder,
+        prefix_pending_s: float = 2.0,
     ) -> None:
         self.kv = kv
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
         self.limits = limits
         self.swap_space_bytes = swap_space_bytes
+        # How long an admitted request's first chunk may keep others waiting on its prefix.
+        self.prefix_pending_s = prefix_pending_s
         self.swapped: OrderedDict[str, SwappedKv] = OrderedDict()  # by request id
         self.stats = CapacityStats()
         self.metrics = recorder.metrics
@@ -276,6 +282,12 @@ class CapacityManager:
             {SEQUENCE_SLOTS},
         )
 
+    def blocks_deferral(
+        self, request_id: str, stage: DeferralStage, requested: int, free_blocks: int
+    ) -> CapacityDeferral:
+        """Not enough KV blocks for a single-item request outside a step (warmup)."""
+        return self._blocks_deferral(0, request_id, stage, requested, free_blocks, None, None)
+
     def _blocks_deferral(
         self,
         index: int,
@@ -375,6 +387,7 @@ class CapacityManager:
             return self._swap_in(
                 request_id, tokens, max_tokens or model_max, swapped, immediate, fit
             )
+        self.expire_prefix_marks(time.monotonic())
         match = kv.match_prefix(tokens)
         if match.num_pending:
             return self._defer(
@@ -476,6 +489,27 @@ class CapacityManager:
             epochs=clock.snapshot(),
             observed=clock.observed({source}),
         )
+
+    def expire_prefix_marks(self, now: float) -> int:
+        """Stop making requests wait (PREFIX_PENDING) on admitted requests whose first chunk
+        has not run within prefix_pending_s; return how many owners lost their marks."""
+        stale = self.kv.expire_pending(self.prefix_pending_s, now)
+        for cache in stale:
+            _LOG.info(
+                "prefix_pending_expired",
+                request_id=cache.request_id,
+                cache_id=cache.cache_id,
+                waited_s=round(now - cache.opened_s, 3),
+            )
+        return len(stale)
+
+    def expire_swapped(self, lease_s: float, now: float) -> int:
+        """Drop swapped-out KV not re-admitted within lease_s (its scheduler is likely gone)."""
+        stale = [r for r, s in self.swapped.items() if now - s.swapped_s >= lease_s]
+        for request_id in stale:
+            del self.swapped[request_id]
+            _LOG.info("swapped_kv_expired", request_id=request_id)
+        return len(stale)
 
     def cancel_admission(self, request_id: str, instance_id: int = 0) -> bool:
         """Release an admitted request whose first chunk never ran."""

@@ -15,6 +15,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 KERNEL_BACKENDS = ("auto", "cpu", "torch", "triton")
 LOG_FORMATS = ("auto", "json", "console")
+# A lease longer than a day would keep a dead client's slots for a day: surely a typo.
+MAX_CACHE_LEASE_S = 86400.0
+MAX_PREFIX_PENDING_S = 600.0
+# The sweep for idle caches and stale prefix marks runs at least this often.
+LEASE_SWEEP_MAX_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +78,23 @@ class EngineConfig:
         default=1024**3,
         metadata=flag("host memory for KV swapped out by preemption; 0 = recompute only"),
     )
+    # A cache that no call names for this long is released (a client that died holding it would
+    # otherwise keep its slot and blocks forever); see docs/capacity.md#cache-leases.
+    cache_lease_s: float = field(
+        default=300.0,
+        metadata=flag(
+            "seconds a cache may go untouched by any call before it is released; 0 = never"
+        ),
+    )
+    # An admitted request's not-yet-computed prefix blocks make others with that prefix wait
+    # (PREFIX_PENDING); the wait ends at its first chunk, its release, or after this long.
+    prefix_pending_s: float = field(
+        default=2.0,
+        metadata=flag(
+            "seconds others may wait for an admitted request's first chunk to compute a shared "
+            "prefix"
+        ),
+    )
     require_fencing: bool = field(
         default=False,
         metadata=flag("refuse mutating calls with executor_instance_id 0 (FAILED_PRECONDITION)"),
@@ -107,6 +129,17 @@ class EngineConfig:
             raise ValueError("max sequence length and max logprobs must be >= 0")
         if self.cuda_graph_max_batch < 1:
             raise ValueError("the largest CUDA graph batch must be >= 1")
+        if not 0 <= self.cache_lease_s <= MAX_CACHE_LEASE_S:
+            raise ValueError(f"cache lease must be in [0, {MAX_CACHE_LEASE_S:g}] s (0 = off)")
+        if not 0 < self.prefix_pending_s <= MAX_PREFIX_PENDING_S:
+            raise ValueError(f"prefix pending bound must be in (0, {MAX_PREFIX_PENDING_S:g}] s")
+
+    @property
+    def sweep_interval_s(self) -> float:
+        """How often idle caches and stale prefix marks are looked for: a quarter of the
+        shortest bound, at most LEASE_SWEEP_MAX_S, so each bound is kept within 25% (or 5 s)."""
+        bounds = [self.prefix_pending_s] + ([self.cache_lease_s] if self.cache_lease_s else [])
+        return min(LEASE_SWEEP_MAX_S, min(bounds) / 4)
 
     @property
     def graph_max_batch(self) -> int:

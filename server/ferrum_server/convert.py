@@ -46,6 +46,7 @@ from ferrum_server.domain import (
     StepItem,
     StepOutcome,
     Timings,
+    WarmupOutcome,
 )
 from ferrum_server.errors import ErrorReason, InvalidArgument
 from ferrum_server.kv.epochs import Epochs, Source, SourceKey
@@ -499,15 +500,39 @@ def complete_response(result: ReleaseResult, epochs: Epochs) -> pb.CompleteCache
 
 
 def warmup_response(
-    num_tokens: int, forward_ms: float, kv: KvManager, peak_activation_bytes: int
+    outcome: WarmupOutcome, kv: KvManager, peak_activation_bytes: int
 ) -> pb.WarmupResponse:
     return pb.WarmupResponse(
-        num_tokens=num_tokens,
-        forward_ms=forward_ms,
+        num_tokens=outcome.num_tokens,
+        forward_ms=outcome.forward_ms,
         total_blocks=kv.pool.num_blocks,
         block_size=kv.block_size,
         max_supported_total_tokens=kv.pool.num_blocks * kv.block_size,
         peak_activation_bytes=peak_activation_bytes,
+        deferred=deferral_to_pb(outcome.deferral) if outcome.deferral is not None else None,
+    )
+
+
+def renewal_from_pb(request: pb.RenewCacheLeaseRequest, max_ids: int) -> list[str]:
+    """The cache ids to renew, once each, in request order (bounded like a step's items)."""
+    cache_ids = list(dict.fromkeys(request.cache_ids))
+    if len(cache_ids) > max_ids:
+        raise InvalidArgument(f"{len(cache_ids)} cache ids exceed the limit {max_ids}")
+    for index, cache_id in enumerate(cache_ids):
+        if not cache_id or len(cache_id) > MAX_ID_BYTES:
+            raise InvalidArgument(
+                f"cache id {index}: empty or longer than {MAX_ID_BYTES} characters"
+            )
+    return cache_ids
+
+
+def renew_response(
+    cache_ids: list[str], not_live: list[str], lease_s: float
+) -> pb.RenewCacheLeaseResponse:
+    return pb.RenewCacheLeaseResponse(
+        renewed=len(cache_ids) - len(not_live),
+        not_live_cache_ids=not_live,
+        cache_lease_ms=round(lease_s * 1000),
     )
 
 

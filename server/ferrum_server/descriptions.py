@@ -91,6 +91,7 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         block_size=engine.config.block_size,
         memory_plan=memory_plan(engine),
         cuda_graph_batch_sizes=list(engine.graph_batch_sizes),
+        cache_lease_ms=round(engine.config.cache_lease_s * 1000),
     )
 
 

@@ -205,3 +205,13 @@ class Timings:
 class StepOutcome:
     results: list[ItemResult]
     timings: Timings
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupOutcome:
+    """What a warmup forward did: the tokens it ran and its time, or why it could not run."""
+
+    num_tokens: int
+    forward_ms: float
+    # Set when no KV block was available to run in (nothing ran).
+    deferral: CapacityDeferral | None = None

@@ -27,6 +27,7 @@ from ferrum_server.config import EngineConfig
 from ferrum_server.domain import (
     CapacityDeferral,
     DeferralMode,
+    DeferralStage,
     ItemFailure,
     ItemKind,
     ItemResult,
@@ -36,6 +37,7 @@ from ferrum_server.domain import (
     StepItem,
     StepOutcome,
     Timings,
+    WarmupOutcome,
 )
 from ferrum_server.errors import DeviceOutOfMemory, ExecutionFailed, InvalidArgument
 from ferrum_server.kv.manager import Cache, ReleaseResult
@@ -76,7 +78,12 @@ class Engine:
         self.recorder = recorder if recorder is not None else Recorder()
         self.stats = self.recorder.stats
         self.capacity = CapacityManager(
-            self.kv, self.kv_cache, self.limits, config.swap_space_bytes, self.recorder
+            self.kv,
+            self.kv_cache,
+            self.limits,
+            config.swap_space_bytes,
+            self.recorder,
+            config.prefix_pending_s,
         )
         # Releases, truncations and prefix publications move the gauges too.
         self.kv.clock.listeners.append(self.publish_gauges)
@@ -322,29 +329,89 @@ class Engine:
             self.kv.release(cache_id)
         return len(cache_ids)
 
+    # -- leases ---------------------------------------------------------------------------
+
+    def sweep(self, now: float | None = None) -> int:
+        """Release every cache no call has named for the cache lease, drop swapped-out KV as
+        old, and expire stale prefix marks; return how many caches expired. The server calls
+        it every `config.sweep_interval_s`; releases wake capacity waiters like any release."""
+        now = time.monotonic() if now is None else now
+        self.capacity.expire_prefix_marks(now)
+        lease_s = self.config.cache_lease_s
+        if not lease_s:
+            return 0
+        expired = self.kv.idle_caches(lease_s, now)
+        for cache in expired:
+            result = self.kv.release(cache.cache_id, reason="expired")
+            _LOG.warning(
+                "cache_lease_expired",
+                request_id=cache.request_id,
+                cache_id=cache.cache_id,
+                idle_s=round(now - cache.touched_s, 3),
+                tokens=cache.num_tokens,
+                pending_admission=cache.pending_admission,
+                blocks_freed=result.blocks_freed,
+            )
+        if expired:
+            self.recorder.metrics.record_caches_expired(len(expired))
+        self.capacity.expire_swapped(lease_s, now)
+        return len(expired)
+
+    def renew_leases(self, cache_ids: list[str], instance_id: int = 0) -> list[str]:
+        """Renew the lease of each live cache named; return the ids that are not live."""
+        check_instance(instance_id, self.limits)
+        return self.kv.renew(cache_ids)
+
+    def renew_request(self, request_id: str, instance_id: int = 0) -> int:
+        """Renew the leases of a request's live caches (MaintainPrefillBacking names only the
+        request); return how many there are."""
+        check_instance(instance_id, self.limits)
+        return self.kv.renew_request(request_id)
+
     def heartbeat(self) -> float:
         """A no-op on the engine thread: answering proves the thread is not stuck."""
         return time.monotonic()
 
-    def warmup(self, num_tokens: int = 0) -> tuple[int, float]:
-        """Run one real forward of num_tokens prompt tokens through a scratch cache."""
-        count = min(
-            num_tokens or self.config.max_batch_tokens,
-            self.max_sequence_length,
-            self.kv.pool.num_blocks * self.kv.block_size,
-        )
+    def warmup(self, num_tokens: int = 0) -> WarmupOutcome:
+        """Run one real forward of up to num_tokens prompt tokens (0 = max_batch_tokens).
+
+        It takes no sequence slot and opens no cache, so it runs while every slot is held: the
+        forward writes into scratch blocks taken from the pool's available ones (free blocks
+        first, then least recently used prefix-cache blocks, as any allocation does) and given
+        back before it returns. With fewer available blocks than num_tokens needs it runs the
+        tokens they hold; with none (every block held by a live sequence) it runs nothing and
+        answers the deferral.
+        """
+        kv = self.kv
+        wanted = min(num_tokens or self.config.max_batch_tokens, self.max_sequence_length)
+        count = min(wanted, kv.pool.num_available * kv.block_size)
+        if count < 1:
+            return WarmupOutcome(0, 0.0, self._warmup_deferral(kv.blocks_for(wanted)))
         generator = torch.Generator().manual_seed(self.config.seed)
         tokens = torch.randint(0, self.model_config.vocab_size, (count,), generator=generator)
         item = StepItem(ItemKind.PREFILL_CHUNK, "warmup", "", tokens.tolist(), 0, count)
+        scratch = Cache("", "warmup", count, block_ids=kv.pool.allocate(kv.blocks_for(count)))
         started = time.perf_counter()
-        outcome = self.execute(Step([item], DeferralMode.ALL_OR_NOTHING, self.instance_id))
+        try:
+            forward = self.runner.run([item], [scratch])
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise DeviceOutOfMemory(_OOM_MESSAGE) from exc
+            raise ExecutionFailed("the warmup forward failed") from exc
+        finally:
+            # Never registered or hashed: the blocks go back to the free list as they came.
+            kv.pool.free(scratch.block_ids)
         elapsed_ms = (time.perf_counter() - started) * 1e3
-        result = outcome.results[0]
-        if result.status == ItemStatus.DEFERRED:
-            raise RuntimeError("warmup could not get KV blocks")
-        self.kv.release(result.cache_id)
+        self.recorder.forward([item], forward.forward_ns + forward.sample_ns, forward.graphed)
         self.warmed_up = True
-        return count, elapsed_ms
+        return WarmupOutcome(count, elapsed_ms)
+
+    def _warmup_deferral(self, blocks: int) -> CapacityDeferral:
+        """Every block is held by a live sequence: wait for the KV source to advance."""
+        pool = self.kv.pool
+        return self.capacity.blocks_deferral(
+            "warmup", DeferralStage.STEP_ADMISSION, blocks, pool.num_available
+        )
 
 
 def _unrun(

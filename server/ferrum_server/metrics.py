@@ -99,6 +99,8 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
      "Items deferred for lack of a resource (kv_blocks, sequence_slots, request_state)."),
     (f"{PREFIX}_preemptions_total", "counter", ("mode",),
      "Sequences preempted (recompute, swap)."),
+    (f"{PREFIX}_caches_expired_total", "counter", (),
+     "Caches released because no call named them for the cache lease (--cache-lease-s)."),
     (f"{PREFIX}_prefix_cache_queries_total", "counter", (),
      "Prompt tokens looked up in the prefix cache."),
     (f"{PREFIX}_prefix_cache_hits_total", "counter", (),
@@ -184,6 +186,7 @@ class Metrics:
         self.admissions = self._counter(f"{p}_admissions", "outcome")
         self.deferrals = self._counter(f"{p}_deferrals", "reason")
         self.preemptions = self._counter(f"{p}_preemptions", "mode")
+        self.caches_expired = self._counter(f"{p}_caches_expired")
         self.prefix_queries = self._counter(f"{p}_prefix_cache_queries")
         self.prefix_hits = self._counter(f"{p}_prefix_cache_hits")
         self.rpc_started = self._counter("grpc_server_started", *GRPC_LABELS)
@@ -276,6 +279,9 @@ class Metrics:
 
     def record_preemption(self, mode: str, count: int = 1) -> None:
         self.preemptions.labels(_check(mode, PREEMPTION_MODES, "preemption mode")).inc(count)
+
+    def record_caches_expired(self, count: int) -> None:
+        self.caches_expired.inc(count)
 
     def record_prefix(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries.inc(queried_tokens)

@@ -216,10 +216,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     @_maps_errors
     async def Warmup(self, request: pb.WarmupRequest, context: Any) -> pb.WarmupResponse:
         engine = self.engine
-        num_tokens, forward_ms = await engine.call(engine.warmup, request.num_tokens)
-        return convert.warmup_response(
-            num_tokens, forward_ms, engine.kv, engine.memory_plan.activation_peak_bytes
-        )
+        outcome = await engine.call(engine.warmup, request.num_tokens)
+        return convert.warmup_response(outcome, engine.kv, engine.memory_plan.activation_peak_bytes)
 
     # -- execution ------------------------------------------------------------------------
 
@@ -495,8 +493,21 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.MaintainPrefillBackingRequest, context: Any
     ) -> pb.MaintainPrefillBackingResponse:
         # The KV pool is allocated whole at start-up, so admission never asks for backing
-        # growth and no maintenance is ever pending.
+        # growth and no maintenance is ever pending. The call names a request, so it renews
+        # the leases of that request's caches.
+        await self.engine.call(
+            self.engine.renew_request, request.request_id, request.executor_instance_id
+        )
         return pb.MaintainPrefillBackingResponse(no_longer_pending=pb.MaintenanceNoLongerPending())
+
+    @_maps_errors
+    async def RenewCacheLease(
+        self, request: pb.RenewCacheLeaseRequest, context: Any
+    ) -> pb.RenewCacheLeaseResponse:
+        cache_ids = convert.renewal_from_pb(request, self.engine.config.max_batch_size)
+        engine = self.engine
+        not_live = await engine.call(engine.renew_leases, cache_ids, request.executor_instance_id)
+        return convert.renew_response(cache_ids, not_live, engine.config.cache_lease_s)
 
     @_maps_errors
     async def GetCapacitySnapshot(

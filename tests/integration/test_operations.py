@@ -151,6 +151,7 @@ def test_memory_plan_in_capabilities_and_metrics(
 def test_health_warmup_serving_drain_and_liveness() -> None:
     from ferrum_server.app import LIVENESS_SERVICE, SERVICE_NAME, bind_server
     from ferrum_server.config import EngineConfig, ServerConfig
+    from ferrum_server.domain import WarmupOutcome
     from ferrum_server.engine import Engine
 
     loop = asyncio.new_event_loop()
@@ -160,7 +161,7 @@ def test_health_warmup_serving_drain_and_liveness() -> None:
     gate = threading.Event()
     real_warmup = engine.warmup
 
-    def slow_warmup(num_tokens: int = 0) -> tuple[int, float]:
+    def slow_warmup(num_tokens: int = 0) -> WarmupOutcome:
         gate.wait(30)
         return real_warmup(64)
 

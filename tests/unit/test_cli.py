@@ -26,7 +26,7 @@ FLAG_NAMES = {
     "log-level", "log-format", "debug-reflection", "tls-cert", "tls-key", "tls-client-ca",
     "auth-token-file", "health-port", "max-message-bytes", "max-concurrent-rpcs",
     "max-concurrent-streams", "max-metadata-bytes", "require-fencing", "step-ledger-size",
-    "release-on-disconnect",
+    "release-on-disconnect", "cache-lease-s", "prefix-pending-s",
     # Added since (issue #17).
     "step-ledger-max-bytes", "step-ledger-evicted-ids",
 }  # fmt: skip
@@ -56,6 +56,8 @@ def _samples(model_dir: Path) -> dict[str, tuple[str, Any]]:
         "prefix-caching": ("false", False),
         "swap-space-bytes": ("0", 0),
         "require-fencing": ("yes", True),
+        "cache-lease-s": ("60", 60.0),
+        "prefix-pending-s": ("0.5", 0.5),
         "cuda-graphs": ("off", False),
         "cuda-graph-max-batch": ("8", 8),
         "host": ("0.0.0.0", "0.0.0.0"),

@@ -850,6 +850,7 @@ class ExecutorCapabilities(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     MEMORY_PLAN_FIELD_NUMBER: _builtins.int
     CUDA_GRAPH_BATCH_SIZES_FIELD_NUMBER: _builtins.int
+    CACHE_LEASE_MS_FIELD_NUMBER: _builtins.int
     max_batch_size: _builtins.int
     """Most sequences in one forward."""
     max_sequence_length: _builtins.int
@@ -878,6 +879,10 @@ class ExecutorCapabilities(_message.Message):
     """Most log-probabilities returned per position."""
     block_size: _builtins.int
     """KV block size in tokens."""
+    cache_lease_ms: _builtins.int
+    """Cache lease, ms: a cache that no call names for this long is released (expired); 0 = no
+    lease. Any call naming a cache renews it, and RenewCacheLease renews without a step.
+    """
     @_builtins.property
     def attention_mechanisms(self) -> _containers.RepeatedScalarFieldContainer[Global___AttentionType.ValueType]:
         """Attention mechanisms in use."""
@@ -933,10 +938,11 @@ class ExecutorCapabilities(_message.Message):
         block_size: _builtins.int = ...,
         memory_plan: Global___MemoryPlan | None = ...,
         cuda_graph_batch_sizes: _abc.Iterable[_builtins.int] | None = ...,
+        cache_lease_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cache_lease_ms", b"cache_lease_ms", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1637,6 +1643,7 @@ class WarmupResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
     PEAK_ACTIVATION_BYTES_FIELD_NUMBER: _builtins.int
+    DEFERRED_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
     """Tokens the warmup forward ran."""
     forward_ms: _builtins.float
@@ -1649,6 +1656,12 @@ class WarmupResponse(_message.Message):
     """Most tokens the pool can hold at once."""
     peak_activation_bytes: _builtins.int
     """Peak device activation memory of the forward, bytes (0 on CPU)."""
+    @_builtins.property
+    def deferred(self) -> Global___ExecutionDeferral:
+        """Set when nothing ran: every KV block is held by a live sequence (the warmup forward needs
+        no sequence slot, only scratch blocks). Wait on its condition, or warm up later.
+        """
+
     def __init__(
         self,
         *,
@@ -1658,10 +1671,11 @@ class WarmupResponse(_message.Message):
         block_size: _builtins.int = ...,
         max_supported_total_tokens: _builtins.int = ...,
         peak_activation_bytes: _builtins.int = ...,
+        deferred: Global___ExecutionDeferral | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deferred", b"deferred"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "forward_ms", b"forward_ms", "max_supported_total_tokens", b"max_supported_total_tokens", "num_tokens", b"num_tokens", "peak_activation_bytes", b"peak_activation_bytes", "total_blocks", b"total_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "deferred", b"deferred", "forward_ms", b"forward_ms", "max_supported_total_tokens", b"max_supported_total_tokens", "num_tokens", b"num_tokens", "peak_activation_bytes", b"peak_activation_bytes", "total_blocks", b"total_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3971,6 +3985,66 @@ class CancelPrefillAdmissionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CancelPrefillAdmissionResponse: _TypeAlias = CancelPrefillAdmissionResponse  # noqa: Y015
+
+@_typing.final
+class RenewCacheLeaseRequest(_message.Message):
+    """Renew the lease of live caches (ExecutorCapabilities.cache_lease_ms)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHE_IDS_FIELD_NUMBER: _builtins.int
+    EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    executor_instance_id: _builtins.int
+    """Fence."""
+    @_builtins.property
+    def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Caches to keep (at most the executor's max_batch_size ids, each at most 256 bytes)."""
+
+    def __init__(
+        self,
+        *,
+        cache_ids: _abc.Iterable[_builtins.str] | None = ...,
+        executor_instance_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_ids", b"cache_ids", "executor_instance_id", b"executor_instance_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewCacheLeaseRequest: _TypeAlias = RenewCacheLeaseRequest  # noqa: Y015
+
+@_typing.final
+class RenewCacheLeaseResponse(_message.Message):
+    """Response of RenewCacheLease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RENEWED_FIELD_NUMBER: _builtins.int
+    NOT_LIVE_CACHE_IDS_FIELD_NUMBER: _builtins.int
+    CACHE_LEASE_MS_FIELD_NUMBER: _builtins.int
+    renewed: _builtins.int
+    """Caches renewed: the named ones that are live."""
+    cache_lease_ms: _builtins.int
+    """The lease, ms (0 = no lease: nothing expires)."""
+    @_builtins.property
+    def not_live_cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The named ids that are not live (released, expired, or never opened here), in request order."""
+
+    def __init__(
+        self,
+        *,
+        renewed: _builtins.int = ...,
+        not_live_cache_ids: _abc.Iterable[_builtins.str] | None = ...,
+        cache_lease_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_lease_ms", b"cache_lease_ms", "not_live_cache_ids", b"not_live_cache_ids", "renewed", b"renewed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewCacheLeaseResponse: _TypeAlias = RenewCacheLeaseResponse  # noqa: Y015
 
 @_typing.final
 class MaintainPrefillBackingRequest(_message.Message):

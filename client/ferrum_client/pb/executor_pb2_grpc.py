@@ -160,6 +160,11 @@ class ExecutorServiceStub:
                 request_serializer=ferrum__client_dot_pb_dot_executor__pb2.PreemptExecutionCapacityRequest.SerializeToString,
                 response_deserializer=ferrum__client_dot_pb_dot_executor__pb2.PreemptExecutionCapacityResponse.FromString,
                 _registered_method=True)
+        self.RenewCacheLease = channel.unary_unary(
+                '/ferrum.executor.v1.ExecutorService/RenewCacheLease',
+                request_serializer=ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseRequest.SerializeToString,
+                response_deserializer=ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -344,6 +349,13 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewCacheLease(self, request, context):
+        """Keep caches that a scheduler holds idle from expiring (see ExecutorCapabilities.cache_lease_ms).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -471,6 +483,11 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.PreemptExecutionCapacity,
                     request_deserializer=ferrum__client_dot_pb_dot_executor__pb2.PreemptExecutionCapacityRequest.FromString,
                     response_serializer=ferrum__client_dot_pb_dot_executor__pb2.PreemptExecutionCapacityResponse.SerializeToString,
+            ),
+            'RenewCacheLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewCacheLease,
+                    request_deserializer=ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseRequest.FromString,
+                    response_serializer=ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1149,6 +1166,33 @@ class ExecutorService:
             '/ferrum.executor.v1.ExecutorService/PreemptExecutionCapacity',
             ferrum__client_dot_pb_dot_executor__pb2.PreemptExecutionCapacityRequest.SerializeToString,
             ferrum__client_dot_pb_dot_executor__pb2.PreemptExecutionCapacityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewCacheLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ExecutorService/RenewCacheLease',
+            ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseRequest.SerializeToString,
+            ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

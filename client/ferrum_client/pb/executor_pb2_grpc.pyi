@@ -116,6 +116,8 @@ class ExecutorServiceStub:
     """What releasing each live request would free."""
     PreemptExecutionCapacity: _grpc.UnaryUnaryMultiCallable[_executor_pb2.PreemptExecutionCapacityRequest, _executor_pb2.PreemptExecutionCapacityResponse]
     """Retire one exact request incarnation to free capacity; returns a receipt."""
+    RenewCacheLease: _grpc.UnaryUnaryMultiCallable[_executor_pb2.RenewCacheLeaseRequest, _executor_pb2.RenewCacheLeaseResponse]
+    """Keep caches that a scheduler holds idle from expiring (see ExecutorCapabilities.cache_lease_ms)."""
 
 @_typing.type_check_only
 class ExecutorServiceAsyncStub(ExecutorServiceStub):
@@ -178,6 +180,8 @@ class ExecutorServiceAsyncStub(ExecutorServiceStub):
     """What releasing each live request would free."""
     PreemptExecutionCapacity: _aio.UnaryUnaryMultiCallable[_executor_pb2.PreemptExecutionCapacityRequest, _executor_pb2.PreemptExecutionCapacityResponse]  # type: ignore[assignment]
     """Retire one exact request incarnation to free capacity; returns a receipt."""
+    RenewCacheLease: _aio.UnaryUnaryMultiCallable[_executor_pb2.RenewCacheLeaseRequest, _executor_pb2.RenewCacheLeaseResponse]  # type: ignore[assignment]
+    """Keep caches that a scheduler holds idle from expiring (see ExecutorCapabilities.cache_lease_ms)."""
 
 class ExecutorServiceServicer(metaclass=_abc_1.ABCMeta):
     """The executor service: one per GPU."""
@@ -387,5 +391,13 @@ class ExecutorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_executor_pb2.PreemptExecutionCapacityResponse, _abc.Awaitable[_executor_pb2.PreemptExecutionCapacityResponse]]:
         """Retire one exact request incarnation to free capacity; returns a receipt."""
+
+    @_abc_1.abstractmethod
+    def RenewCacheLease(
+        self,
+        request: _executor_pb2.RenewCacheLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.RenewCacheLeaseResponse, _abc.Awaitable[_executor_pb2.RenewCacheLeaseResponse]]:
+        """Keep caches that a scheduler holds idle from expiring (see ExecutorCapabilities.cache_lease_ms)."""
 
 def add_ExecutorServiceServicer_to_server(servicer: ExecutorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

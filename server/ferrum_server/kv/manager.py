@@ -53,6 +53,8 @@ class Cache:
     # Monotonic times for time-to-first-token and inter-token metrics.
     opened_s: float = field(default_factory=time.monotonic)
     last_token_s: float = 0.0
+    # When a call last named this cache (monotonic): the cache lease counts from here.
+    touched_s: float = field(default_factory=time.monotonic)
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +110,8 @@ class KvManager:
         self.prefix_caching = prefix_caching
         self.clock = EpochClock(coordinator_id)
         self.caches: dict[str, Cache] = {}
-        self._retired: OrderedDict[str, None] = OrderedDict()
+        # Retired cache id -> how it ended ("released" or "expired"), for NOT_FOUND messages.
+        self._retired: OrderedDict[str, str] = OrderedDict()
         # Content hash -> cache id of the admitted cache that will compute that block.
         self._pending: dict[bytes, str] = {}
 
@@ -122,11 +125,45 @@ class KvManager:
         return max(0, self.blocks_for(target_len) - held)
 
     def lookup(self, cache_id: str) -> Cache:
+        """The live cache named by a call; naming it renews its lease."""
         cache = self.caches.get(cache_id)
         if cache is None:
-            state = "released" if cache_id in self._retired else "unknown"
+            state = self._retired.get(cache_id, "unknown")
+            if state == "expired":
+                raise NotFound(
+                    f"cache {cache_id!r} expired: no call named it for longer than the cache "
+                    "lease (see RenewCacheLease)"
+                )
             raise NotFound(f"cache {cache_id!r} is {state}")
+        cache.touched_s = time.monotonic()
         return cache
+
+    def idle_caches(self, lease_s: float, now: float) -> list[Cache]:
+        """Caches no call has named for at least lease_s seconds, oldest first."""
+        idle = [c for c in self.caches.values() if now - c.touched_s >= lease_s]
+        return sorted(idle, key=lambda c: c.touched_s)
+
+    def renew(self, cache_ids: list[str]) -> list[str]:
+        """Renew the lease of each live cache among cache_ids; return the ids not live."""
+        now = time.monotonic()
+        missing = []
+        for cache_id in cache_ids:
+            cache = self.caches.get(cache_id)
+            if cache is None:
+                missing.append(cache_id)
+            else:
+                cache.touched_s = now
+        return missing
+
+    def renew_request(self, request_id: str) -> int:
+        """Renew the lease of every live cache of request_id; return how many there were."""
+        now = time.monotonic()
+        count = 0
+        for cache in self.caches.values():
+            if cache.request_id == request_id:
+                cache.touched_s = now
+                count += 1
+        return count
 
     @property
     def num_free_sequence_slots(self) -> int:
@@ -235,6 +272,8 @@ class KvManager:
         if self.blocks_for(cache.num_tokens + len(token_ids)) > len(cache.block_ids):
             raise RuntimeError("commit() past the reserved blocks")
         cache.token_ids.extend(token_ids)
+        cache.touched_s = time.monotonic()
+        first_chunk = cache.pending_admission
         cache.pending_admission = False
         if not self.prefix_caching:
             return
@@ -249,9 +288,27 @@ class KvManager:
                 del self._pending[content]
                 published = True
             parent = content
+        # Others waited one step for this prefix: what the first chunk did not publish (a
+        # shorter chunk, or other tokens than admitted) is not promised any longer.
+        if first_chunk and self._drop_pending(cache):
+            published = True
         if published:
             # Requests deferred behind this prefix wait on the KV source: wake them.
             self.clock.bump({KV_BLOCKS})
+
+    def expire_pending(self, bound_s: float, now: float) -> list[Cache]:
+        """Drop the prefix marks of admitted caches whose first chunk has not run within
+        bound_s of admission, waking the requests deferred behind them; return those caches."""
+        stale = [
+            c
+            for c in self.caches.values()
+            if c.pending_hashes and c.pending_admission and now - c.opened_s >= bound_s
+        ]
+        for cache in stale:
+            self._drop_pending(cache)
+        if stale:
+            self.clock.bump({KV_BLOCKS})
+        return stale
 
     def truncate(self, cache: Cache, new_len: int) -> tuple[int, list[tuple[int, int]]]:
         """Drop tokens past new_len; return (blocks released, block copies to perform).
@@ -278,30 +335,33 @@ class KvManager:
                 cache.block_ids[index] = fresh
             elif self.pool.is_registered(block):
                 self.pool.unregister(block)
-        self._drop_pending(cache)
+        unmarked = self._drop_pending(cache)
         dropped = cache.block_ids[keep:]
         del cache.block_ids[keep:]
         del cache.token_ids[new_len:]
         del cache.block_hashes[new_len // bs :]
         released = self.pool.free(dropped)
-        self.clock.bump({KV_BLOCKS} if released else set())
+        self.clock.bump({KV_BLOCKS} if released or unmarked else set())
         return released, copies
 
-    def release(self, cache_id: str) -> ReleaseResult:
+    def release(self, cache_id: str, *, reason: str = "released") -> ReleaseResult:
+        """Release a cache; a repeat for a retired id is not an error (released = False).
+        `reason` ("released" or "expired") is what a later lookup of the id reports."""
         cache = self.caches.pop(cache_id, None)
         if cache is None:
             if cache_id in self._retired:
                 return ReleaseResult(released=False, blocks_freed=0)
             raise NotFound(f"cache {cache_id!r} is unknown")
         # Only whole, committed blocks keep their hash; the rest return to the free list.
-        self._drop_pending(cache)
+        unmarked = self._drop_pending(cache)
         freed = self.pool.free(cache.block_ids)
         cache.block_ids.clear()
-        self._retired[cache_id] = None
+        self._retired[cache_id] = reason
         if len(self._retired) > _RETIRED_MEMORY:
             self._retired.popitem(last=False)
         sources: set[SourceKey] = {SEQUENCE_SLOTS}
-        if freed:
+        if freed or unmarked:
+            # Requests deferred behind its prefix marks wait on the KV source too.
             sources.add(KV_BLOCKS)
         self.clock.bump(sources)
         _LOG.debug(
@@ -313,11 +373,15 @@ class KvManager:
         )
         return ReleaseResult(released=True, blocks_freed=freed)
 
-    def _drop_pending(self, cache: Cache) -> None:
+    def _drop_pending(self, cache: Cache) -> bool:
+        """Forget the cache's prefix marks; True if any was still marked."""
+        dropped = False
         for content in cache.pending_hashes:
             if self._pending.get(content) == cache.cache_id:
                 del self._pending[content]
+                dropped = True
         cache.pending_hashes.clear()
+        return dropped
 
     # -- checks ----------------------------------------------------------------------------
 

@@ -119,6 +119,9 @@ class InProcessBackend:
             PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
         )
 
+    async def renew_leases(self, cache_ids: Sequence[str]) -> list[str]:
+        return await self.engine.call(self.engine.renew_leases, list(cache_ids))
+
 
 async def _result(future: Awaitable[object]) -> StepResult:
     from ferrum_server.domain import StepOutcome
