@@ -32,6 +32,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("gpu", "cpu", "gpu-2x")
+EXAMPLES = ("generate-job",)  # deploy/examples/*: workloads applied beside an overlay
+RENDERS = ("base", *OVERLAYS, *EXAMPLES)
 from ferrum_server.app import LIVENESS_SERVICE, SERVICE_NAME  # noqa: E402
 
 K8S_VERSIONS = ("1.27.0", None)  # oldest with GA gRPC probes, and the newest bundled
@@ -156,8 +158,14 @@ def _render_with_kustomize(folder: Path) -> tuple[Doc, ...]:
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
 
+def _folder(name: str) -> Path:
+    if name == "base":
+        return DEPLOY / "base"
+    return DEPLOY / ("examples" if name in EXAMPLES else "overlays") / name
+
+
 def render(name: str) -> list[Doc]:
-    folder = DEPLOY / "base" if name == "base" else DEPLOY / "overlays" / name
+    folder = _folder(name)
     if KUSTOMIZE is not None:
         return copy.deepcopy(list(_render_with_kustomize(folder)))
     return render_offline(folder)
@@ -198,11 +206,11 @@ def _env(container: Doc) -> dict[str, str]:
 # -- rendering and schemas ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ("base", *OVERLAYS))
+@pytest.mark.parametrize("name", RENDERS)
 def test_offline_renderer_agrees_with_kustomize(name: str) -> None:
     if KUSTOMIZE is None:
         pytest.skip("no kustomize or kubectl on PATH; render_offline is used alone")
-    folder = DEPLOY / "base" if name == "base" else DEPLOY / "overlays" / name
+    folder = _folder(name)
 
     def key(doc: Doc) -> tuple[str, str]:
         return doc["kind"], doc["metadata"]["name"]
@@ -212,19 +220,19 @@ def test_offline_renderer_agrees_with_kustomize(name: str) -> None:
     assert ours == theirs
 
 
-@pytest.mark.parametrize("name", ("base", *OVERLAYS))
+@pytest.mark.parametrize("name", RENDERS)
 def test_manifests_match_kubernetes_schemas(name: str) -> None:
     try:
         import kubernetes_validate
     except ImportError:
         pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
     docs = render(name)
-    assert {d["kind"] for d in docs} == {
-        "Deployment",
-        "Service",
-        "PodMonitor",
-        "PersistentVolumeClaim",
-    }
+    expected = (
+        {"Job"}
+        if name in EXAMPLES
+        else {"Deployment", "Service", "PodMonitor", "PersistentVolumeClaim"}
+    )
+    assert {d["kind"] for d in docs} == expected
     for version in K8S_VERSIONS:
         version = version or kubernetes_validate.latest_version()
         for doc in docs:
@@ -238,11 +246,11 @@ def test_schema_validation_catches_mistakes() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     deployment = _one(render("gpu"), "Deployment")
     bad = copy.deepcopy(deployment)
-    bad["spec"]["template"]["spec"]["containers"][1]["readinessProbe"]["grpc"]["port"] = "grpc"
+    bad["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, kubernetes_validate.latest_version(), strict=True)
     bad = copy.deepcopy(deployment)
-    bad["spec"]["template"]["spec"]["containers"][1]["livenessProbe"]["grpcc"] = {}
+    bad["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpcc"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, kubernetes_validate.latest_version(), strict=True)
 
@@ -274,6 +282,9 @@ def test_podmonitor(name: str) -> None:
     docs = render(name)
     monitor, deployment = _one(docs, "PodMonitor"), _one(docs, "Deployment")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    # kube-prometheus-stack's Prometheus selects PodMonitors by `release: <helm release>`;
+    # without it the default install never scrapes the executor (docs/operations.md).
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", monitor["metadata"]["name"])
     spec = monitor["spec"]
     selector = spec["selector"]  # required by the CRD
@@ -306,16 +317,15 @@ def test_probes_ports_and_grace(name: str) -> None:
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert service["spec"]["selector"].items() <= labels.items()
     names = [c["name"] for c in pod["containers"]]
-    assert names[0] == "scheduler" and len(names) == len(set(names))
+    assert len(names) == len(set(names))
     executors = _executors(deployment)
+    assert executors == pod["containers"], "the Deployment runs executors only"
     assert len(executors) == (2 if name == "gpu-2x" else 1)
 
     all_ports = [p for c in pod["containers"] for p in c.get("ports", [])]
     assert len({p["name"] for p in all_ports}) == len(all_ports), "port names must be unique"
     assert len({p["containerPort"] for p in all_ports}) == len(all_ports)
     service_ports = {p["targetPort"]: p["port"] for p in service["spec"]["ports"]}
-    scheduler_args = [str(a) for a in pod["containers"][0]["args"]]
-    targets = {scheduler_args[i + 1] for i, a in enumerate(scheduler_args) if a == "--target"}
 
     grace = pod["terminationGracePeriodSeconds"]
     for container in executors:
@@ -331,7 +341,6 @@ def test_probes_ports_and_grace(name: str) -> None:
         assert ports[metrics_name] == int(_env(container)["FERRUM_METRICS_PORT"])
         assert service_ports[grpc_name] == args.port
         assert service_ports[metrics_name] == ports[metrics_name]
-        assert f"127.0.0.1:{args.port}" in targets
         probes = {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
         for probe in probes.values():
             assert probe["grpc"]["port"] == args.port  # native probes need a number
@@ -385,8 +394,91 @@ def test_devices_and_images(name: str) -> None:
         assert "nvidia.com/gpu" not in json.dumps(pod)
     else:
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
-    scheduler = pod["containers"][0]
-    assert "nvidia.com/gpu" not in json.dumps(scheduler["resources"])
+
+
+# -- workloads settle ------------------------------------------------------------------------
+
+# `ferrum-executor` subcommands that serve until stopped; every other one runs to completion.
+SERVING_COMMANDS = {"serve"}
+
+
+def _subcommand(container: Doc) -> str:
+    """The `ferrum-executor` subcommand a container runs, checked against the real CLI."""
+    from ferrum_server.tools.cli import build_parser
+
+    assert container.get("command") == ["ferrum-executor"], container["name"]
+    subcommands = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
+    # A new subcommand must be classified here (serving or run-to-completion) before use.
+    assert set(subcommands) == SERVING_COMMANDS | {"demo", "generate", "bench"}
+    command = str(container["args"][0])
+    assert command in subcommands, command
+    return command
+
+
+def _workloads(docs: list[Doc]) -> list[tuple[Doc, Doc]]:
+    """(workload, pod spec) for everything in docs that runs pods."""
+    return [(d, spec) for d in docs for spec in _pod_specs(d)]
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_every_pod_settles(name: str) -> None:
+    """A pod that restarts its containers (a Deployment's: restartPolicy Always) holds only
+    containers that serve until stopped, each with probes on its own gRPC port; anything that
+    runs to completion is a Job (restartPolicy Never/OnFailure). The base used to run
+    `generate` beside the executor, so the pod crash-looped once it finished."""
+    workloads = _workloads(render(name))
+    assert workloads
+    for workload, pod in workloads:
+        restart = pod.get("restartPolicy", "Always")
+        for container in pod["containers"] + pod.get("initContainers", []):
+            command = _subcommand(container)
+            if workload["kind"] == "Job":
+                assert restart in ("Never", "OnFailure")
+                assert command not in SERVING_COMMANDS, "a Job's container must finish"
+                continue
+            assert workload["kind"] == "Deployment" and restart == "Always"
+            assert command in SERVING_COMMANDS, f"{container['name']} runs `{command}` to the end"
+            port = _serve_args(container).port
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert container[probe]["grpc"]["port"] == port, (container["name"], probe)
+            assert any(p["containerPort"] == port for p in container["ports"])
+
+
+def _generate_args(container: Doc) -> argparse.Namespace:
+    from ferrum_server.tools.generate import add_generate_args
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_generate_args(parser)
+    return parser.parse_args([str(a) for a in container["args"][1:]])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_example_scheduler_job_targets_one_executor_through_the_service(overlay: str) -> None:
+    """One --target per scheduler (a repeated flag kept only the last one), naming the
+    Service's `grpc` port, which leads to an executor's gRPC port and its readiness probe."""
+    job = _one(render("generate-job"), "Job")
+    assert job["spec"]["backoffLimit"] >= 1 and job["spec"]["activeDeadlineSeconds"] > 0
+    pod = job["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (scheduler,) = pod["containers"]
+    assert _subcommand(scheduler) == "generate"
+    assert [str(a) for a in scheduler["args"]].count("--target") == 1
+    assert scheduler["image"].endswith(":0.1.0-cpu")
+    assert "nvidia.com/gpu" not in json.dumps(pod)
+    assert scheduler["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in scheduler["volumeMounts"]}
+    assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}[mounts["/tmp"]]
+    host, _, port = _generate_args(scheduler).target.rpartition(":")
+    docs = render(overlay)
+    service, deployment = _one(docs, "Service"), _one(docs, "Deployment")
+    assert host == service["metadata"]["name"]
+    by_port = {p["port"]: p["targetPort"] for p in service["spec"]["ports"]}
+    assert by_port[int(port)] == "grpc"
+    executor = next(c for c in _executors(deployment) if c["name"] == "executor")
+    grpc_port = next(p["containerPort"] for p in executor["ports"] if p["name"] == "grpc")
+    assert executor["readinessProbe"]["grpc"]["port"] == grpc_port == _serve_args(executor).port
 
 
 # -- Dockerfile and health check ----------------------------------------------------------
