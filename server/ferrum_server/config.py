@@ -162,6 +162,11 @@ class ServerConfig:
     metrics_host: str = field(
         default="", metadata=flag("Prometheus listen address; '' = the gRPC --host")
     )
+    # For the container's HEALTHCHECK (probe_file.py); the image sets FERRUM_PROBE_FILE.
+    probe_file: str = field(
+        default="",
+        metadata=flag("once SERVING, write where local health probes connect (JSON); '' = off"),
+    )
     # Needs the 'debug' extra.
     reflection: bool = field(
         default=False,

@@ -15,10 +15,14 @@ import copy
 import functools
 import importlib.util
 import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ import yaml
 from ferrum_server.cli import add_serve_args
 from ferrum_server.metrics import METRIC_DOCS
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -507,8 +512,7 @@ def test_dockerfile_shape() -> None:
     assert 'CMD ["serve", "--host", "0.0.0.0"]' in runtime
     assert re.search(r"^HEALTHCHECK .*/opt/ferrum/healthcheck\.py", runtime, re.M)
     assert "COPY --from=builder /opt/venv /opt/venv" in runtime
-    for tool in ("gcc", "build-essential", "apt-get install", "pip install"):
-        assert tool not in runtime, f"{tool} in the runtime stage"
+    assert "pip install" not in runtime, "the runtime stage copies the builder's venv"
     assert "download.pytorch.org/whl/cpu" in text and "torch==${TORCH_VERSION}" in text
     assert 'pip install ".[server]"' in text
 
@@ -553,6 +557,186 @@ def test_hadolint() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+# -- the image's runtime stage, run in a scratch environment ------------------------------------
+#
+# No image is built here (CI has no Docker daemon and cannot pull base images). Instead the
+# Dockerfile's runtime stage is parsed, and its entrypoint and HEALTHCHECK run as the image would
+# run them: its ENV, its ENTRYPOINT and CMD, and on PATH only the venv plus the tools the stage
+# installs with apt (linked from this machine's copies, as the base images themselves hold no
+# compiler). The one departure: torch's extension cache is this machine's, so the native build
+# the unit tests already did is not repeated (a cold cache builds it, about a minute).
+
+# The programs each apt package of the runtime stage provides (gcc brings binutils: as, ld).
+_APT_TOOLS = {
+    "gcc": ("gcc", "cc", "as", "ld"),
+    "g++": ("g++", "c++"),
+    "libc6-dev": (),
+}
+
+
+def _stages() -> dict[str, list[str]]:
+    """Instructions of each stage (continuation lines joined), by stage name."""
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in _dockerfile().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"FROM \S+ AS (\S+)$", line)
+        if match:
+            current = stages.setdefault(match.group(1), [])
+        current.append(line)
+    return stages
+
+
+def _runtime(variant: str) -> list[str]:
+    """What the image of a variant is made of: base-<variant>, then the runtime stage."""
+    stages = _stages()
+    return stages[f"base-{variant}"] + stages["runtime"]
+
+
+def _apt_packages(lines: list[str]) -> set[str]:
+    packages: set[str] = set()
+    for line in lines:
+        for command in re.findall(r"apt-get install ([^&;]+)", line):
+            packages |= {w for w in command.split() if not w.startswith("-")}
+    return packages
+
+
+def _image_env(lines: list[str]) -> dict[str, str]:
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    for line in lines:
+        if line.startswith("ENV "):
+            for key, value in re.findall(r"(\w+)=(\S+)", line[4:]):
+                env[key] = value.replace("${PATH}", env["PATH"])
+    return env
+
+
+def _exec_form(lines: list[str], instruction: str) -> list[str]:
+    """The JSON (exec) form of ENTRYPOINT, CMD or HEALTHCHECK ... CMD."""
+    (line,) = [ln for ln in lines if ln.startswith(instruction + " ")]
+    form = line.split(" CMD ", 1)[1] if instruction == "HEALTHCHECK" else line.split(" ", 1)[1]
+    parsed: list[str] = json.loads(form)
+    return parsed
+
+
+def test_runtime_stages_carry_the_compilers_triton_and_native_kernels_need() -> None:
+    """Triton compiles its C launcher on first use; ferrum_kernels.native builds with g++ for
+    the CPU it runs on. A runtime stage without them cannot run Triton kernels (CUDA) and
+    silently takes the slower torch path (CPU)."""
+    for variant in ("cuda", "cpu"):
+        lines = _runtime(variant)
+        packages = _apt_packages(lines)
+        assert {"gcc", "g++", "libc6-dev"} <= packages, (variant, packages)
+        assert packages <= set(_APT_TOOLS), f"map the programs of {packages - set(_APT_TOOLS)}"
+        install = next(i for i, ln in enumerate(lines) if "apt-get install" in ln)
+        user = next(i for i, ln in enumerate(lines) if ln.startswith("USER "))
+        assert install < user, "apt-get needs root"
+        assert "--no-install-recommends" in lines[install]
+        assert "rm -rf /var/lib/apt/lists/*" in lines[install]
+
+
+def _scratch(tmp_path: Path, variant: str) -> tuple[dict[str, str], Any]:
+    """The image's environment with its paths mapped into tmp_path; returns (env, mapper)."""
+    lines = _runtime(variant)
+    venv = Path(sys.executable).parent.parent
+    tools = tmp_path / "usr-bin"
+    tools.mkdir()
+    for package in _apt_packages(lines):
+        for program in _APT_TOOLS[package]:
+            found = shutil.which(program)
+            if found is None:
+                pytest.skip(f"this machine has no {program} to stand in for the image's")
+            (tools / program).symlink_to(found)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "tmp").mkdir()
+    mapping = {
+        "/opt/venv": str(venv),
+        "/opt/ferrum/healthcheck.py": str(DEPLOY / "healthcheck.py"),
+        "/home/ferrum": str(tmp_path / "home"),
+        "/tmp/": str(tmp_path / "tmp") + "/",
+    }
+
+    def mapped(text: str) -> str:
+        for image_path, here in mapping.items():
+            text = text.replace(image_path, here)
+        return text
+
+    env = {key: mapped(value) for key, value in _image_env(lines).items()}
+    # The base image's own directories hold no compiler: only the stage's tools stand in.
+    image_venv_bin = mapping["/opt/venv"] + "/bin"
+    assert env["PATH"].startswith(image_venv_bin + ":"), env["PATH"]
+    env["PATH"] = f"{image_venv_bin}:{tools}"
+    env["PYTHONPATH"] = os.pathsep.join(str(ROOT / d) for d in ("server", "client", "kernels"))
+    from torch.utils.cpp_extension import get_default_build_root
+
+    env["TORCH_EXTENSIONS_DIR"] = get_default_build_root()
+    return env, mapped
+
+
+def test_image_entrypoint_and_healthcheck_in_a_scratch_environment(tmp_path: Path) -> None:
+    """`docker run ferrum-executor:cpu serve ... --port 0`, emulated: the entrypoint serves,
+    builds the native CPU kernels with the compiler the stage installs, logs only JSON lines,
+    and the image's HEALTHCHECK command finds the server on the port the flag chose (it used to
+    probe FERRUM_PORT=50051 from the environment whatever --port said)."""
+    lines = _runtime("cpu")
+    env, mapped = _scratch(tmp_path, "cpu")
+    assert env["FERRUM_PORT"] == "50051" and env["FERRUM_DEVICE"] == "cpu"
+    entrypoint, cmd = _exec_form(lines, "ENTRYPOINT"), _exec_form(lines, "CMD")
+    assert cmd[0] == "serve"
+    # As a user would pass them: a --port the environment does not know; loopback only here.
+    argv = [*entrypoint, *cmd, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+    argv += ["--kv-cache-bytes", str(4 * 1024**2)]
+    healthcheck = [mapped(a) for a in _exec_form(lines, "HEALTHCHECK")]
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    with stdout.open("wb") as out, stderr.open("wb") as err:
+        server = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=tmp_path / "home")
+    try:
+        deadline = time.monotonic() + 240  # a cold torch-extension cache builds for a minute
+        while b'"state": "serving"' not in stdout.read_bytes():
+            assert server.poll() is None, stderr.read_text() + stdout.read_text()
+            assert time.monotonic() < deadline, "the server did not reach SERVING"
+            time.sleep(0.2)
+        for _ in range(10):
+            check = subprocess.run(healthcheck, env=env, capture_output=True, timeout=30)
+            if check.returncode == 0:
+                break
+            time.sleep(0.5)
+        assert check.returncode == 0, check.stderr.decode()
+        probe = json.loads(Path(env["FERRUM_PROBE_FILE"]).read_text())
+        assert probe["port"] not in (0, 50051) and probe["host"] == "127.0.0.1"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=60)
+    assert code == 0
+    assert not Path(env["FERRUM_PROBE_FILE"]).exists(), "removed on exit"
+    events = [json.loads(line) for line in stdout.read_text().splitlines()]  # JSON, every line
+    native = [e for e in events if e["event"].startswith("native_kernels")]
+    assert native and native[0]["event"] == "native_kernels", native
+    assert native[0]["state"] == "loaded"
+    assert stderr.read_text() == "", "stderr carries no noise: every log is a JSON line"
+
+
+def test_without_a_compiler_the_native_fallback_is_one_json_line(tmp_path: Path) -> None:
+    """The old runtime stage (no compiler): the server still starts on the torch path, and
+    says so in one JSON log line with the reason, not in torch's and the builder's stderr."""
+    env, _ = _scratch(tmp_path, "cpu")
+    env["PATH"] = env["PATH"].split(":")[0]  # the venv alone: no compiler, as before
+    code = (
+        "from ferrum_server import logs; logs.configure('info', 'json');"
+        "from ferrum_kernels import native; assert native.load() is None"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    (line,) = out.stdout.splitlines()
+    event = json.loads(line)
+    assert event["event"] == "native_kernels_unavailable" and event["level"] == "warning"
+    assert event["reason"] == "no C++ compiler (c++) on PATH" and event["fallback"] == "torch"
+
+
 def _load_healthcheck() -> Any:
     spec = importlib.util.spec_from_file_location("healthcheck", DEPLOY / "healthcheck.py")
     assert spec is not None and spec.loader is not None
@@ -582,6 +766,62 @@ def test_healthcheck_script(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         server.stop(None)
     assert healthcheck.main() == 1  # nothing listening
+
+
+def test_healthcheck_follows_the_probe_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The server's probe file wins over FERRUM_PORT (a `--port` flag the environment does not
+    know), and its plaintext health port over its gRPC port; without a readable file the
+    environment is used, as before."""
+    from ferrum_server import probe_file
+
+    healthcheck = _load_healthcheck()
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    path = tmp_path / "probe.json"
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        with socket.socket() as unused:  # a port nothing listens on
+            unused.bind(("127.0.0.1", 0))
+            wrong = unused.getsockname()[1]
+        monkeypatch.setenv("FERRUM_PORT", str(wrong))
+        monkeypatch.setenv("FERRUM_HEALTH_TIMEOUT_S", "2")
+        monkeypatch.setenv("FERRUM_PROBE_FILE", str(path))
+        assert healthcheck.main() == 1  # no file yet: the environment's port, where nothing is
+        assert probe_file.write(str(path), probe_file.probe_target("0.0.0.0", port, -1, False))
+        assert healthcheck.target() == f"127.0.0.1:{port}"
+        assert healthcheck.main() == 0
+        # TLS on the gRPC port: the plaintext health port is the one probed.
+        probe_file.write(str(path), probe_file.probe_target("127.0.0.1", wrong, port, True))
+        assert healthcheck.main() == 0
+        probe_file.write(str(path), probe_file.probe_target("::1", 7, -1, False))
+        assert healthcheck.target() == "[::1]:7"
+        path.write_text("{not json")
+        assert healthcheck.target() == f"127.0.0.1:{wrong}"
+        monkeypatch.setenv("FERRUM_PORT", str(port))
+        assert healthcheck.main() == 0
+        probe_file.remove(str(path))
+        assert not path.exists()
+        probe_file.remove(str(path))  # already gone: fine
+    finally:
+        server.stop(None)
+
+
+def test_an_unwritable_probe_file_is_logged_not_fatal(tmp_path: Path) -> None:
+    """A path that cannot be written (a read-only root filesystem, a missing folder) is a
+    warning: the server keeps serving and the health check falls back to the environment."""
+    from ferrum_server import probe_file
+
+    path = tmp_path / "missing-folder" / "probe.json"
+    with capture_logs() as logged:
+        assert probe_file.write(str(path), probe_file.probe_target("", 1, -1, False)) is False
+    assert not path.exists()
+    assert [e["event"] for e in logged] == ["probe_file_unwritable"]
+    assert logged[0]["path"] == str(path) and logged[0]["log_level"] == "warning"
 
 
 # -- Grafana dashboard ----------------------------------------------------------------------
