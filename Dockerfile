@@ -8,7 +8,17 @@
 # The builder installs the package and its torch build into /opt/venv; the runtime stage
 # (picked by VARIANT through the `base-${VARIANT}` stages) copies only that venv, plus, for
 # CUDA, the standalone CPython the venv was made with: Ubuntu 22.04's own Python is 3.10 and
-# the project needs 3.11. No compiler or build tool reaches the runtime stage.
+# the project needs 3.11.
+#
+# The runtime stage does carry a C/C++ compiler (gcc, g++, libc headers), because two things
+# compile on the machine that runs them and cannot be built here ahead of time:
+# - Triton (CUDA) compiles a small C launcher, against Python.h and the host driver's
+#   libcuda.so.1 (mounted at run time), the first time a process runs a kernel;
+# - the native CPU kernels (ferrum_kernels.native) are built with g++ -march=native for the CPU
+#   they run on; without a compiler they fall back to the slower torch path.
+# Both cache what they build under $HOME (Triton ~/.triton, torch ~/.cache/torch_extensions).
+# tests/unit/test_deploy.py runs this stage's entrypoint in a scratch environment holding only
+# the tools installed here.
 
 ARG VARIANT=cuda
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -85,6 +95,12 @@ LABEL org.opencontainers.image.title="ferrum-executor" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.ferrum.variant="${VARIANT}"
 
+# Versions follow the base image's distribution (Debian 12 or Ubuntu 22.04), so none is pinned.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN groupadd --system --gid 10001 ferrum \
     && useradd --system --uid 10001 --gid 10001 --home-dir /home/ferrum --create-home \
        --shell /usr/sbin/nologin ferrum
@@ -97,13 +113,15 @@ ENV PATH=/opt/venv/bin:${PATH} \
     FERRUM_HOST=0.0.0.0 \
     FERRUM_PORT=50051 \
     FERRUM_METRICS_PORT=9400 \
+    FERRUM_PROBE_FILE=/tmp/ferrum-executor-probe.json \
     HOME=/home/ferrum
 
 USER 10001:10001
 WORKDIR /home/ferrum
 EXPOSE 50051 9400
 
-# Model load plus warmup can take minutes: failures during start-period do not count.
+# Model load plus warmup can take minutes: failures during start-period do not count. The check
+# connects where the server's probe file (FERRUM_PROBE_FILE) says, so `serve --port N` moves it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["/opt/venv/bin/python", "/opt/ferrum/healthcheck.py"]
 

@@ -5,6 +5,12 @@ a C++ compiler and ninja must be present. The build (about a minute) is cached b
 digest and CPU flags, so later processes load it in milliseconds. When it cannot be built, or
 ``FERRUM_CPU_NATIVE=0``, ``load()`` returns None and every caller keeps its torch path.
 
+The outcome is logged once through stdlib logging (the server renders it as a JSON line): event
+``native_kernels`` with ``state=loaded`` and the seconds the load took, or a warning
+``native_kernels_unavailable`` with the reason (no compiler on PATH, no ninja, or the build's last
+lines). Nothing is written to stderr directly, and a missing compiler is found before torch is
+asked to build, so torch's own compiler warnings do not appear either.
+
 ``-ffast-math`` lets the attention reductions and ``exp`` vectorise (measured: about 15% on the
 decode kernel over ``omp simd`` reductions and a hand-written exp). The fused elementwise kernels
 still round to bfloat16 with explicit integer arithmetic, and ``-ffp-contract=off`` stops the
@@ -16,10 +22,12 @@ SwiGLU through exp's last bit (at most one bfloat16 ulp, rarely; tested).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
-import sys
+import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +47,10 @@ _FUNCTIONS = [
     "prefill_attention_vectorized",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]
+
+_LOG = logging.getLogger(__name__)
+# Most characters of a failed build's output kept in the log line (its tail holds the error).
+_REASON_CHARS = 800
 
 _lock = threading.Lock()
 _module: Any = None
@@ -67,6 +79,25 @@ def _source() -> str:
     return "\n".join(parts)
 
 
+def _missing_toolchain() -> str | None:
+    """Why the module cannot be built here, checked before torch tries (and warns)."""
+    compiler = os.environ.get("CXX", "c++")  # what torch's extension builder runs
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja is not installed"
+    return None
+
+
+def _unavailable(reason: str) -> None:
+    reason = " ".join(reason.split())  # one line, whatever the compiler printed
+    if len(reason) > _REASON_CHARS:
+        reason = "..." + reason[-_REASON_CHARS:]
+    _LOG.warning("native_kernels_unavailable", extra={"reason": reason, "fallback": "torch"})
+
+
 def load() -> Any:
     """The compiled module, or None when it is disabled or cannot be built (reported once)."""
     global _module, _failed
@@ -78,7 +109,13 @@ def load() -> Any:
         if os.environ.get("FERRUM_CPU_NATIVE", "1") == "0":
             _failed = True
             return None
+        started = time.monotonic()
         try:
+            missing = _missing_toolchain()
+            if missing is not None:
+                _unavailable(missing)
+                _failed = True
+                return None
             from torch.utils.cpp_extension import load_inline
 
             source = _source()
@@ -91,10 +128,15 @@ def load() -> Any:
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
-        except Exception as exc:  # no compiler, no ninja, ...: the torch paths still work
-            sys.stderr.write(f"ferrum: native CPU kernels unavailable ({exc})\n")
+        except Exception as exc:  # a failed build, a bad flag, ...: the torch paths still work
+            _unavailable(f"{type(exc).__name__}: {exc}")
             _failed = True
             _module = None
+        else:
+            _LOG.info(
+                "native_kernels",
+                extra={"state": "loaded", "load_s": round(time.monotonic() - started, 2)},
+            )
     return _module
 
 

@@ -260,7 +260,7 @@ async def bind_server(
     if server_config.metrics_port >= 0:
         try:
             metrics_port = metrics.start_http_server(
-                server_config.metrics_port, server_config.metrics_host
+                server_config.metrics_port, server_config.metrics_bind_host
             )
         except OSError as exc:
             raise OSError(

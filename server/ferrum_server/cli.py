@@ -216,13 +216,21 @@ def serve_configs(
 async def _serve(
     engine: EngineConfig, server: ServerConfig, port_file: pathlib.Path | None
 ) -> None:
+    from ferrum_server import probe_file
     from ferrum_server.app import start_server
 
+    if server.probe_file:
+        probe_file.remove(server.probe_file)
     running = await start_server(engine, server)
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(str(running.port))
         tmp.replace(port_file)
+    if server.probe_file:
+        target = probe_file.probe_target(
+            server.host, running.port, running.health_port, server.security.tls
+        )
+        probe_file.write(server.probe_file, target)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     count = 0
@@ -238,6 +246,8 @@ async def _serve(
         loop.add_signal_handler(sig, on_signal)
     await stop.wait()
     await running.drain(server.grace_s)
+    if server.probe_file:
+        probe_file.remove(server.probe_file)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

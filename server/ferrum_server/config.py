@@ -205,7 +205,16 @@ class ServerConfig:
         default=9400,
         metadata=flag("Prometheus /metrics port; 0 = any free port, -1 = off"),
     )
-    metrics_host: str = field(default="0.0.0.0", metadata=flag("Prometheus listen address"))
+    # Empty follows --host, so `--host 127.0.0.1` does not leave /metrics open on every
+    # interface; give an address to split them (the container image sets 0.0.0.0 for both).
+    metrics_host: str = field(
+        default="", metadata=flag("Prometheus listen address; '' = the gRPC --host")
+    )
+    # For the container's HEALTHCHECK (probe_file.py); the image sets FERRUM_PROBE_FILE.
+    probe_file: str = field(
+        default="",
+        metadata=flag("once SERVING, write where local health probes connect (JSON); '' = off"),
+    )
     # Needs the 'debug' extra.
     reflection: bool = field(
         default=False,
@@ -220,6 +229,12 @@ class ServerConfig:
             "engine heartbeat deadline before the liveness health service reports NOT_SERVING"
         ),
     )
+
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where /metrics listens: --metrics-host, else the gRPC --host (brackets dropped:
+        the HTTP server takes a bare IPv6 address)."""
+        return (self.metrics_host or self.host).removeprefix("[").removesuffix("]")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -32,12 +32,13 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
         cache_logger_on_first_use=False,
     )
-    # Libraries that use stdlib logging go through the same renderer.
+    # Libraries that use stdlib logging go through the same renderer; their `extra=` fields
+    # become keys of the line (ferrum_kernels.native logs its reason so).
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processor=renderer,
-            foreign_pre_chain=shared,
+            foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
         )
     )
     root = logging.getLogger()

@@ -65,7 +65,8 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
      "Sequences holding KV state on this executor."),
     (f"{PREFIX}_requests_waiting", "gauge", (),
      "Requests admitted but not yet started (no forward pass run for them)."),
-    (f"{PREFIX}_kv_blocks_total", "gauge", (), "KV cache blocks in the pool."),
+    # Was ferrum_executor_kv_blocks_total: a gauge must not end in _total (promtool, issue #17).
+    (f"{PREFIX}_kv_blocks", "gauge", (), "KV cache blocks in the pool."),
     (f"{PREFIX}_kv_blocks_used", "gauge", (), "KV cache blocks held by sequences."),
     (f"{PREFIX}_kv_blocks_cached", "gauge", (),
      "KV cache blocks kept only for prefix reuse (evictable)."),
@@ -161,7 +162,7 @@ class Metrics:
         p = PREFIX
         self.sequences_running = self._gauge(f"{p}_sequences_running")
         self.requests_waiting = self._gauge(f"{p}_requests_waiting")
-        self.kv_blocks_total = self._gauge(f"{p}_kv_blocks_total")
+        self.kv_blocks = self._gauge(f"{p}_kv_blocks")
         self.kv_blocks_used = self._gauge(f"{p}_kv_blocks_used")
         self.kv_blocks_cached = self._gauge(f"{p}_kv_blocks_cached")
         self.kv_utilization = self._gauge(f"{p}_kv_cache_utilization_ratio")
@@ -248,7 +249,7 @@ class Metrics:
                 self.tokens.labels(token_kind).inc(count)
 
     def set_kv(self, total: int, used: int, cached: int = 0) -> None:
-        self.kv_blocks_total.set(total)
+        self.kv_blocks.set(total)
         self.kv_blocks_used.set(used)
         self.kv_blocks_cached.set(cached)
         self.kv_utilization.set(used / total if total > 0 else 0.0)

@@ -26,7 +26,7 @@ FLAG_NAMES = {
     "log-level", "log-format", "debug-reflection", "tls-cert", "tls-key", "tls-client-ca",
     "auth-token-file", "health-port", "max-message-bytes", "max-concurrent-rpcs",
     "max-concurrent-streams", "max-metadata-bytes", "require-fencing", "step-ledger-size",
-    "release-on-disconnect", "cache-lease-s", "prefix-pending-s",
+    "release-on-disconnect", "cache-lease-s", "prefix-pending-s", "probe-file",
     # Added since (issue #17).
     "step-ledger-max-bytes", "step-ledger-evicted-ids",
 }  # fmt: skip
@@ -74,6 +74,7 @@ def _samples(model_dir: Path) -> dict[str, tuple[str, Any]]:
         "step-ledger-evicted-ids": ("1024", 1024),
         "metrics-port": ("-1", -1),
         "metrics-host": ("127.0.0.1", "127.0.0.1"),
+        "probe-file": ("/tmp/ferrum-probe.json", "/tmp/ferrum-probe.json"),
         "debug-reflection": ("1", True),
         "liveness-timeout-s": ("60", 60.0),
         "tls-cert": ("/etc/ferrum/cert.pem", "/etc/ferrum/cert.pem"),

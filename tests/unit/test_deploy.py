@@ -15,10 +15,14 @@ import copy
 import functools
 import importlib.util
 import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +32,13 @@ import yaml
 from ferrum_server.cli import add_serve_args
 from ferrum_server.metrics import METRIC_DOCS
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("gpu", "cpu", "gpu-2x")
+EXAMPLES = ("generate-job",)  # deploy/examples/*: workloads applied beside an overlay
+RENDERS = ("base", *OVERLAYS, *EXAMPLES)
 from ferrum_server.app import LIVENESS_SERVICE, SERVICE_NAME  # noqa: E402
 
 K8S_VERSIONS = ("1.27.0", None)  # oldest with GA gRPC probes, and the newest bundled
@@ -156,8 +163,14 @@ def _render_with_kustomize(folder: Path) -> tuple[Doc, ...]:
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
 
+def _folder(name: str) -> Path:
+    if name == "base":
+        return DEPLOY / "base"
+    return DEPLOY / ("examples" if name in EXAMPLES else "overlays") / name
+
+
 def render(name: str) -> list[Doc]:
-    folder = DEPLOY / "base" if name == "base" else DEPLOY / "overlays" / name
+    folder = _folder(name)
     if KUSTOMIZE is not None:
         return copy.deepcopy(list(_render_with_kustomize(folder)))
     return render_offline(folder)
@@ -198,11 +211,11 @@ def _env(container: Doc) -> dict[str, str]:
 # -- rendering and schemas ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ("base", *OVERLAYS))
+@pytest.mark.parametrize("name", RENDERS)
 def test_offline_renderer_agrees_with_kustomize(name: str) -> None:
     if KUSTOMIZE is None:
         pytest.skip("no kustomize or kubectl on PATH; render_offline is used alone")
-    folder = DEPLOY / "base" if name == "base" else DEPLOY / "overlays" / name
+    folder = _folder(name)
 
     def key(doc: Doc) -> tuple[str, str]:
         return doc["kind"], doc["metadata"]["name"]
@@ -212,19 +225,19 @@ def test_offline_renderer_agrees_with_kustomize(name: str) -> None:
     assert ours == theirs
 
 
-@pytest.mark.parametrize("name", ("base", *OVERLAYS))
+@pytest.mark.parametrize("name", RENDERS)
 def test_manifests_match_kubernetes_schemas(name: str) -> None:
     try:
         import kubernetes_validate
     except ImportError:
         pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
     docs = render(name)
-    assert {d["kind"] for d in docs} == {
-        "Deployment",
-        "Service",
-        "PodMonitor",
-        "PersistentVolumeClaim",
-    }
+    expected = (
+        {"Job"}
+        if name in EXAMPLES
+        else {"Deployment", "Service", "PodMonitor", "PersistentVolumeClaim"}
+    )
+    assert {d["kind"] for d in docs} == expected
     for version in K8S_VERSIONS:
         version = version or kubernetes_validate.latest_version()
         for doc in docs:
@@ -238,11 +251,11 @@ def test_schema_validation_catches_mistakes() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     deployment = _one(render("gpu"), "Deployment")
     bad = copy.deepcopy(deployment)
-    bad["spec"]["template"]["spec"]["containers"][1]["readinessProbe"]["grpc"]["port"] = "grpc"
+    bad["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, kubernetes_validate.latest_version(), strict=True)
     bad = copy.deepcopy(deployment)
-    bad["spec"]["template"]["spec"]["containers"][1]["livenessProbe"]["grpcc"] = {}
+    bad["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpcc"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, kubernetes_validate.latest_version(), strict=True)
 
@@ -274,6 +287,9 @@ def test_podmonitor(name: str) -> None:
     docs = render(name)
     monitor, deployment = _one(docs, "PodMonitor"), _one(docs, "Deployment")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    # kube-prometheus-stack's Prometheus selects PodMonitors by `release: <helm release>`;
+    # without it the default install never scrapes the executor (docs/operations.md).
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", monitor["metadata"]["name"])
     spec = monitor["spec"]
     selector = spec["selector"]  # required by the CRD
@@ -306,16 +322,15 @@ def test_probes_ports_and_grace(name: str) -> None:
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert service["spec"]["selector"].items() <= labels.items()
     names = [c["name"] for c in pod["containers"]]
-    assert names[0] == "scheduler" and len(names) == len(set(names))
+    assert len(names) == len(set(names))
     executors = _executors(deployment)
+    assert executors == pod["containers"], "the Deployment runs executors only"
     assert len(executors) == (2 if name == "gpu-2x" else 1)
 
     all_ports = [p for c in pod["containers"] for p in c.get("ports", [])]
     assert len({p["name"] for p in all_ports}) == len(all_ports), "port names must be unique"
     assert len({p["containerPort"] for p in all_ports}) == len(all_ports)
     service_ports = {p["targetPort"]: p["port"] for p in service["spec"]["ports"]}
-    scheduler_args = [str(a) for a in pod["containers"][0]["args"]]
-    targets = {scheduler_args[i + 1] for i, a in enumerate(scheduler_args) if a == "--target"}
 
     grace = pod["terminationGracePeriodSeconds"]
     for container in executors:
@@ -331,7 +346,6 @@ def test_probes_ports_and_grace(name: str) -> None:
         assert ports[metrics_name] == int(_env(container)["FERRUM_METRICS_PORT"])
         assert service_ports[grpc_name] == args.port
         assert service_ports[metrics_name] == ports[metrics_name]
-        assert f"127.0.0.1:{args.port}" in targets
         probes = {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
         for probe in probes.values():
             assert probe["grpc"]["port"] == args.port  # native probes need a number
@@ -385,8 +399,91 @@ def test_devices_and_images(name: str) -> None:
         assert "nvidia.com/gpu" not in json.dumps(pod)
     else:
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
-    scheduler = pod["containers"][0]
-    assert "nvidia.com/gpu" not in json.dumps(scheduler["resources"])
+
+
+# -- workloads settle ------------------------------------------------------------------------
+
+# `ferrum-executor` subcommands that serve until stopped; every other one runs to completion.
+SERVING_COMMANDS = {"serve"}
+
+
+def _subcommand(container: Doc) -> str:
+    """The `ferrum-executor` subcommand a container runs, checked against the real CLI."""
+    from ferrum_server.tools.cli import build_parser
+
+    assert container.get("command") == ["ferrum-executor"], container["name"]
+    subcommands = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
+    # A new subcommand must be classified here (serving or run-to-completion) before use.
+    assert set(subcommands) == SERVING_COMMANDS | {"demo", "generate", "bench"}
+    command = str(container["args"][0])
+    assert command in subcommands, command
+    return command
+
+
+def _workloads(docs: list[Doc]) -> list[tuple[Doc, Doc]]:
+    """(workload, pod spec) for everything in docs that runs pods."""
+    return [(d, spec) for d in docs for spec in _pod_specs(d)]
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_every_pod_settles(name: str) -> None:
+    """A pod that restarts its containers (a Deployment's: restartPolicy Always) holds only
+    containers that serve until stopped, each with probes on its own gRPC port; anything that
+    runs to completion is a Job (restartPolicy Never/OnFailure). The base used to run
+    `generate` beside the executor, so the pod crash-looped once it finished."""
+    workloads = _workloads(render(name))
+    assert workloads
+    for workload, pod in workloads:
+        restart = pod.get("restartPolicy", "Always")
+        for container in pod["containers"] + pod.get("initContainers", []):
+            command = _subcommand(container)
+            if workload["kind"] == "Job":
+                assert restart in ("Never", "OnFailure")
+                assert command not in SERVING_COMMANDS, "a Job's container must finish"
+                continue
+            assert workload["kind"] == "Deployment" and restart == "Always"
+            assert command in SERVING_COMMANDS, f"{container['name']} runs `{command}` to the end"
+            port = _serve_args(container).port
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert container[probe]["grpc"]["port"] == port, (container["name"], probe)
+            assert any(p["containerPort"] == port for p in container["ports"])
+
+
+def _generate_args(container: Doc) -> argparse.Namespace:
+    from ferrum_server.tools.generate import add_generate_args
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_generate_args(parser)
+    return parser.parse_args([str(a) for a in container["args"][1:]])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_example_scheduler_job_targets_one_executor_through_the_service(overlay: str) -> None:
+    """One --target per scheduler (a repeated flag kept only the last one), naming the
+    Service's `grpc` port, which leads to an executor's gRPC port and its readiness probe."""
+    job = _one(render("generate-job"), "Job")
+    assert job["spec"]["backoffLimit"] >= 1 and job["spec"]["activeDeadlineSeconds"] > 0
+    pod = job["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (scheduler,) = pod["containers"]
+    assert _subcommand(scheduler) == "generate"
+    assert [str(a) for a in scheduler["args"]].count("--target") == 1
+    assert scheduler["image"].endswith(":0.1.0-cpu")
+    assert "nvidia.com/gpu" not in json.dumps(pod)
+    assert scheduler["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in scheduler["volumeMounts"]}
+    assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}[mounts["/tmp"]]
+    host, _, port = _generate_args(scheduler).target.rpartition(":")
+    docs = render(overlay)
+    service, deployment = _one(docs, "Service"), _one(docs, "Deployment")
+    assert host == service["metadata"]["name"]
+    by_port = {p["port"]: p["targetPort"] for p in service["spec"]["ports"]}
+    assert by_port[int(port)] == "grpc"
+    executor = next(c for c in _executors(deployment) if c["name"] == "executor")
+    grpc_port = next(p["containerPort"] for p in executor["ports"] if p["name"] == "grpc")
+    assert executor["readinessProbe"]["grpc"]["port"] == grpc_port == _serve_args(executor).port
 
 
 # -- Dockerfile and health check ----------------------------------------------------------
@@ -415,8 +512,7 @@ def test_dockerfile_shape() -> None:
     assert 'CMD ["serve", "--host", "0.0.0.0"]' in runtime
     assert re.search(r"^HEALTHCHECK .*/opt/ferrum/healthcheck\.py", runtime, re.M)
     assert "COPY --from=builder /opt/venv /opt/venv" in runtime
-    for tool in ("gcc", "build-essential", "apt-get install", "pip install"):
-        assert tool not in runtime, f"{tool} in the runtime stage"
+    assert "pip install" not in runtime, "the runtime stage copies the builder's venv"
     assert "download.pytorch.org/whl/cpu" in text and "torch==${TORCH_VERSION}" in text
     assert 'pip install ".[server]"' in text
 
@@ -461,6 +557,186 @@ def test_hadolint() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+# -- the image's runtime stage, run in a scratch environment ------------------------------------
+#
+# No image is built here (CI has no Docker daemon and cannot pull base images). Instead the
+# Dockerfile's runtime stage is parsed, and its entrypoint and HEALTHCHECK run as the image would
+# run them: its ENV, its ENTRYPOINT and CMD, and on PATH only the venv plus the tools the stage
+# installs with apt (linked from this machine's copies, as the base images themselves hold no
+# compiler). The one departure: torch's extension cache is this machine's, so the native build
+# the unit tests already did is not repeated (a cold cache builds it, about a minute).
+
+# The programs each apt package of the runtime stage provides (gcc brings binutils: as, ld).
+_APT_TOOLS = {
+    "gcc": ("gcc", "cc", "as", "ld"),
+    "g++": ("g++", "c++"),
+    "libc6-dev": (),
+}
+
+
+def _stages() -> dict[str, list[str]]:
+    """Instructions of each stage (continuation lines joined), by stage name."""
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in _dockerfile().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"FROM \S+ AS (\S+)$", line)
+        if match:
+            current = stages.setdefault(match.group(1), [])
+        current.append(line)
+    return stages
+
+
+def _runtime(variant: str) -> list[str]:
+    """What the image of a variant is made of: base-<variant>, then the runtime stage."""
+    stages = _stages()
+    return stages[f"base-{variant}"] + stages["runtime"]
+
+
+def _apt_packages(lines: list[str]) -> set[str]:
+    packages: set[str] = set()
+    for line in lines:
+        for command in re.findall(r"apt-get install ([^&;]+)", line):
+            packages |= {w for w in command.split() if not w.startswith("-")}
+    return packages
+
+
+def _image_env(lines: list[str]) -> dict[str, str]:
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    for line in lines:
+        if line.startswith("ENV "):
+            for key, value in re.findall(r"(\w+)=(\S+)", line[4:]):
+                env[key] = value.replace("${PATH}", env["PATH"])
+    return env
+
+
+def _exec_form(lines: list[str], instruction: str) -> list[str]:
+    """The JSON (exec) form of ENTRYPOINT, CMD or HEALTHCHECK ... CMD."""
+    (line,) = [ln for ln in lines if ln.startswith(instruction + " ")]
+    form = line.split(" CMD ", 1)[1] if instruction == "HEALTHCHECK" else line.split(" ", 1)[1]
+    parsed: list[str] = json.loads(form)
+    return parsed
+
+
+def test_runtime_stages_carry_the_compilers_triton_and_native_kernels_need() -> None:
+    """Triton compiles its C launcher on first use; ferrum_kernels.native builds with g++ for
+    the CPU it runs on. A runtime stage without them cannot run Triton kernels (CUDA) and
+    silently takes the slower torch path (CPU)."""
+    for variant in ("cuda", "cpu"):
+        lines = _runtime(variant)
+        packages = _apt_packages(lines)
+        assert {"gcc", "g++", "libc6-dev"} <= packages, (variant, packages)
+        assert packages <= set(_APT_TOOLS), f"map the programs of {packages - set(_APT_TOOLS)}"
+        install = next(i for i, ln in enumerate(lines) if "apt-get install" in ln)
+        user = next(i for i, ln in enumerate(lines) if ln.startswith("USER "))
+        assert install < user, "apt-get needs root"
+        assert "--no-install-recommends" in lines[install]
+        assert "rm -rf /var/lib/apt/lists/*" in lines[install]
+
+
+def _scratch(tmp_path: Path, variant: str) -> tuple[dict[str, str], Any]:
+    """The image's environment with its paths mapped into tmp_path; returns (env, mapper)."""
+    lines = _runtime(variant)
+    venv = Path(sys.executable).parent.parent
+    tools = tmp_path / "usr-bin"
+    tools.mkdir()
+    for package in _apt_packages(lines):
+        for program in _APT_TOOLS[package]:
+            found = shutil.which(program)
+            if found is None:
+                pytest.skip(f"this machine has no {program} to stand in for the image's")
+            (tools / program).symlink_to(found)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "tmp").mkdir()
+    mapping = {
+        "/opt/venv": str(venv),
+        "/opt/ferrum/healthcheck.py": str(DEPLOY / "healthcheck.py"),
+        "/home/ferrum": str(tmp_path / "home"),
+        "/tmp/": str(tmp_path / "tmp") + "/",
+    }
+
+    def mapped(text: str) -> str:
+        for image_path, here in mapping.items():
+            text = text.replace(image_path, here)
+        return text
+
+    env = {key: mapped(value) for key, value in _image_env(lines).items()}
+    # The base image's own directories hold no compiler: only the stage's tools stand in.
+    image_venv_bin = mapping["/opt/venv"] + "/bin"
+    assert env["PATH"].startswith(image_venv_bin + ":"), env["PATH"]
+    env["PATH"] = f"{image_venv_bin}:{tools}"
+    env["PYTHONPATH"] = os.pathsep.join(str(ROOT / d) for d in ("server", "client", "kernels"))
+    from torch.utils.cpp_extension import get_default_build_root
+
+    env["TORCH_EXTENSIONS_DIR"] = get_default_build_root()
+    return env, mapped
+
+
+def test_image_entrypoint_and_healthcheck_in_a_scratch_environment(tmp_path: Path) -> None:
+    """`docker run ferrum-executor:cpu serve ... --port 0`, emulated: the entrypoint serves,
+    builds the native CPU kernels with the compiler the stage installs, logs only JSON lines,
+    and the image's HEALTHCHECK command finds the server on the port the flag chose (it used to
+    probe FERRUM_PORT=50051 from the environment whatever --port said)."""
+    lines = _runtime("cpu")
+    env, mapped = _scratch(tmp_path, "cpu")
+    assert env["FERRUM_PORT"] == "50051" and env["FERRUM_DEVICE"] == "cpu"
+    entrypoint, cmd = _exec_form(lines, "ENTRYPOINT"), _exec_form(lines, "CMD")
+    assert cmd[0] == "serve"
+    # As a user would pass them: a --port the environment does not know; loopback only here.
+    argv = [*entrypoint, *cmd, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+    argv += ["--kv-cache-bytes", str(4 * 1024**2)]
+    healthcheck = [mapped(a) for a in _exec_form(lines, "HEALTHCHECK")]
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    with stdout.open("wb") as out, stderr.open("wb") as err:
+        server = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=tmp_path / "home")
+    try:
+        deadline = time.monotonic() + 240  # a cold torch-extension cache builds for a minute
+        while b'"state": "serving"' not in stdout.read_bytes():
+            assert server.poll() is None, stderr.read_text() + stdout.read_text()
+            assert time.monotonic() < deadline, "the server did not reach SERVING"
+            time.sleep(0.2)
+        for _ in range(10):
+            check = subprocess.run(healthcheck, env=env, capture_output=True, timeout=30)
+            if check.returncode == 0:
+                break
+            time.sleep(0.5)
+        assert check.returncode == 0, check.stderr.decode()
+        probe = json.loads(Path(env["FERRUM_PROBE_FILE"]).read_text())
+        assert probe["port"] not in (0, 50051) and probe["host"] == "127.0.0.1"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=60)
+    assert code == 0
+    assert not Path(env["FERRUM_PROBE_FILE"]).exists(), "removed on exit"
+    events = [json.loads(line) for line in stdout.read_text().splitlines()]  # JSON, every line
+    native = [e for e in events if e["event"].startswith("native_kernels")]
+    assert native and native[0]["event"] == "native_kernels", native
+    assert native[0]["state"] == "loaded"
+    assert stderr.read_text() == "", "stderr carries no noise: every log is a JSON line"
+
+
+def test_without_a_compiler_the_native_fallback_is_one_json_line(tmp_path: Path) -> None:
+    """The old runtime stage (no compiler): the server still starts on the torch path, and
+    says so in one JSON log line with the reason, not in torch's and the builder's stderr."""
+    env, _ = _scratch(tmp_path, "cpu")
+    env["PATH"] = env["PATH"].split(":")[0]  # the venv alone: no compiler, as before
+    code = (
+        "from ferrum_server import logs; logs.configure('info', 'json');"
+        "from ferrum_kernels import native; assert native.load() is None"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    (line,) = out.stdout.splitlines()
+    event = json.loads(line)
+    assert event["event"] == "native_kernels_unavailable" and event["level"] == "warning"
+    assert event["reason"] == "no C++ compiler (c++) on PATH" and event["fallback"] == "torch"
+
+
 def _load_healthcheck() -> Any:
     spec = importlib.util.spec_from_file_location("healthcheck", DEPLOY / "healthcheck.py")
     assert spec is not None and spec.loader is not None
@@ -490,6 +766,62 @@ def test_healthcheck_script(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         server.stop(None)
     assert healthcheck.main() == 1  # nothing listening
+
+
+def test_healthcheck_follows_the_probe_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The server's probe file wins over FERRUM_PORT (a `--port` flag the environment does not
+    know), and its plaintext health port over its gRPC port; without a readable file the
+    environment is used, as before."""
+    from ferrum_server import probe_file
+
+    healthcheck = _load_healthcheck()
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    path = tmp_path / "probe.json"
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        with socket.socket() as unused:  # a port nothing listens on
+            unused.bind(("127.0.0.1", 0))
+            wrong = unused.getsockname()[1]
+        monkeypatch.setenv("FERRUM_PORT", str(wrong))
+        monkeypatch.setenv("FERRUM_HEALTH_TIMEOUT_S", "2")
+        monkeypatch.setenv("FERRUM_PROBE_FILE", str(path))
+        assert healthcheck.main() == 1  # no file yet: the environment's port, where nothing is
+        assert probe_file.write(str(path), probe_file.probe_target("0.0.0.0", port, -1, False))
+        assert healthcheck.target() == f"127.0.0.1:{port}"
+        assert healthcheck.main() == 0
+        # TLS on the gRPC port: the plaintext health port is the one probed.
+        probe_file.write(str(path), probe_file.probe_target("127.0.0.1", wrong, port, True))
+        assert healthcheck.main() == 0
+        probe_file.write(str(path), probe_file.probe_target("::1", 7, -1, False))
+        assert healthcheck.target() == "[::1]:7"
+        path.write_text("{not json")
+        assert healthcheck.target() == f"127.0.0.1:{wrong}"
+        monkeypatch.setenv("FERRUM_PORT", str(port))
+        assert healthcheck.main() == 0
+        probe_file.remove(str(path))
+        assert not path.exists()
+        probe_file.remove(str(path))  # already gone: fine
+    finally:
+        server.stop(None)
+
+
+def test_an_unwritable_probe_file_is_logged_not_fatal(tmp_path: Path) -> None:
+    """A path that cannot be written (a read-only root filesystem, a missing folder) is a
+    warning: the server keeps serving and the health check falls back to the environment."""
+    from ferrum_server import probe_file
+
+    path = tmp_path / "missing-folder" / "probe.json"
+    with capture_logs() as logged:
+        assert probe_file.write(str(path), probe_file.probe_target("", 1, -1, False)) is False
+    assert not path.exists()
+    assert [e["event"] for e in logged] == ["probe_file_unwritable"]
+    assert logged[0]["path"] == str(path) and logged[0]["log_level"] == "warning"
 
 
 # -- Grafana dashboard ----------------------------------------------------------------------

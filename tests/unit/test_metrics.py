@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,8 +12,12 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+from ferrum_client import ExecutorClient, ExecutorError, pb
+from ferrum_server.app import start_server
+from ferrum_server.config import EngineConfig, ServerConfig
 from ferrum_server.metrics import METRIC_DOCS, Metrics, render_markdown_table
 from ferrum_server.rpc_metrics import RpcMetricsInterceptor
+from helpers_server import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -111,7 +117,7 @@ def test_values_move() -> None:
     assert _value(m, "ferrum_executor_batch_tokens_sum") == 80
     assert _value(m, "ferrum_executor_step_duration_seconds_count", kind="mixed") == 2
     assert _value(m, "ferrum_executor_step_duration_seconds_count", kind="decode") == 0
-    assert _value(m, "ferrum_executor_kv_blocks_total") == 100
+    assert _value(m, "ferrum_executor_kv_blocks") == 100
     assert _value(m, "ferrum_executor_kv_blocks_used") == 25
     assert _value(m, "ferrum_executor_kv_blocks_cached") == 5
     assert _value(m, "ferrum_executor_kv_cache_utilization_ratio") == pytest.approx(0.25)
@@ -171,6 +177,83 @@ def test_markdown_table_lists_every_metric() -> None:
     assert len(lines) == 2 + len(METRIC_DOCS)
     for name, *_ in METRIC_DOCS:
         assert f"`{name}`" in table
+
+
+def test_no_gauge_ends_in_total() -> None:
+    """OpenMetrics reserves `_total` for counters (promtool: "non-counter metrics should not
+    have _total suffix"); ferrum_executor_kv_blocks was once ferrum_executor_kv_blocks_total."""
+    for name, kind, _, _ in METRIC_DOCS:
+        assert (kind == "counter") == name.endswith("_total"), name
+    for family in _families(Metrics()).values():
+        if family.type != "counter":
+            assert not family.name.endswith("_total"), family.name
+
+
+def _promtool() -> str:
+    promtool = shutil.which("promtool")
+    # CI installs it (.ci/run: the Debian `prometheus` package); a lint that quietly skips
+    # would let a bad name through, so its absence fails.
+    assert promtool, "promtool is not installed: apt-get install prometheus (see .ci/run)"
+    return promtool
+
+
+def test_live_exposition_passes_promtool(live_server: LiveServer, client: ExecutorClient) -> None:
+    """Scrape a server that has done real work (every label child populated) and lint it."""
+    prompt = list(range(24))
+    admitted = client.try_admit_prefill(
+        pb.TryAdmitPrefillRequest(request_id="lint", input_tokens=prompt, product_prompt_tokens=24)
+    ).admitted
+    cached = admitted.cached_prompt_tokens
+    first = client.prefill(
+        pb.PrefillRequest(
+            request_id="lint",
+            input_tokens=prompt,
+            cache_id=admitted.cache_id,
+            chunk=pb.PrefillChunk(
+                tokens_processed=cached, tokens_to_process=24 - cached, total_prompt_tokens=24
+            ),
+        )
+    )
+    token = first.completed.output.token.token_id
+    for position in range(24, 27):
+        token = client.decode(
+            pb.DecodeRequest(cache_id=admitted.cache_id, input_token=token, position=position)
+        ).completed.output.token.token_id
+    client.release_cache(pb.ReleaseCacheRequest(cache_id=admitted.cache_id))
+    with pytest.raises(ExecutorError):
+        client.decode(pb.DecodeRequest(cache_id="missing", input_token=1))
+    with urllib.request.urlopen(live_server.metrics_url, timeout=10) as resp:
+        body = resp.read()
+    assert b"ferrum_executor_steps_total" in body and b'grpc_code="NOT_FOUND"' in body
+    out = subprocess.run(
+        [_promtool(), "check", "metrics"], input=body, capture_output=True, timeout=60, check=False
+    )
+    findings = (out.stdout + out.stderr).decode()
+    assert out.returncode == 0 and not findings.strip(), findings
+
+
+def test_promtool_catches_a_gauge_named_total() -> None:
+    """The lint above is not vacuous: promtool rejects the old name."""
+    body = b"# HELP x_blocks_total b\n# TYPE x_blocks_total gauge\nx_blocks_total 1\n"
+    out = subprocess.run(
+        [_promtool(), "check", "metrics"], input=body, capture_output=True, timeout=60, check=False
+    )
+    assert out.returncode != 0 and b"_total" in out.stdout + out.stderr
+
+
+async def test_metrics_listen_on_the_grpc_host_by_default() -> None:
+    """`--host 127.0.0.1` alone keeps /metrics on loopback too (it used to bind 0.0.0.0)."""
+    running = await start_server(
+        EngineConfig(kv_cache_bytes=1024**2),
+        ServerConfig(host="127.0.0.1", port=0, metrics_port=0),
+    )
+    try:
+        assert running.metrics_port > 0
+        assert running.metrics._http.server_address[0] == "127.0.0.1"
+    finally:
+        await running.drain(0.5)
+    assert ServerConfig(host="[::1]").metrics_bind_host == "::1"
+    assert ServerConfig(host="127.0.0.1", metrics_host="0.0.0.0").metrics_bind_host == "0.0.0.0"
 
 
 def test_http_server_on_port_zero() -> None:
