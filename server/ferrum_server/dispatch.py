@@ -15,7 +15,9 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
+from ferrum_server import security
 from ferrum_server.engine import Engine
+from ferrum_server.errors import InvalidArgument
 from ferrum_server.step_ledger import Entry, StepLedger, fingerprint
 from ferrum_server.tickets import Ticket
 from ferrum_server.validate import check_instance
@@ -32,6 +34,14 @@ def deadline_of(context: Any) -> float | None:
     return time.monotonic() + remaining
 
 
+def caller_of(context: Any) -> str:
+    """The calling identity (security.caller_identity) of a call."""
+    try:
+        return security.caller_identity(context.invocation_metadata())
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 def _consume(task: asyncio.Task[Any]) -> None:
     # Orphaned work may fail with nobody awaiting it; fetching the exception keeps asyncio from
     # logging "exception was never retrieved" (the failure was already logged or is expected).
@@ -46,7 +56,12 @@ class Dispatcher:
         self._background: set[asyncio.Task[Any]] = set()
 
     def start(
-        self, method: str, request: Message, deadline: float | None, body: Body[R]
+        self,
+        method: str,
+        request: Message,
+        deadline: float | None,
+        body: Body[R],
+        caller: str = security.ANONYMOUS,
     ) -> tuple[Ticket[Any], asyncio.Task[R]]:
         """Begin (or join, for a repeated step id) the work of one call."""
         step_id = int(getattr(request, "step_id", 0))
@@ -59,7 +74,7 @@ class Dispatcher:
             entry = self.ledger.find(step_id, key)
             if entry is not None and entry.ticket.join(deadline):
                 return entry.ticket, entry.task
-        ticket: Ticket[Any] = Ticket(deadline)
+        ticket: Ticket[Any] = Ticket(deadline, caller)
         task = asyncio.ensure_future(body(ticket))
         task.add_done_callback(_consume)
         if step_id:
@@ -75,7 +90,8 @@ class Dispatcher:
             raise
 
     async def mutate(self, method: str, request: Message, context: Any, body: Body[R]) -> R:
-        ticket, task = self.start(method, request, deadline_of(context), body)
+        caller = caller_of(context)
+        ticket, task = self.start(method, request, deadline_of(context), body, caller)
         return await self.wait(ticket, task)
 
     def leave(self, ticket: Ticket[Any]) -> None:
