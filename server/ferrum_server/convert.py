@@ -1,6 +1,7 @@
 """Protobuf <-> domain conversion: every request is parsed here and every execution, KV and
-capacity response is built here (descriptions.py builds the descriptive ones). Pure functions,
-run on the event loop: the engine thread sees only the domain values they produce.
+capacity response is built here (descriptions.py builds the descriptive ones). Pure functions:
+request conversions run on the servicer's parse thread, responses on the event loop; the engine
+thread sees only the domain values they produce.
 
 The domain enums are checked against their proto twins once, at import (`_check_twins`), so
 every conversion between them below is a cast that cannot silently drift.
@@ -48,6 +49,7 @@ from ferrum_server.domain import (
 from ferrum_server.errors import InvalidArgument
 from ferrum_server.kv.epochs import Epochs, Source, SourceKey
 from ferrum_server.kv.manager import Cache, KvManager, KvUsage, ReleaseResult
+from ferrum_server.validate import Limits
 
 V = TypeVar("V")
 
@@ -79,6 +81,30 @@ _check_twins(Source, pb.CapacitySource, "CAPACITY_SOURCE_")
 _check_twins(PreemptionMode, pb.PreemptionMode, "PREEMPTION_MODE_")
 
 # -- requests ---------------------------------------------------------------------------------
+
+# The size checks below read only the lengths of a request's columns: constant time, so they run
+# on the event loop and refuse an oversized request before any per-item conversion (which runs
+# on the servicer's parse thread). Their messages match the full validation's (validate.py).
+
+
+def check_batch_size(items: pb.BatchItems, limits: Limits) -> None:
+    """Refuse a batch over the item or token limit from its columns' lengths alone."""
+    count = len(items.kinds)
+    if count > limits.max_batch_size:
+        raise InvalidArgument(f"{count} items exceed the batch limit {limits.max_batch_size}")
+    check_token_count(len(items.token_ids), limits.max_batch_tokens)
+
+
+def check_token_count(count: int, maximum: int) -> None:
+    if count > maximum:
+        raise InvalidArgument(f"{count} tokens exceed the per-step limit {maximum}")
+
+
+def check_prompt_size(count: int, maximum: int) -> None:
+    if count > maximum:
+        raise InvalidArgument(
+            f"prompt of {count} tokens exceeds the maximum sequence length {maximum}"
+        )
 
 
 def _column(name: str, values: Seq[V], count: int, default: V) -> Seq[V]:

@@ -173,10 +173,13 @@ def test_half_open_link_times_out_and_recovers(server: InProcessServer) -> None:
 
 
 class _Context:
-    """The one thing StepStream asks of its grpc.aio context: no deadline."""
+    """What StepStream asks of its grpc.aio context: no deadline, no metadata."""
 
     def time_remaining(self) -> float | None:
         return None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
 
 def _stream_after_requests_end(
