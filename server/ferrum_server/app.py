@@ -16,6 +16,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferrum_server import logs, security
+from ferrum_server.call_limits import CallLimitInterceptor
 from ferrum_server.capacity_notifier import CapacityNotifier
 from ferrum_server.config import EngineConfig, ServerConfig
 from ferrum_server.engine import Engine
@@ -122,13 +123,15 @@ class RunningServer:
         _LOG.info("lifecycle", state="serving", port=self.port, metrics_port=self.metrics_port)
 
     async def drain(self, grace_s: float) -> None:
-        """Flip health, refuse new work, let in-flight calls finish within grace_s, release."""
+        """Flip health, refuse new work, end the calls that only wait, let in-flight calls
+        finish within grace_s, release."""
         _LOG.info("lifecycle", state="draining", grace_s=grace_s)
-        self.servicer.accepting = False
+        self.servicer.begin_drain()
         self.metrics.set_ready(False)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.servicer.dispatch.settle()
+        self.servicer.close()
         if self.health_server is not None:
             await self.health_server.stop(0)
         if self._watchdog is not None:
@@ -173,7 +176,34 @@ class RunningServer:
 
 class HealthServicer(health_aio.HealthServicer):  # type: ignore[misc]  # untyped library
     """The standard health servicer plus `List`, which grpcio-health-checking leaves
-    unimplemented (it answered UNIMPLEMENTED with the library's internal text)."""
+    unimplemented (it answered UNIMPLEMENTED with the library's internal text), and a `Watch`
+    that ends once a drain has begun (the library's never ends, so every health watcher held
+    a drain for its whole grace period)."""
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
+        """The library's Watch loop (same fields), but after sending the status a drain set
+        (NOT_SERVING) it ends with UNAVAILABLE, as the executor's own idle streams do."""
+        service = request.service
+        condition = self._server_watchers[service]
+        self._watcher_count_by_service[service] += 1
+        last_status = None
+        try:
+            async with condition:
+                while True:
+                    status = self._server_status.get(
+                        service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                    )
+                    if status != last_status:
+                        await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last_status = status
+                    if self._gracefully_shutting_down:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining")
+                    await condition.wait()
+        finally:
+            self._watcher_count_by_service[service] -= 1
+            if self._watcher_count_by_service[service] == 0:
+                del self._server_watchers[service]
+                del self._watcher_count_by_service[service]
 
     async def List(
         self, request: health_pb2.HealthListRequest, context: Any
@@ -226,11 +256,16 @@ async def bind_server(
     if server_config.security.auth_token_file:
         tokens = security.load_tokens(server_config.security.auth_token_file)
         interceptors.append(security.TokenAuthInterceptor(tokens))
+    # After auth (a refused call is never counted); grpc's own maximum_concurrent_rpcs would
+    # count health probes too.
+    interceptors.append(
+        CallLimitInterceptor(
+            server_config.max_concurrent_rpcs, server_config.max_concurrent_rpcs_per_caller
+        )
+    )
     interceptors.append(security.MalformedRequestInterceptor())
     server = grpc.aio.server(
-        interceptors=interceptors,
-        options=server_options(engine, server_config),
-        maximum_concurrent_rpcs=server_config.max_concurrent_rpcs or None,
+        interceptors=interceptors, options=server_options(engine, server_config)
     )
     servicer = ExecutorServicer(
         engine,
@@ -239,6 +274,7 @@ async def bind_server(
         step_ledger_max_bytes=server_config.step_ledger_max_bytes,
         step_ledger_evicted_ids=server_config.step_ledger_evicted_ids,
         release_on_disconnect=server_config.release_on_disconnect,
+        stream_window=server_config.step_stream_window,
     )
     pb_grpc.add_ExecutorServiceServicer_to_server(servicer, server)
     health_servicer = HealthServicer()

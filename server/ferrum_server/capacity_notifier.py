@@ -4,6 +4,10 @@ The engine thread bumps epochs; a listener forwards each new state to the event 
 wakes parked waiters and feeds watch streams. A wait subscribes, then re-checks the condition
 against the current generations, then parks: a release between the caller's probe and the park
 is never missed because the wake-up is delivered after the subscription.
+
+A watch holds only the newest state its subscriber has not read yet: changes coalesce, so a
+subscriber that reads slowly (or stops) costs one state, however many changes pass. A drain
+ends every wait and watch at once (`end_waits`), with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from ferrum_server.errors import InvalidArgument, StaleInstance
+from ferrum_server.errors import InvalidArgument, StaleInstance, Unavailable
 from ferrum_server.kv.epochs import Epochs, Source, SourceKey
 from ferrum_server.kv.manager import KvManager
 
@@ -33,6 +37,38 @@ class WaitResult:
     sources: list[tuple[SourceKey, int]]
 
 
+class Watch:
+    """One subscriber's pending change: the newest state it has not read, or none."""
+
+    def __init__(self) -> None:
+        self._newest: CapacityState | None = None
+        self._ended = ""  # why the watch ended (a drain), or "" while open
+        self._changed = asyncio.Event()
+
+    @property
+    def pending(self) -> int:
+        """States waiting for the subscriber: 0 or 1, however many changes passed."""
+        return int(self._newest is not None)
+
+    def offer(self, state: CapacityState) -> None:
+        self._newest = state  # replaces an unread older state
+        self._changed.set()
+
+    def end(self, reason: str) -> None:
+        self._ended = reason
+        self._changed.set()
+
+    async def next(self) -> CapacityState:
+        """The newest state since the last read (waits for a change); Unavailable once ended."""
+        while self._newest is None or self._ended:
+            if self._ended:
+                raise Unavailable(self._ended)
+            self._changed.clear()
+            await self._changed.wait()
+        state, self._newest = self._newest, None
+        return state
+
+
 def _state_of(kv: KvManager) -> CapacityState:
     pool = kv.pool
     return CapacityState(
@@ -51,7 +87,8 @@ class CapacityNotifier:
         self._loop = loop
         self.state = _state_of(kv)
         self._waiters: set[asyncio.Future[None]] = set()
-        self._watchers: set[asyncio.Queue[CapacityState]] = set()
+        self._watchers: set[Watch] = set()
+        self._ended = ""  # set by end_waits: why every wait and watch fails now
         self.num_wakeups = 0
         kv.clock.listeners.append(self._on_bump)
 
@@ -71,8 +108,18 @@ class CapacityNotifier:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
-        for queue in self._watchers:
-            queue.put_nowait(state)
+        for watch in self._watchers:
+            watch.offer(state)
+
+    def end_waits(self, reason: str) -> None:
+        """End every wait and watch, now and later, with Unavailable(reason) (a drain)."""
+        self._ended = reason
+        waiters, self._waiters = self._waiters, set()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        for watch in self._watchers:
+            watch.end(reason)
 
     def _check(self, coordinator_id: int, observed: list[tuple[SourceKey, int]]) -> bool:
         if coordinator_id != self.state.epochs.coordinator_id:
@@ -97,6 +144,8 @@ class CapacityNotifier:
         validate_condition(observed, self.state.generations)
         deadline = None if timeout_s is None else self._loop.time() + timeout_s
         while True:
+            if self._ended:
+                raise Unavailable(self._ended)
             waiter: asyncio.Future[None] = self._loop.create_future()
             self._waiters.add(waiter)  # subscribe first ...
             if self._check(coordinator_id, observed):  # ... then re-check ...
@@ -117,13 +166,15 @@ class CapacityNotifier:
         sources = [(source, self.state.generations[source]) for source, _ in observed]
         return WaitResult(changed, self.state, sources)
 
-    def watch(self) -> asyncio.Queue[CapacityState]:
-        queue: asyncio.Queue[CapacityState] = asyncio.Queue()
-        self._watchers.add(queue)
-        return queue
+    def watch(self) -> Watch:
+        watch = Watch()
+        if self._ended:
+            watch.end(self._ended)
+        self._watchers.add(watch)
+        return watch
 
-    def unwatch(self, queue: asyncio.Queue[CapacityState]) -> None:
-        self._watchers.discard(queue)
+    def unwatch(self, watch: Watch) -> None:
+        self._watchers.discard(watch)
 
 
 def validate_condition(

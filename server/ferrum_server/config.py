@@ -160,10 +160,21 @@ class ServerConfig:
     max_message_bytes: int = field(
         default=0, metadata=flag("max message size both ways; 0 = derived from limits")
     )
-    # Concurrent RPCs (streams included) before new ones get RESOURCE_EXHAUSTED.
+    # Concurrent RPCs (streams included) before new ones get RESOURCE_EXHAUSTED; grpc.health.v1
+    # is never counted (call_limits.py).
     max_concurrent_rpcs: int = field(
         default=1024,
-        metadata=flag("concurrent RPCs before RESOURCE_EXHAUSTED; 0 = off"),
+        metadata=flag("concurrent RPCs (health exempt) before RESOURCE_EXHAUSTED; 0 = off"),
+    )
+    # One caller's share of that total (security.caller_identity: token, session or anonymous).
+    max_concurrent_rpcs_per_caller: int = field(
+        default=512,
+        metadata=flag("concurrent RPCs of one caller before RESOURCE_EXHAUSTED; 0 = off"),
+    )
+    # Steps a StepStream may have read but not answered; reading stops while it is full.
+    step_stream_window: int = field(
+        default=16,
+        metadata=flag("StepStream steps read but not yet answered; reading waits while full"),
     )
     # SETTINGS_MAX_CONCURRENT_STREAMS.
     max_concurrent_streams: int = field(default=256, metadata=flag("HTTP/2 streams per connection"))
@@ -253,8 +264,10 @@ class ServerConfig:
             raise ValueError("the health port must differ from the gRPC and metrics ports")
         if self.max_message_bytes < 0 or self.max_message_bytes >= 2**31:
             raise ValueError("max message bytes must be in [0, 2^31)")
-        if self.max_concurrent_rpcs < 0:
-            raise ValueError("max concurrent RPCs must be >= 0")
+        if self.max_concurrent_rpcs < 0 or self.max_concurrent_rpcs_per_caller < 0:
+            raise ValueError("max concurrent RPCs (total and per caller) must be >= 0")
+        if self.step_stream_window < 1:
+            raise ValueError(f"step stream window must be >= 1, got {self.step_stream_window}")
         if self.max_concurrent_streams < 1 or self.max_metadata_bytes < 1024:
             raise ValueError("max concurrent streams must be >= 1 and max metadata >= 1024 bytes")
         if self.step_ledger_size < 1 or self.step_ledger_evicted_ids < 1:

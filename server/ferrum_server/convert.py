@@ -1,6 +1,7 @@
 """Protobuf <-> domain conversion: every request is parsed here and every execution, KV and
-capacity response is built here (descriptions.py builds the descriptive ones). Pure functions,
-run on the event loop: the engine thread sees only the domain values they produce.
+capacity response is built here (descriptions.py builds the descriptive ones). Pure functions:
+request conversions run on the servicer's parse thread, responses on the event loop; the engine
+thread sees only the domain values they produce.
 
 The domain enums are checked against their proto twins once, at import (`_check_twins`), so
 every conversion between them below is a cast that cannot silently drift.
@@ -51,7 +52,7 @@ from ferrum_server.domain import (
 from ferrum_server.errors import ErrorReason, InvalidArgument
 from ferrum_server.kv.epochs import Epochs, Source, SourceKey
 from ferrum_server.kv.manager import Cache, KvManager, KvUsage, ReleaseResult
-from ferrum_server.validate import MAX_ID_BYTES
+from ferrum_server.validate import MAX_ID_BYTES, Limits
 
 V = TypeVar("V")
 
@@ -89,6 +90,31 @@ MAX_RELEASE_SOURCES_PAGE = 1024
 
 # -- requests ---------------------------------------------------------------------------------
 
+# The size checks below read only the lengths of a request's columns: constant time, so they run
+# on the event loop and refuse an oversized request before any per-item conversion (which runs
+# on the servicer's parse thread). Their messages match the full validation's (validate.py).
+
+
+def check_batch_size(items: pb.BatchItems, limits: Limits) -> None:
+    """Refuse a batch over the item or token limit from its columns' lengths alone (the
+    per-item string columns too, so that the id check after this one stays short)."""
+    count = max(len(items.kinds), len(items.request_ids), len(items.cache_ids))
+    if count > limits.max_batch_size:
+        raise InvalidArgument(f"{count} items exceed the batch limit {limits.max_batch_size}")
+    check_token_count(len(items.token_ids), limits.max_batch_tokens)
+
+
+def check_token_count(count: int, maximum: int) -> None:
+    if count > maximum:
+        raise InvalidArgument(f"{count} tokens exceed the per-step limit {maximum}")
+
+
+def check_prompt_size(count: int, maximum: int) -> None:
+    if count > maximum:
+        raise InvalidArgument(
+            f"prompt of {count} tokens exceeds the maximum sequence length {maximum}"
+        )
+
 
 def check_ids(request: Message, path: str = "") -> None:
     """Every string field of a request is an id (request, cache, page token): at most
@@ -99,6 +125,10 @@ def check_ids(request: Message, path: str = "") -> None:
         name = path + field.name
         if field.type == FieldDescriptor.TYPE_STRING:
             texts = value if field.is_repeated else (value,)
+            # Lengths first, at C speed: a column of a million short ids must not hold the
+            # event loop (this runs before the batch size checks).
+            if max(map(len, texts), default=0) * 4 <= MAX_ID_BYTES:
+                continue
             for index, text in enumerate(texts):
                 # A str of at most MAX_ID_BYTES / 4 characters fits whatever its characters.
                 if len(text) * 4 > MAX_ID_BYTES and len(text.encode()) > MAX_ID_BYTES:

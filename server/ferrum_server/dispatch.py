@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
+from ferrum_server import security
 from ferrum_server.engine import Engine
 from ferrum_server.errors import InvalidArgument
 from ferrum_server.security import MAX_SESSION_BYTES, SESSION_HEADER, caller_identity
@@ -70,7 +71,12 @@ class Dispatcher:
         self._background: set[asyncio.Task[Any]] = set()
 
     def start(
-        self, method: str, request: Message, deadline: float | None, body: Body[R], scope: str
+        self,
+        method: str,
+        request: Message,
+        deadline: float | None,
+        body: Body[R],
+        scope: str = security.ANONYMOUS,
     ) -> tuple[Ticket[Any], asyncio.Task[R]]:
         """Begin (or join, for a step id the same caller (`scope`) repeats) the work of one
         call."""
@@ -84,7 +90,8 @@ class Dispatcher:
             entry = self.ledger.find(scope, step_id, key)
             if entry is not None and entry.ticket.join(deadline):
                 return entry.ticket, entry.task
-        ticket: Ticket[Any] = Ticket(deadline)
+        # The scope is also whose turn the work takes on the engine (fair turns between callers).
+        ticket: Ticket[Any] = Ticket(deadline, scope)
         task = asyncio.ensure_future(body(ticket))
         task.add_done_callback(_consume)
         if step_id:

@@ -1,8 +1,9 @@
 """The single owner of torch state: model, KV pool, sampling.
 
-Every method that touches state runs on one worker thread, in submission order, so the KV
-manager needs no locks and a step always sees the state its predecessors left. RPC handlers
-await `Engine.call` (or `Engine.run` with the caller's ticket).
+Every method that touches state runs on one worker thread, so the KV manager needs no locks
+and a step always sees the state its predecessors left. RPC handlers await `Engine.call` (in
+submission order) or `Engine.run` with the caller's ticket (in fair turns between callers, each
+caller's work in its order; see fair_queue.py).
 
 The engine owns the thread and `execute`; the rest is delegated: start-up to
 `startup.build_parts`, "does it fit" to `capacity`, the forward to `runner`, accounting to the
@@ -16,7 +17,7 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -39,7 +40,8 @@ from ferrum_server.domain import (
     Timings,
     WarmupOutcome,
 )
-from ferrum_server.errors import DeviceOutOfMemory, ExecutionFailed, InvalidArgument
+from ferrum_server.errors import DeviceOutOfMemory, ExecutionFailed, InvalidArgument, Unavailable
+from ferrum_server.fair_queue import FairQueue, Job
 from ferrum_server.kv.manager import Cache, ReleaseResult
 from ferrum_server.models import ModelConfig
 from ferrum_server.recorder import Recorder
@@ -64,6 +66,7 @@ class Engine:
         # team opened by any second thread (the asyncio thread here) makes libgomp throttle
         # its spin-waits for all teams, which costs about a quarter of every forward.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-engine")
+        self._turns = FairQueue()
         try:
             parts = self._thread.submit(build_parts, config, self.instance_id).result()
         except BaseException:
@@ -124,14 +127,23 @@ class Engine:
         *args: object,
         on_orphan: Callable[[T], object] | None = None,
     ) -> T:
-        """Like `call`, but dropped unstarted when the ticket's callers are gone, and
-        on_orphan(result) runs on the engine thread when they left while it ran."""
+        """Like `call`, but in the ticket's caller's fair turn, dropped unstarted when the
+        ticket's callers are gone, and on_orphan(result) runs on the engine thread when they
+        left while it ran."""
         ticket.on_orphan = on_orphan
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, ticket.execute, fn, args)
+        future: Future[T] = Future()
+        self._turns.put(ticket.caller, Job(future, lambda: ticket.execute(fn, args)))
+        self._thread.submit(self._turns.run_next)
+        return await asyncio.wrap_future(future)
+
+    @property
+    def queued_runs(self) -> int:
+        """Ticketed work waiting for its turn on the engine thread."""
+        return len(self._turns)
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+        self._turns.abandon(Unavailable("the executor stopped before this call ran"))
 
     # -- steps ----------------------------------------------------------------------------
 

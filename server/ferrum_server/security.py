@@ -190,7 +190,7 @@ class TokenAuthInterceptor(_Interceptor):
                 code="UNAUTHENTICATED",
                 reason="invalid token" if presented else "no token",
             )
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
+            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
         if needed == "execute" and role != "execute":
             _LOG.warning(
                 "auth_refused",
@@ -198,11 +198,11 @@ class TokenAuthInterceptor(_Interceptor):
                 code="PERMISSION_DENIED",
                 reason=f"a {role} token on an execute method",
             )
-            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, "token lacks this role")
+            return refusal(handler, grpc.StatusCode.PERMISSION_DENIED, "token lacks this role")
         return handler
 
 
-def _refusal(handler: _Handler, code: grpc.StatusCode, message: str) -> _Handler:
+def refusal(handler: _Handler, code: grpc.StatusCode, message: str) -> _Handler:
     """A handler of the same shape as `handler` that aborts before reading anything."""
 
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:

@@ -6,6 +6,10 @@ request, id lengths, and the one error map) on all of them, and `_mutating` on t
 change state, which also runs the body through the dispatcher: fencing and per-caller step-id
 deduplication, the call's deadline, and a caller that leaves (the body gets the call's `Ticket`
 for `engine.run`).
+
+Requests are converted off the event loop: a batch over the item or token limit is refused
+from its columns' lengths alone, and the per-item conversion runs on the parse thread, so a
+large request never holds up other calls (health included) while it is read.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import collections
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -54,6 +59,9 @@ Rpc = Callable[["ExecutorServicer", Req, Any], Awaitable[R]]
 # 2-core machine) and only reaches a handler that is still running. A StepStream whose caches
 # are still open waits this long at the end of its requests before it counts as ended normally.
 HALF_CLOSE_GRACE_S = 0.25
+# Steps a StepStream may have read but not yet answered (--step-stream-window).
+STEP_STREAM_WINDOW = 16
+_DRAINING = "the executor is draining; reconnect to another executor"
 
 
 # Longest id a log line carries: a refused overlong id is logged cut to this, not whole.
@@ -84,14 +92,17 @@ def _trailers(exc: ExecutorError) -> tuple[tuple[str, str], ...]:
 
 
 def _maps_errors(handler: Handler[R]) -> Handler[R]:
-    """Check the request's ids, then run the handler; turn domain errors into their status
-    codes and anything else into a bare INTERNAL."""
+    """Check a batch's size and the request's ids, then run the handler; turn domain errors
+    into their status codes and anything else into a bare INTERNAL."""
 
     @functools.wraps(handler)
     async def wrapper(
         self: ExecutorServicer, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> R:
         try:
+            items = getattr(request, "items", None)
+            if isinstance(items, pb.BatchItems):
+                convert.check_batch_size(items, self.engine.limits)
             convert.check_ids(request)
             return await handler(self, request, context)
         except ExecutorError as exc:
@@ -132,6 +143,10 @@ def _mutating(body: Body[Req, R]) -> Rpc[Req, R]:
     return rpc
 
 
+# Put in a StepStream's answer queue when a drain begins.
+_DRAIN = "drain"
+
+
 def _step_error(exc: BaseException) -> pb.StepError:
     if isinstance(exc, ExecutorError):
         return pb.StepError(
@@ -153,6 +168,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         step_ledger_evicted_ids: int = 65536,
         release_on_disconnect: bool = True,
         half_close_grace_s: float = HALF_CLOSE_GRACE_S,
+        stream_window: int = STEP_STREAM_WINDOW,
     ) -> None:
         self.engine = engine
         self.notifier = notifier
@@ -163,24 +179,53 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             step_ledger_evicted_ids,
             on_bytes=engine.recorder.metrics.set_step_ledger_bytes,
         )
+        self.draining = False
         self.dispatch = Dispatcher(engine, ledger)
         self.release_on_disconnect = release_on_disconnect
         self.half_close_grace_s = half_close_grace_s
+        self.stream_window = stream_window
+        # One thread, so requests are converted in the order they came (a stream's steps reach
+        # the engine in order); it overlaps the engine's forward, as the event loop did.
+        self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-parse")
+        # The answer queues of the open StepStreams, to wake the idle ones when a drain begins.
+        self._streams: set[asyncio.Queue[Any]] = set()
 
     def _require_ready(self) -> None:
         if not self.accepting:
             raise Unavailable("the executor is not serving (warming up or draining)")
 
-    async def _execute(self, step: Step, ticket: Ticket[Any]) -> StepOutcome:
+    def begin_drain(self) -> None:
+        """Refuse new work, and end at once (UNAVAILABLE) the calls that only wait: capacity
+        waits and watches, and StepStreams with no step in flight (the others end once their
+        steps are answered). The drain then lasts as long as the work in flight."""
+        self.accepting = False
+        self.draining = True
+        self.notifier.end_waits(_DRAINING)
+        for answers in self._streams:
+            answers.put_nowait(_DRAIN)
+
+    def close(self) -> None:
+        self._parser.shutdown(wait=False, cancel_futures=True)
+
+    async def _parse(self, convert_fn: Callable[..., R], *args: object) -> R:
+        """Run a request conversion on the parse thread (never on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._parser, convert_fn, *args)
+
+    async def _execute(
+        self, ticket: Ticket[Any], parse: Callable[..., Step], *args: object
+    ) -> tuple[Step, StepOutcome]:
+        """Convert the request with parse(*args) off the loop, then run the step."""
         self._require_ready()
+        step = await self._parse(parse, *args)
         engine = self.engine
-        return await engine.run(
+        outcome = await engine.run(
             ticket,
             engine.execute,
             step,
             time.perf_counter_ns(),
             on_orphan=functools.partial(engine.release_opened, step),
         )
+        return step, outcome
 
     # -- identity and status --------------------------------------------------------------
 
@@ -223,47 +268,59 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     @_mutating
     async def Prefill(self, request: pb.PrefillRequest, ticket: Ticket[Any]) -> pb.PrefillResponse:
-        step = convert.prefill_step_from_pb(request)
-        outcome = await self._execute(step, ticket)
+        limits = self.engine.limits
+        convert.check_prompt_size(len(request.input_tokens), limits.max_sequence_length)
+        step, outcome = await self._execute(ticket, convert.prefill_step_from_pb, request)
         return convert.prefill_response(step, outcome, self.engine.kv.block_size)
 
     @_mutating
     async def Decode(self, request: pb.DecodeRequest, ticket: Ticket[Any]) -> pb.DecodeResponse:
-        outcome = await self._execute(convert.decode_step_from_pb(request), ticket)
+        _, outcome = await self._execute(ticket, convert.decode_step_from_pb, request)
         return convert.decode_response(outcome, self.engine.kv.block_size)
 
     @_mutating
     async def BatchPrefill(
         self, request: pb.BatchPrefillRequest, ticket: Ticket[Any]
     ) -> pb.BatchPrefillResponse:
-        step = convert.step_from_pb(
+        convert.check_batch_size(request.items, self.engine.limits)
+        _, outcome = await self._execute(
+            ticket,
+            convert.step_from_pb,
             request.items,
             DeferralMode.ALL_OR_NOTHING,
             request.executor_instance_id,
             ItemKind.PREFILL_CHUNK,
         )
-        return convert.batch_prefill_response(await self._execute(step, ticket))
+        return convert.batch_prefill_response(outcome)
 
     @_mutating
     async def BatchDecode(
         self, request: pb.BatchDecodeRequest, ticket: Ticket[Any]
     ) -> pb.BatchDecodeResponse:
-        step = convert.step_from_pb(
+        convert.check_batch_size(request.items, self.engine.limits)
+        _, outcome = await self._execute(
+            ticket,
+            convert.step_from_pb,
             request.items,
             DeferralMode.ALL_OR_NOTHING,
             request.executor_instance_id,
             ItemKind.DECODE,
         )
-        return convert.batch_decode_response(await self._execute(step, ticket))
+        return convert.batch_decode_response(outcome)
 
     @_mutating
     async def UnifiedBatch(
         self, request: pb.UnifiedBatchRequest, ticket: Ticket[Any]
     ) -> pb.UnifiedBatchResponse:
-        step = convert.step_from_pb(
-            request.items, DeferralMode.PER_ITEM, request.executor_instance_id
+        convert.check_batch_size(request.items, self.engine.limits)
+        _, outcome = await self._execute(
+            ticket,
+            convert.step_from_pb,
+            request.items,
+            DeferralMode.PER_ITEM,
+            request.executor_instance_id,
         )
-        return convert.unified_response(await self._execute(step, ticket))
+        return convert.unified_response(outcome)
 
     def _start_step(
         self, batch: pb.UnifiedBatchRequest, deadline: float | None, scope: str
@@ -272,6 +329,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         unary UnifiedBatch calls by batch.step_id)."""
         body = functools.partial(_BODIES["UnifiedBatch"], self, batch)
         try:
+            convert.check_batch_size(batch.items, self.engine.limits)
             convert.check_ids(batch)
             return self.dispatch.start("UnifiedBatch", batch, deadline, body, scope)
         except ExecutorError as exc:
@@ -286,16 +344,23 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     ) -> AsyncIterator[pb.StepStreamResponse]:
         """Submit each step as it arrives (the engine runs them in order); answer in order.
 
+        At most `stream_window` steps are read but not yet answered: while the window is full
+        the stream reads no request, so HTTP/2 flow control holds back a client that sends
+        steps without reading their answers (the server neither runs nor buffers its backlog).
+
         If the stream ends abnormally (cancelled, connection lost), steps not yet started are
         dropped, and with release_on_disconnect every cache the stream's steps opened or
         touched is released once the running step has finished. A lost connection can look
         like a half-close at first, so a normal end waits `half_close_grace_s` for a late
-        cancellation while any of those caches is still open.
+        cancellation while any of those caches is still open. A drain ends the stream with
+        UNAVAILABLE as soon as it has no step in flight.
         """
         Pending = tuple[int, Ticket[Any] | None, asyncio.Future[pb.UnifiedBatchResponse]]
-        # Steps read but not answered yet, oldest first; abandoned if the stream dies.
-        pending: asyncio.Queue[Pending | None] = asyncio.Queue()
+        # Steps read but not answered yet, oldest first (at most stream_window of them), then
+        # None at the end of the requests; _DRAIN when a drain begins.
+        pending: asyncio.Queue[Pending | str | None] = asyncio.Queue()
         unanswered: collections.deque[Pending] = collections.deque()
+        window = asyncio.Semaphore(self.stream_window)
         touched: set[str] = set()
         deadline = deadline_of(context)
         broken = False
@@ -307,19 +372,30 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         async def read() -> None:
             nonlocal broken
             try:
-                async for request in request_iterator:
+                while True:
+                    await window.acquire()  # a full window stops reading: backpressure
+                    request = await anext(request_iterator, None)
+                    if request is None:
+                        break
                     entry = (request.step_id, *self._start_step(request.batch, deadline, scope))
                     unanswered.append(entry)
-                    await pending.put(entry)
+                    pending.put_nowait(entry)
             except Exception:
                 broken = True  # the connection failed under us: treat as a disconnect
             finally:
-                await pending.put(None)
+                pending.put_nowait(None)
 
+        self._streams.add(pending)
+        if self.draining:
+            pending.put_nowait(_DRAIN)
         reader = asyncio.ensure_future(read())
         ended_normally = False
         try:
             while (entry := await pending.get()) is not None:
+                if isinstance(entry, str):  # _DRAIN
+                    if not unanswered:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
+                    continue
                 step_id, _, future = entry
                 try:
                     # Shielded: if the stream is cancelled here, the step is abandoned below
@@ -338,6 +414,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 yield response
                 # Only once delivered: a stream cancelled at the yield still abandons this step.
                 unanswered.popleft()
+                window.release()
+                if self.draining and not unanswered:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
             if not broken and self.release_on_disconnect and await self._holds_any(touched):
                 # The requests ended: a half-close, or a lost connection whose cancellation is
                 # still on its way (see HALF_CLOSE_GRACE_S). Stay cancellable until it would
@@ -345,6 +424,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 await asyncio.sleep(self.half_close_grace_s)
             ended_normally = not broken
         finally:
+            self._streams.discard(pending)
             reader.cancel()
             if not ended_normally:
                 self._abandon_stream(unanswered, touched)
@@ -383,8 +463,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def ForwardVerify(
         self, request: pb.ForwardVerifyRequest, ticket: Ticket[Any]
     ) -> pb.ForwardVerifyResponse:
-        step = convert.verify_step_from_pb(request)
-        outcome = await self._execute(step, ticket)
+        convert.check_token_count(len(request.token_ids), self.engine.limits.max_batch_tokens)
+        step, outcome = await self._execute(ticket, convert.verify_step_from_pb, request)
         return convert.verify_response(step, outcome, self.engine.kv.block_size)
 
     @_mutating
@@ -410,7 +490,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     ) -> pb.ReserveKvSlotsResponse:
         self._require_ready()
         engine = self.engine
-        slots = convert.slot_requests_from_pb(request)
+        slots = await self._parse(convert.slot_requests_from_pb, request)
 
         def release_opened(outcome: SlotReservation | CapacityDeferral) -> None:
             # The caches opened for requests without a cache id: nobody will learn their ids.
@@ -468,7 +548,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             ticket,
             engine.try_admit,
             request.request_id,
-            list(request.input_tokens),
+            await self._parse(list, request.input_tokens),
             request.maximum_sequence_tokens,
             request.product_prompt_tokens,
             request.replayed_output_tokens,
@@ -532,15 +612,19 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def WatchCapacity(
         self, request: pb.WatchCapacityRequest, context: Any
     ) -> AsyncIterator[pb.WatchCapacityResponse]:
-        queue = self.notifier.watch()
+        """The current state, then each newer one. A subscriber that reads slowly gets the
+        newest state at its next read: changes coalesce, nothing accumulates for it."""
+        watch = self.notifier.watch()
         block_size = self.engine.kv.block_size
         try:
             state = self.notifier.state
             while True:
                 yield convert.watch_response(state, block_size)
-                state = await queue.get()
+                state = await watch.next()
+        except Unavailable as exc:  # a drain began
+            await context.abort(exc.code, public_message(exc))
         finally:
-            self.notifier.unwatch(queue)
+            self.notifier.unwatch(watch)
 
     @_maps_errors
     async def ListReleaseSources(

@@ -23,8 +23,10 @@ T = TypeVar("T")
 
 
 class Ticket(Generic[T]):
-    def __init__(self, deadline: float | None = None) -> None:
+    def __init__(self, deadline: float | None = None, caller: str = "") -> None:
         self._lock = threading.Lock()
+        # Whose work this is (security.caller_identity): the engine gives callers fair turns.
+        self.caller = caller
         self._holders = 1
         # Latest monotonic deadline among the holders; None = at least one has none.
         self._deadline = deadline

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -206,3 +207,85 @@ def test_malformed_bytes_never_reach_a_handler(
     assert server.engine.stats.steps == steps
     with ExecutorClient(server.target) as client:
         assert client.get_status().status.is_ready
+
+
+SHARED_RPCS, PER_CALLER_RPCS = 6, 4
+
+
+def test_probes_answer_and_other_callers_keep_their_share_under_exhaustion() -> None:
+    """Caller A parks as many WatchCapacity streams as its share allows, then B parks the
+    rest of the total: health Check, the liveness probe and health Watch still answer SERVING
+    on the serving port; only the caller over a limit gets RESOURCE_EXHAUSTED."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    tally = Tally("probes under exhaustion")
+    serving = health_pb2.HealthCheckResponse.SERVING
+
+    async def scenario(target: str) -> None:
+        async with grpc.aio.insecure_channel(target) as channel:
+            watch = channel.unary_stream(
+                METHOD + "WatchCapacity",
+                request_serializer=pb.WatchCapacityRequest.SerializeToString,
+                response_deserializer=pb.WatchCapacityResponse.FromString,
+            )
+            status = channel.unary_unary(
+                METHOD + "GetStatus",
+                request_serializer=pb.GetStatusRequest.SerializeToString,
+                response_deserializer=pb.GetStatusResponse.FromString,
+            )
+            health = health_pb2_grpc.HealthStub(channel)
+            parked: list[Any] = []
+
+            async def park(caller: str, name: str) -> str:
+                tally.send(name)
+                call = watch(pb.WatchCapacityRequest(), metadata=[("ferrum-session", caller)])
+                try:
+                    await call.read()
+                except grpc.aio.AioRpcError as exc:
+                    tally.resolve(name, exc.code().name)
+                    return str(exc.code().name)
+                parked.append((name, call))
+                return "OK"
+
+            async def probes() -> None:
+                for service in ("", "ferrum.executor.v1.Liveness"):
+                    reply = await health.Check(
+                        health_pb2.HealthCheckRequest(service=service), timeout=2
+                    )
+                    assert reply.status == serving, service
+                watcher = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                assert (await watcher.read()).status == serving
+                watcher.cancel()
+
+            assert [await park("a", f"a{i}") for i in range(PER_CALLER_RPCS)] == ["OK"] * 4
+            assert await park("a", "a-over") == "RESOURCE_EXHAUSTED"  # A's share is taken
+            await probes()
+            # B is not held back by A's share: it gets the rest of the total ...
+            rest = SHARED_RPCS - PER_CALLER_RPCS
+            assert [await park("b", f"b{i}") for i in range(rest)] == ["OK"] * rest
+            # ... and once the total is taken, a third caller is refused, probes are not.
+            tally.send("c")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await status(pb.GetStatusRequest(), metadata=[("ferrum-session", "c")])
+            tally.resolve("c", refused.value.code().name)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "limit of 6 concurrent calls" in (refused.value.details() or "")
+            await probes()
+            for name, call in parked:
+                call.cancel()
+                tally.resolve(name)
+            await asyncio.sleep(0.2)  # the cancelled streams end on the server
+            # Every slot is back.
+            tally.send("after")
+            await status(pb.GetStatusRequest(), metadata=[("ferrum-session", "c")])
+            tally.resolve("after")
+
+    with serve_in_process(
+        server={
+            "max_concurrent_rpcs": SHARED_RPCS,
+            "max_concurrent_rpcs_per_caller": PER_CALLER_RPCS,
+        }
+    ) as server:
+        run_scenario(scenario(server.target))
+    report(tally)
+    assert tally.codes["RESOURCE_EXHAUSTED"] == 2

@@ -8,11 +8,13 @@ import os
 import pathlib
 import signal
 import time
+from typing import Any
 
 import grpc
 import pytest
 from ferrum_client import (
     AsyncExecutorClient,
+    BatchBuilder,
     ExecutorClient,
     ExecutorError,
     NotFoundError,
@@ -160,3 +162,82 @@ def test_sigkill_then_restart_fences_stale_callers(tmp_path: pathlib.Path) -> No
         process.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
         process.wait(timeout=30)  # type: ignore[attr-defined]
     report(tally)
+
+
+def test_sigterm_ends_idle_streams_and_waits_at_once(tmp_path: pathlib.Path) -> None:
+    """Idle calls do not hold a drain for its grace period: with an idle WatchCapacity, a
+    parked WaitForCapacityChange, an idle StepStream (its one step answered) and a health
+    Watch open, SIGTERM ends them with UNAVAILABLE (the health Watch after it has seen
+    NOT_SERVING) and the process exits 0 in far less than --grace-s 20."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    process, port = _start(tmp_path, "--grace-s", "20")
+    target = f"127.0.0.1:{port}"
+    tally = Tally("sigterm-idle-streams")
+    service = "/ferrum.executor.v1.ExecutorService/"
+
+    last: dict[str, Any] = {}
+
+    async def ended(name: str, call: Any) -> None:
+        """Read the call to its end; resolve it with its final code."""
+        tally.send(name)
+        try:
+            if hasattr(call, "read"):
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    last[name] = message
+            else:
+                await call
+        except grpc.aio.AioRpcError as exc:
+            tally.resolve(name, exc.code().name)
+            return
+        tally.resolve(name, "OK")
+
+    async def scenario() -> float:
+        async with grpc.aio.insecure_channel(target) as channel:
+            watch = channel.unary_stream(
+                service + "WatchCapacity",
+                request_serializer=pb.WatchCapacityRequest.SerializeToString,
+                response_deserializer=pb.WatchCapacityResponse.FromString,
+            )(pb.WatchCapacityRequest())
+            first = await watch.read()
+            condition = pb.CapacityWaitCondition(coordinator_id=first.epochs.coordinator_id)
+            condition.observed.append(first.sources[0])
+            wait = channel.unary_unary(
+                service + "WaitForCapacityChange",
+                request_serializer=pb.WaitForCapacityChangeRequest.SerializeToString,
+                response_deserializer=pb.WaitForCapacityChangeResponse.FromString,
+            )(pb.WaitForCapacityChangeRequest(condition=condition, timeout_ms=60_000))
+            stream = channel.stream_stream(
+                service + "StepStream",
+                request_serializer=pb.StepStreamRequest.SerializeToString,
+                response_deserializer=pb.StepStreamResponse.FromString,
+            )()
+            builder = BatchBuilder()
+            builder.add_prefill_chunk("idle", "", [3, 1, 4], 0, 3)
+            await stream.write(
+                pb.StepStreamRequest(step_id=1, batch=pb.UnifiedBatchRequest(items=builder.build()))
+            )
+            assert (await stream.read()).HasField("result")
+            health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await health.read()).status == SERVING
+            await asyncio.sleep(0.2)  # the wait is parked
+            sent = time.monotonic()
+            process.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+            await asyncio.gather(
+                ended("watch", watch),
+                ended("wait", wait),
+                ended("stream", stream),
+                ended("health-watch", health),
+            )
+            return time.monotonic() - sent
+
+    try:
+        took = run_scenario(scenario(), 60)
+        assert process.wait(timeout=30) == 0  # type: ignore[attr-defined]
+    finally:
+        process.kill()  # type: ignore[attr-defined]
+    tally.notes = f"streams_ended_after={took:.2f}s"
+    report(tally)
+    assert tally.codes["UNAVAILABLE"] == 4, tally.line()
+    assert took < 5.0, tally.line()  # it was the whole grace period, 20 s
+    assert last["health-watch"].status == NOT_SERVING  # told before the watch ended

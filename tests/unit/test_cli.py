@@ -27,6 +27,7 @@ FLAG_NAMES = {
     "auth-token-file", "health-port", "max-message-bytes", "max-concurrent-rpcs",
     "max-concurrent-streams", "max-metadata-bytes", "require-fencing", "step-ledger-size",
     "release-on-disconnect", "cache-lease-s", "prefix-pending-s", "probe-file",
+    "max-concurrent-rpcs-per-caller", "step-stream-window",
     # Added since (issue #17).
     "step-ledger-max-bytes", "step-ledger-evicted-ids",
 }  # fmt: skip
@@ -65,6 +66,8 @@ def _samples(model_dir: Path) -> dict[str, tuple[str, Any]]:
         "grace-s": ("5", 5.0),
         "max-message-bytes": ("65536", 65536),
         "max-concurrent-rpcs": ("0", 0),
+        "max-concurrent-rpcs-per-caller": ("8", 8),
+        "step-stream-window": ("4", 4),
         "max-concurrent-streams": ("16", 16),
         "max-metadata-bytes": ("8192", 8192),
         "health-port": ("9401", 9401),
@@ -231,6 +234,8 @@ def test_boolean_flags_are_also_switches() -> None:
         ({"FERRUM_BLOCK_SIZE": "0"}, "block size"),
         ({"FERRUM_MODEL": "/does/not/exist"}, "does/not/exist"),
         ({"FERRUM_TLS_KEY": "/k.pem"}, "--tls-cert and --tls-key"),
+        ({"FERRUM_STEP_STREAM_WINDOW": "0"}, "step stream window must be >= 1"),
+        ({"FERRUM_MAX_CONCURRENT_RPCS_PER_CALLER": "-1"}, "per caller) must be >= 0"),
     ],
 )
 def test_a_bad_env_twin_is_an_invalid_configuration(environ: dict[str, str], fragment: str) -> None:
