@@ -7,6 +7,7 @@ from ferrum_client.batch import GREEDY, BatchBuilder, ItemView, SamplingOptions,
 from ferrum_client.channel import tls_credentials
 from ferrum_client.errors import (
     AlreadyExistsError,
+    ClientClosedError,
     DeadlineExceededError,
     ExecutorError,
     InternalError,
@@ -16,6 +17,7 @@ from ferrum_client.errors import (
     PositionMismatchError,
     ResourceExhaustedError,
     StaleExecutorError,
+    StreamClosedError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -27,6 +29,7 @@ __all__ = [
     "AlreadyExistsError",
     "AsyncExecutorClient",
     "BatchBuilder",
+    "ClientClosedError",
     "DeadlineExceededError",
     "ExecutorClient",
     "ExecutorError",
@@ -40,6 +43,7 @@ __all__ = [
     "SamplingOptions",
     "StaleExecutorError",
     "StepStream",
+    "StreamClosedError",
     "UnauthenticatedError",
     "UnavailableError",
     "item_views",
