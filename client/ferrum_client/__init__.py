@@ -7,6 +7,7 @@ from ferrum_client.batch import GREEDY, BatchBuilder, ItemView, SamplingOptions,
 from ferrum_client.channel import tls_credentials
 from ferrum_client.errors import (
     AlreadyExistsError,
+    ClientClosedError,
     DeadlineExceededError,
     ExecutorError,
     InternalError,
@@ -17,6 +18,7 @@ from ferrum_client.errors import (
     ResourceExhaustedError,
     StaleExecutorError,
     StepResultEvictedError,
+    StreamClosedError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -28,6 +30,7 @@ __all__ = [
     "AlreadyExistsError",
     "AsyncExecutorClient",
     "BatchBuilder",
+    "ClientClosedError",
     "DeadlineExceededError",
     "ExecutorClient",
     "ExecutorError",
@@ -42,6 +45,7 @@ __all__ = [
     "StaleExecutorError",
     "StepResultEvictedError",
     "StepStream",
+    "StreamClosedError",
     "UnauthenticatedError",
     "UnavailableError",
     "item_views",

@@ -94,6 +94,26 @@ class InternalError(ExecutorError):
     code = grpc.StatusCode.INTERNAL
 
 
+class ClientClosedError(ExecutorError):
+    """The client was closed before or while the call ran (it was cancelled locally)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class StreamClosedError(ExecutorError):
+    """A step was submitted on a step stream that has ended: open a new stream.
+
+    `code` is why it ended: CANCELLED when the caller cancelled or closed it, otherwise the code
+    of the failure that ended it (UNAVAILABLE when the executor went away), which is `cause`.
+    """
+
+    def __init__(
+        self, message: str, code: grpc.StatusCode, cause: ExecutorError | None = None
+    ) -> None:
+        super().__init__(message, code)
+        self.cause = cause
+
+
 _BY_CODE: dict[grpc.StatusCode, type[ExecutorError]] = {
     cls.code: cls
     for cls in (

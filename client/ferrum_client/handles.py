@@ -9,7 +9,12 @@ step ids per caller, so give each scheduler its own, stable across its reconnect
 
 Retries: read-only calls are retried by the channel on UNAVAILABLE. A mutating call is retried
 (on UNAVAILABLE, within the same overall timeout) only when it carries a non-zero `step_id`,
-because the executor then runs it at most once and replays the stored result.
+because the executor then runs it at most once and replays the stored result. Any call whose
+stream the server refused (HTTP/2 REFUSED_STREAM: the server processed nothing) is retried too.
+
+Concurrency: `AsyncExecutorClient` keeps at most `calls_per_connection` calls (128) on each of up
+to `max_connections` connections (4); further calls wait in the client, first come first served
+(see `ferrum_client.connections`).
 """
 
 from __future__ import annotations
@@ -33,23 +38,60 @@ from ferrum_client.channel import (
     Metadata,
     call_metadata,
 )
-from ferrum_client.errors import ExecutorError, from_rpc_error, from_step_error
+from ferrum_client.connections import (
+    CALLS_PER_CONNECTION,
+    MAX_CONNECTIONS,
+    ConnectionPool,
+    Slot,
+)
+from ferrum_client.errors import (
+    ClientClosedError,
+    ExecutorError,
+    StreamClosedError,
+    UnavailableError,
+    from_rpc_error,
+    from_step_error,
+)
 from ferrum_client.pb import executor_pb2 as pb
 from ferrum_client.pb import executor_pb2_grpc as pb_grpc
 
 R = TypeVar("R")
 _CANCELLED = grpc.StatusCode.CANCELLED
+# How grpc core words an RST_STREAM with HTTP/2 error code REFUSED_STREAM (7).
+_REFUSED_STREAM = "RST_STREAM with error code 7"
+REFUSED_STREAM_ATTEMPTS = 16
+
+
+def _refused_stream(error: grpc.RpcError) -> bool:
+    """The server refused the stream before reading it (HTTP/2 REFUSED_STREAM, RFC 9113 8.7):
+    nothing ran, so any call may be sent again. grpc reports it only in the details."""
+    code = error.code() if hasattr(error, "code") else None
+    details = (error.details() if hasattr(error, "details") else None) or ""
+    return code == grpc.StatusCode.UNAVAILABLE and _REFUSED_STREAM in details
 
 
 def _retry_delay(request: Any, error: grpc.RpcError, attempt: int) -> float | None:
-    """Seconds to wait before retrying a step-id call, or None when it must not be retried."""
+    """Seconds to wait before retrying a step-id call or a refused stream, or None when the
+    call must not be retried."""
     code = error.code() if hasattr(error, "code") else None
-    if not getattr(request, "step_id", 0) or code not in STEP_RETRYABLE:
+    refused = _refused_stream(error)
+    step_call = getattr(request, "step_id", 0) and code in STEP_RETRYABLE
+    if not step_call and not refused:
         return None
-    if attempt + 1 >= STEP_RETRY_ATTEMPTS:
+    # A refused stream never ran: it is resent for longer (still within the call's deadline),
+    # since a burst above the server's stream limit may be refused several times over.
+    if attempt + 1 >= (REFUSED_STREAM_ATTEMPTS if refused else STEP_RETRY_ATTEMPTS):
         return None
     ceiling = min(STEP_RETRY_MAX_BACKOFF_S, STEP_RETRY_INITIAL_BACKOFF_S * 2**attempt)
     return random.uniform(0, ceiling)
+
+
+def _raise_if_closed_under_us() -> None:
+    """grpc.aio ends a call cancelled by `close()` with asyncio.CancelledError, in a task that
+    nobody cancelled: turn that into a typed error, and let a real cancellation through."""
+    task = asyncio.current_task()
+    if task is not None and not task.cancelling():
+        raise ClientClosedError("the client was closed while the call ran") from None
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -200,7 +242,14 @@ class ExecutorClient:
 
 
 class AsyncExecutorClient:
-    """asyncio handle, same operations as ExecutorClient, plus the step stream."""
+    """asyncio handle, same operations as ExecutorClient, plus the step stream.
+
+    At most `calls_per_connection` calls run on each of up to `max_connections` connections
+    (a step stream or a capacity watch counts as one call while open); further calls wait in the
+    client, first come first served, and that wait counts against `timeout_s`. Keep
+    `calls_per_connection` at most half the executor's --max-concurrent-streams (256 by
+    default): see `ferrum_client.connections` for why.
+    """
 
     def __init__(
         self,
@@ -210,15 +259,19 @@ class AsyncExecutorClient:
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
         session_id: str | None = None,
+        calls_per_connection: int = CALLS_PER_CONNECTION,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
-        options = list(CHANNEL_OPTIONS)
-        self._channel = (
-            grpc.aio.secure_channel(target, credentials, options)
-            if credentials
-            else grpc.aio.insecure_channel(target, options)
-        )
-        self._stub = pb_grpc.ExecutorServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        # Each connection is the channel's own (a local subchannel pool): by default grpc would
+        # share one connection among equal channels, and the per-connection bound would not hold.
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+
+        def open_channel() -> grpc.aio.Channel:
+            if credentials:
+                return grpc.aio.secure_channel(target, credentials, options)
+            return grpc.aio.insecure_channel(target, options)
+
+        self._pool = ConnectionPool(open_channel, calls_per_connection, max_connections)
         self.timeout_s = timeout_s
         self._metadata = call_metadata(token, session_id)
 
@@ -234,16 +287,34 @@ class AsyncExecutorClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close(None)
+        """Close every connection; calls still running or waiting for a slot fail with
+        ClientClosedError."""
+        await self._pool.close()
+
+    @property
+    def pool(self) -> ConnectionPool:
+        """The connections and their call slots (in_flight, queued)."""
+        return self._pool
 
     async def _call(self, method: str, request: Any) -> Any:
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        return await self._call_within(method, request, self.timeout_s)
+
+    async def _call_within(
+        self, method: str, request: Any, timeout_s: float | None, long_lived: bool = False
+    ) -> Any:
+        """One call through a pooled slot within `timeout_s` (the wait for the slot included),
+        retried as the module docstring says."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         attempt = 0
         while True:
             try:
-                return await getattr(self._stub, method)(
-                    request, timeout=_remaining(deadline), metadata=self._metadata
-                )
+                async with self._pool.slot(_remaining(deadline), long_lived=long_lived) as lane:
+                    return await getattr(lane.stub, method)(
+                        request, timeout=_remaining(deadline), metadata=self._metadata
+                    )
+            except asyncio.CancelledError:
+                _raise_if_closed_under_us()
+                raise
             except grpc.RpcError as error:
                 delay = _retry_delay(request, error, attempt)
                 if delay is None:
@@ -253,9 +324,13 @@ class AsyncExecutorClient:
 
     async def health(self, service: str = "") -> int:
         try:
-            response = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s
-            )
+            async with self._pool.slot(self.timeout_s) as lane:
+                response = await lane.health.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s
+                )
+        except asyncio.CancelledError:
+            _raise_if_closed_under_us()
+            raise
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         return int(response.status)
@@ -332,12 +407,7 @@ class AsyncExecutorClient:
         self, request: pb.WaitForCapacityChangeRequest
     ) -> pb.WaitForCapacityChangeResponse:
         # The wait can legitimately outlast the default call timeout.
-        try:
-            return await self._stub.WaitForCapacityChange(
-                request, timeout=None, metadata=self._metadata
-            )
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+        return await self._call_within("WaitForCapacityChange", request, None, long_lived=True)  # type: ignore[no-any-return]
 
     async def list_release_sources(
         self, request: pb.ListReleaseSourcesRequest | None = None
@@ -357,68 +427,132 @@ class AsyncExecutorClient:
         return await self._call("RenewCacheLease", request)  # type: ignore[no-any-return]
 
     async def watch_capacity(self) -> AsyncIterator[pb.WatchCapacityResponse]:
-        """Capacity changes as they happen (the first message is the current state)."""
+        """Capacity changes as they happen (the first message is the current state). The
+        watch holds a call slot until the iteration ends."""
         try:
-            watch = self._stub.WatchCapacity(pb.WatchCapacityRequest(), metadata=self._metadata)
-            async for event in watch:
-                yield event
+            async with self._pool.slot(self.timeout_s, long_lived=True) as lane:
+                watch = lane.stub.WatchCapacity(pb.WatchCapacityRequest(), metadata=self._metadata)
+                async for event in watch:
+                    yield event
+        except asyncio.CancelledError:
+            _raise_if_closed_under_us()
+            raise
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
     def step_stream(self) -> StepStream:
         """Open the hot-path stream; use `async with client.step_stream() as stream`."""
-        return StepStream(self._stub, self._metadata)
+        return StepStream(self._pool, self._metadata, self.timeout_s)
 
 
 class StepStream:
     """Pipelined unified steps over one bidirectional stream.
 
     `submit` sends a step at once and returns a future for its result, so the next step can be
-    queued while the executor runs this one. Results arrive in submission order.
+    queued while the executor runs this one. Results arrive in submission order. Once the stream
+    has ended (cancelled, closed, or failed because the executor went away), steps still waiting
+    fail with the error that ended it and `submit` raises `StreamClosedError` at once.
     """
 
-    def __init__(self, stub: pb_grpc.ExecutorServiceStub, metadata: Metadata | None = None) -> None:
-        self._stub = stub
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        metadata: Metadata | None = None,
+        open_timeout_s: float | None = None,
+    ) -> None:
+        self._pool = pool
         self._metadata = metadata
+        self._open_timeout_s = open_timeout_s
         self._outbox: asyncio.Queue[pb.StepStreamRequest | None] = asyncio.Queue()
         self._waiting: dict[int, asyncio.Future[pb.UnifiedBatchResponse]] = {}
         self._next_step_id = 1
         self._reader: asyncio.Task[None] | None = None
         self._call: Any = None
+        self._slot: Slot | None = None
+        # Why no step can be submitted any more (None while the stream is usable).
+        self._closed: StreamClosedError | None = None
 
     async def __aenter__(self) -> StepStream:
-        self._call = self._stub.StepStream(
-            self._requests(),  # type: ignore[arg-type]
+        # The stream holds a call slot for its whole life; the reader gives it back.
+        self._slot = await self._pool.acquire(self._open_timeout_s, long_lived=True)
+        self._call = self._slot.lane.stub.StepStream(
+            self._requests(),
             metadata=self._metadata,
         )
         self._reader = asyncio.ensure_future(self._read())
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self._outbox.put(None)
-        if self._reader is not None:
-            await self._reader
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Half-close and wait for the answers still due. After `cancel()` (or a failure) this
+        returns at once and raises nothing: the steps' futures carry the outcome. A task
+        cancelled inside the block cancels the stream: nobody is left to use its answers."""
+        if isinstance(exc, asyncio.CancelledError):
+            self.cancel()
+        if self._closed is None:
+            self._closed = StreamClosedError("the step stream is closed", _CANCELLED)
+            await self._outbox.put(None)
+        reader = self._reader
+        if reader is None:
+            return
+        try:
+            # Waits without taking on the reader's outcome: a CancelledError here is this
+            # task's own cancellation, never the stream's.
+            await asyncio.wait([reader])
+        except asyncio.CancelledError:
+            self.cancel()  # nobody is left to read the answers
+            raise
+        if not reader.cancelled() and (error := reader.exception()) is not None:
+            raise error
 
     async def _requests(self) -> AsyncIterator[pb.StepStreamRequest]:
         while (request := await self._outbox.get()) is not None:
             yield request
 
     async def _read(self) -> None:
+        failure: ExecutorError | None = None  # None: the executor ended the stream itself
         try:
             async for response in self._call:
-                future = self._waiting.pop(response.step_id)
+                future = self._waiting.pop(response.step_id, None)
+                if future is None or future.done():
+                    continue  # no longer awaited (the caller cancelled that future)
                 if response.HasField("error"):
                     error = response.error
                     future.set_exception(from_step_error(error.code, error.message, error.reason))
                 else:
                     future.set_result(response.result)
         except grpc.RpcError as error:
-            self._fail_waiting(from_rpc_error(error))
+            failure = from_rpc_error(error)
         except asyncio.CancelledError:
-            self._fail_waiting(ExecutorError("the step stream was cancelled", _CANCELLED))
-            raise
+            failure = ExecutorError("the step stream was cancelled", _CANCELLED)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the reader task itself was cancelled (loop shutdown): pass it on
+            # Otherwise grpc ended the iteration because the call was cancelled (`cancel()`,
+            # or the client closed): the stream has ended, and that is all.
+        finally:
+            self._end(failure)
+            if self._slot is not None:
+                self._pool.release(self._slot)
+                self._slot = None
 
-    def _fail_waiting(self, failure: ExecutorError) -> None:
+    def _end(self, failure: ExecutorError | None) -> None:
+        """The stream has ended: fail the steps still waiting, and every later submit."""
+        if failure is None:
+            failure = UnavailableError("the executor ended the step stream before answering")
+            if self._closed is None:  # ended by the executor (a drain), not by the caller
+                self._closed = StreamClosedError(
+                    "the executor ended the step stream", failure.code, failure
+                )
+        elif failure.code != _CANCELLED or self._closed is None:
+            cause = None if failure.code == _CANCELLED else failure
+            self._closed = StreamClosedError(
+                f"the step stream has ended: {failure}", failure.code, cause
+            )
         for future in self._waiting.values():
             if not future.done():
                 future.set_exception(failure)
@@ -426,11 +560,17 @@ class StepStream:
 
     def cancel(self) -> None:
         """Abandon the stream: steps the executor has not started are dropped, and (by default)
-        the executor releases the caches this stream opened or touched."""
+        the executor releases the caches this stream opened or touched. Steps still waiting fail
+        with CANCELLED, and `submit` raises `StreamClosedError` from now on."""
+        if self._closed is None:
+            self._closed = StreamClosedError("the step stream was cancelled", _CANCELLED)
         if self._call is not None:
             self._call.cancel()
 
     def submit(self, request: pb.UnifiedBatchRequest) -> asyncio.Future[pb.UnifiedBatchResponse]:
+        """Send a step; raises `StreamClosedError` at once if the stream has ended."""
+        if (closed := self._closed) is not None:
+            raise StreamClosedError(str(closed), closed.code, closed.cause)
         step_id = self._next_step_id
         self._next_step_id += 1
         future: asyncio.Future[pb.UnifiedBatchResponse] = asyncio.get_running_loop().create_future()
