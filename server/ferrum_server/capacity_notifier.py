@@ -158,13 +158,21 @@ class CapacityNotifier:
             try:
                 await asyncio.wait_for(waiter, remaining)  # ... then park
             except TimeoutError:
-                self._waiters.discard(waiter)
                 return self._result(False, observed)
+            finally:
+                # Also when the caller goes away (cancelled): a parked waiter must not outlive
+                # its call, or cancelled waits would pile up until the next capacity change.
+                self._waiters.discard(waiter)
             self.num_wakeups += 1
 
     def _result(self, changed: bool, observed: list[tuple[SourceKey, int]]) -> WaitResult:
         sources = [(source, self.state.generations[source]) for source, _ in observed]
         return WaitResult(changed, self.state, sources)
+
+    @property
+    def num_parked(self) -> int:
+        """Waits parked now (each a live WaitForCapacityChange call)."""
+        return len(self._waiters)
 
     def watch(self) -> Watch:
         watch = Watch()

@@ -376,3 +376,54 @@ def test_requests_are_converted_off_the_event_loop(
 
     run_scenario(scenario())
     assert threads and all(name.startswith("ferrum-parse") for name in threads), threads
+
+
+def test_cancelled_waits_leave_nothing_parked(server: InProcessServer) -> None:
+    """WaitForCapacityChange calls cancelled by their callers on a quiet executor (no capacity
+    change to wake them) leave no parked waiter behind: each ends with its call."""
+    notifier = server.running.servicer.notifier
+    tally = Tally("cancelled waits")
+
+    async def scenario() -> None:
+        state = notifier.state
+        source = next(iter(state.generations))
+        condition = pb.CapacityWaitCondition(
+            coordinator_id=state.epochs.coordinator_id,
+            observed=[
+                pb.CapacityAvailabilityEpoch(
+                    source=int(source[0]), domain=source[1], epoch=state.generations[source]
+                )
+            ],
+        )
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            wait = channel.unary_unary(
+                SERVICE + "WaitForCapacityChange",
+                request_serializer=pb.WaitForCapacityChangeRequest.SerializeToString,
+                response_deserializer=pb.WaitForCapacityChangeResponse.FromString,
+            )
+            calls = []
+            for n in range(50):
+                tally.send(f"wait-{n}")
+                calls.append(wait(pb.WaitForCapacityChangeRequest(condition=condition)))
+            for _ in range(100):  # until every wait is parked
+                if server.run(_parked(notifier)) == len(calls):
+                    break
+                await asyncio.sleep(0.05)
+            assert server.run(_parked(notifier)) == len(calls)
+            for n, call in enumerate(calls):
+                call.cancel()
+                tally.resolve(f"wait-{n}", "CANCELLED")
+        for _ in range(100):
+            if server.run(_parked(notifier)) == 0:
+                break
+            await asyncio.sleep(0.05)
+
+    run_scenario(scenario())
+    parked = server.run(_parked(notifier))
+    tally.notes = f"parked_after_cancel={parked}"
+    report(tally)
+    assert parked == 0
+
+
+async def _parked(notifier: Any) -> int:
+    return int(notifier.num_parked)
