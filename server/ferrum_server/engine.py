@@ -429,13 +429,13 @@ class Engine:
 
     def try_admit(
         self,
-        origin: RequestOrigin | None,
         request_id: str,
         tokens: list[int],
         max_tokens: int,
         prompt_tokens: int,
         replayed_tokens: int,
         instance_id: int = 0,
+        origin: RequestOrigin | None = None,
     ) -> Decision:
         """CapacityManager.try_admit for a request of `origin` (None: unspecified), counted by
         origin; then refresh the gauges (an admission holds blocks)."""

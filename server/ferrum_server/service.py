@@ -477,13 +477,13 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         decision = await engine.run(
             ticket,
             engine.try_admit,
-            origin,
             request.request_id,
             list(request.input_tokens),
             request.maximum_sequence_tokens,
             request.product_prompt_tokens,
             request.replayed_output_tokens,
             request.executor_instance_id,
+            origin,
             on_orphan=release_admitted,
         )
         return convert.decision_to_pb(decision, self.notifier.state, engine.kv)

@@ -149,7 +149,7 @@ def test_request_origin_is_validated_and_counted(engine: Engine) -> None:
         convert.request_origin_from_pb(9)
     probes = engine.recorder.metrics.admission_probes
     before = probes.labels("diagnostic")._value.get()
-    decision = engine.try_admit(RequestOrigin.DIAGNOSTIC, "origin", [1, 2, 3], 0, 3, 0)
+    decision = engine.try_admit("origin", [1, 2, 3], 0, 3, 0, 0, RequestOrigin.DIAGNOSTIC)
     assert probes.labels("diagnostic")._value.get() == before + 1
     engine.release(decision.cache_id)  # type: ignore[union-attr]
 
@@ -181,7 +181,7 @@ def test_cache_metrics_count_lookups_hits_and_evictions(engine: Engine) -> None:
     before = descriptions.cache_metrics_of(engine).snapshot
     prompt = list(range(100, 113))  # 3 full blocks + 1
     for request_id in ("cm1", "cm2"):
-        decision = engine.try_admit(RequestOrigin.PRODUCT, request_id, prompt, 0, 13, 0)
+        decision = engine.try_admit(request_id, prompt, 0, 13, 0)
         cache_id = decision.cache_id  # type: ignore[union-attr]
         cached = decision.cached_prompt_tokens  # type: ignore[union-attr]
         item = StepItem(ItemKind.PREFILL_CHUNK, request_id, cache_id, prompt[cached:], cached, 13)
@@ -216,7 +216,7 @@ def test_complete_and_cancel_observe_their_work(engine: Engine) -> None:
     result, work = engine.complete_observed("done", cache, 3, 1)
     assert result.released and work.kind == CompletionWorkKind.NO_ADDITIONAL_WORK
     assert metrics.labels("complete", "none")._value.get() == before + 1
-    decision = engine.try_admit(RequestOrigin.PRODUCT, "cancel-me", [1, 2], 0, 2, 0)
+    decision = engine.try_admit("cancel-me", [1, 2], 0, 2, 0)
     released, work = engine.cancel_admission_observed("cancel-me")
     assert released and work.kind == CompletionWorkKind.NO_ADDITIONAL_WORK
     assert decision.cache_id not in engine.kv.caches  # type: ignore[union-attr]
@@ -244,7 +244,7 @@ def test_a_forward_fault_poisons_the_executor() -> None:
         with pytest.raises(ExecutorFaulted):
             _prefill(engine, "y", [1, 2, 3])
         with pytest.raises(ExecutorFaulted):
-            engine.try_admit(RequestOrigin.PRODUCT, "z", [1, 2, 3], 0, 3, 0)
+            engine.try_admit("z", [1, 2, 3], 0, 3, 0)
         status = descriptions.status_response(engine, descriptions.status_of(engine), True)
         assert status.status.state == pb.EXECUTOR_STATE_ERROR and not status.status.is_ready
         _, work = engine.complete_observed("held", held, 3, 1)

@@ -1784,7 +1784,9 @@ class WarmupResponse(_message.Message):
     max_supported_total_tokens: _builtins.int
     """Most tokens the pool can hold at once."""
     peak_activation_bytes: _builtins.int
-    """Peak device activation memory of the forward, bytes (0 on CPU)."""
+    """Peak device activation memory of the largest step, bytes, as measured at start-up
+    (MemoryPlan.activation_peak_bytes; 0 on CPU, where it is not measured). Not this forward's.
+    """
     @_builtins.property
     def deferred(self) -> Global___ExecutionDeferral:
         """Set when nothing ran: every KV block is held by a live sequence (the warmup forward needs
