@@ -175,7 +175,8 @@ class ModelRunner:
 
 
 def _penalty_context(row_items: list[tuple[StepItem, Cache, int]]) -> list[list[int]]:
-    """HF convention: the penalty covers every context token up to the sampled position."""
+    """Every context token up to the sampled position (HF convention); `_penalty_start` says
+    where each row's scope begins within it."""
     context: list[list[int]] = []
     for item, cache, position in row_items:
         if item.sampling.repetition_penalty in (0.0, 1.0):
