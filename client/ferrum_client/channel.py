@@ -22,6 +22,8 @@ _READ_ONLY = (
     "GetKvSlotCapacity",
     "GetCapacitySnapshot",
     "ListReleaseSources",
+    "GetResourceSnapshot",
+    "GetCacheMetrics",
 )
 SERVICE_CONFIG = json.dumps(
     {

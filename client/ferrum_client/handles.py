@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -240,6 +240,27 @@ class ExecutorClient:
     def renew_cache_lease(self, request: pb.RenewCacheLeaseRequest) -> pb.RenewCacheLeaseResponse:
         return self._call("RenewCacheLease", request)  # type: ignore[no-any-return]
 
+    def get_resource_snapshot(self) -> pb.GetResourceSnapshotResponse:
+        return self._call("GetResourceSnapshot", pb.GetResourceSnapshotRequest())  # type: ignore[no-any-return]
+
+    def get_cache_metrics(self) -> pb.GetCacheMetricsResponse:
+        return self._call("GetCacheMetrics", pb.GetCacheMetricsRequest())  # type: ignore[no-any-return]
+
+    def watch_execution_events(self) -> Iterator[pb.ExecutionEvent]:
+        """Execution events as they happen; the first is `subscribed`. Cancel by closing the
+        iterator (or the client). A reader more than 1024 events behind gets `events_dropped`."""
+        stream = self._stub.WatchExecutionEvents(
+            pb.WatchExecutionEventsRequest(), metadata=self._metadata
+        )
+        try:
+            for response in stream:
+                yield response.event
+        except grpc.RpcError as error:
+            if error.code() != _CANCELLED:
+                raise from_rpc_error(error) from None
+        finally:
+            stream.cancel()  # type: ignore[no-untyped-call]
+
 
 class AsyncExecutorClient:
     """asyncio handle, same operations as ExecutorClient, plus the step stream.
@@ -425,6 +446,28 @@ class AsyncExecutorClient:
         self, request: pb.RenewCacheLeaseRequest
     ) -> pb.RenewCacheLeaseResponse:
         return await self._call("RenewCacheLease", request)  # type: ignore[no-any-return]
+
+    async def get_resource_snapshot(self) -> pb.GetResourceSnapshotResponse:
+        return await self._call("GetResourceSnapshot", pb.GetResourceSnapshotRequest())  # type: ignore[no-any-return]
+
+    async def get_cache_metrics(self) -> pb.GetCacheMetricsResponse:
+        return await self._call("GetCacheMetrics", pb.GetCacheMetricsRequest())  # type: ignore[no-any-return]
+
+    async def watch_execution_events(self) -> AsyncIterator[pb.ExecutionEvent]:
+        """Execution events as they happen; the first is `subscribed`. A reader more than 1024
+        events behind gets an `events_dropped` marker (how many it missed) instead."""
+        try:
+            async with self._pool.slot(self.timeout_s, long_lived=True) as lane:
+                stream = lane.stub.WatchExecutionEvents(
+                    pb.WatchExecutionEventsRequest(), metadata=self._metadata
+                )
+                async for response in stream:
+                    yield response.event
+        except asyncio.CancelledError:
+            _raise_if_closed_under_us()
+            raise
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
 
     async def watch_capacity(self) -> AsyncIterator[pb.WatchCapacityResponse]:
         """Capacity changes as they happen (the first message is the current state). The

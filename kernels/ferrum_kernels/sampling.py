@@ -200,12 +200,16 @@ def build_sampling_tensors(
     num_logprobs: int,
     vocab_size: int,
     device: torch.device | str,
+    penalty_start: Sequence[int] | None = None,
 ) -> SamplingTensors:
     """Build a batch's SamplingTensors from host lists with at most three host->device copies.
 
     penalty_ids: per row, the token ids of its context (duplicates fine); ignored for rows whose
-    penalty is 1.0. token_mask_bits: per row, a ceil(V/8)-byte LSB-first allow-mask, or None for
-    "everything allowed". Seeds may be any Python int (e.g. uint64); they are reduced mod 2**64.
+    penalty is 1.0. penalty_start: per row, the index into its penalty_ids from which tokens are
+    penalised (the penalty's scope: 0 covers the whole context, the prompt length covers only
+    the outputs); None = 0 for every row. token_mask_bits: per row, a ceil(V/8)-byte LSB-first
+    allow-mask, or None for "everything allowed". Seeds may be any Python int (e.g. uint64);
+    they are reduced mod 2**64.
     """
     dev = torch.device(device)
     n = len(temperature)
@@ -214,6 +218,10 @@ def build_sampling_tensors(
         raise ValueError("per-row sampling parameter lists differ in length")
     if penalty_ids is not None and len(penalty_ids) != n:
         raise ValueError("penalty_ids has the wrong number of rows")
+    if penalty_start is not None and len(penalty_start) != n:
+        raise ValueError("penalty_start has the wrong number of rows")
+    if penalty_start is not None and any(start < 0 for start in penalty_start):
+        raise ValueError("penalty_start entries must be >= 0")
     if token_mask_bits is not None and len(token_mask_bits) != n:
         raise ValueError("token_mask_bits has the wrong number of rows")
     if num_logprobs < 0:
@@ -229,13 +237,18 @@ def build_sampling_tensors(
     counts: list[int] = []
     flat_ids: list[int] = []
     if penalty_ids is not None and any(penalising):
-        counts = [len(ids) if pen else 0 for ids, pen in zip(penalty_ids, penalising, strict=True)]
-        flat_ids = list(
-            itertools.chain.from_iterable(
-                ids for ids, pen in zip(penalty_ids, penalising, strict=True) if pen
-            )
-        )
-    with_penalty = bool(counts)
+        starts = penalty_start if penalty_start is not None else [0] * n
+        # Each row's scope: its ids from its start on (a slice, no per-token loop).
+        scoped = [
+            ids[start:] if pen else ()
+            for ids, start, pen in zip(penalty_ids, starts, penalising, strict=True)
+        ]
+        counts = [len(ids) for ids in scoped]
+        flat_ids = list(itertools.chain.from_iterable(scoped))
+    # Rows whose scope is empty (outputs only, before the first output) penalise nothing.
+    with_penalty = any(counts)
+    if not with_penalty:
+        counts, flat_ids = [], []
 
     # All int64 data travels in one copy and is split into views on the device.
     ints_host = torch.tensor(

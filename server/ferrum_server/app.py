@@ -144,7 +144,9 @@ class RunningServer:
         _LOG.info("lifecycle", state="stopped", caches_released=released)
 
     async def watch_engine(self, interval_s: float, timeout_s: float) -> None:
-        """Liveness: the engine thread must answer a heartbeat within timeout_s."""
+        """Liveness: the engine thread must answer a heartbeat within timeout_s, and the
+        executor must not have faulted (a fault needs a restart: every service then reports
+        NOT_SERVING, for good)."""
         healthy = True
         while True:
             started = time.monotonic()
@@ -153,7 +155,11 @@ class RunningServer:
                 alive = True
             except TimeoutError:
                 alive = False
-            if alive != healthy:
+            faulted = self.engine.fault is not None
+            if faulted and healthy:
+                healthy = False
+                await self.report_fault()
+            elif not faulted and alive != healthy:
                 healthy = alive
                 await self.health.set(LIVENESS_SERVICE, _SERVING if alive else _NOT_SERVING)
                 _LOG.warning(
@@ -162,6 +168,14 @@ class RunningServer:
                     waited_s=round(time.monotonic() - started, 3),
                 )
             await asyncio.sleep(interval_s)
+
+    async def report_fault(self) -> None:
+        """The executor faulted: readiness and liveness NOT_SERVING, so traffic leaves and the
+        orchestrator restarts the process."""
+        for name in ("", SERVICE_NAME, LIVENESS_SERVICE):
+            await self.health.set(name, _NOT_SERVING)
+        self.metrics.set_ready(False)
+        _LOG.error("lifecycle", state="faulted", error=self.engine.fault)
 
     async def sweep_leases(self, interval_s: float) -> None:
         """Every interval_s, on the engine thread (which owns the KV state): release caches

@@ -140,6 +140,8 @@ class CapacityStats:
     preemptions: int = 0
     swaps_out: int = 0
     swaps_in: int = 0
+    prefix_lookups: int = 0  # admissions (each looked its prompt up)
+    prefix_hit_lookups: int = 0  # admissions that found at least one block
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
@@ -420,6 +422,8 @@ class CapacityManager:
         cache = kv.admit(request_id, tokens, max_tokens or model_max, match)
         cached = match.num_blocks * kv.block_size
         self.stats.admitted += 1
+        self.stats.prefix_lookups += 1
+        self.stats.prefix_hit_lookups += int(cached > 0)
         self.stats.prefix_query_tokens += len(tokens)
         self.stats.prefix_hit_tokens += cached
         self.metrics.record_admission("admitted")
@@ -516,7 +520,7 @@ class CapacityManager:
         check_instance(instance_id, self.limits)
         for cache in list(self.kv.caches.values()):
             if cache.request_id == request_id and cache.pending_admission:
-                self.kv.release(cache.cache_id)
+                self.kv.release(cache.cache_id, reason="cancelled")
                 return True
         return False
 
@@ -559,7 +563,7 @@ class CapacityManager:
         if mode == PreemptionMode.SWAP and not self._swap_out(cache):
             used = PreemptionMode.RECOMPUTE
         pending = cache.pending_admission
-        result = self.kv.release(cache_id)
+        result = self.kv.release(cache_id, reason="preempted")
         self.stats.preemptions += 1
         self.metrics.record_preemption(used.name.lower())
         _LOG.info(

@@ -28,6 +28,8 @@ class CapacityState:
     free_blocks: int
     cached_blocks: int
     used_blocks: int
+    # Held past the committed tokens (admitted, not yet written).
+    reserved_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ def _state_of(kv: KvManager) -> CapacityState:
         pool.num_free,
         pool.num_cached,
         pool.num_used,
+        kv.num_reserved_blocks,
     )
 
 

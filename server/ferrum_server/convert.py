@@ -34,12 +34,16 @@ from ferrum_server.domain import (
     GREEDY,
     CapacityDeferral,
     CapacityUnit,
+    CompletionWork,
+    CompletionWorkKind,
     DeferralMode,
     DeferralStage,
     ItemKind,
     ItemResult,
     ItemStatus,
     OutputPolicy,
+    PenaltyScope,
+    RequestOrigin,
     Sampling,
     Shortfall,
     ShortfallKind,
@@ -50,6 +54,14 @@ from ferrum_server.domain import (
     WarmupOutcome,
 )
 from ferrum_server.errors import ErrorReason, InvalidArgument
+from ferrum_server.execution_events import (
+    CacheCompleted,
+    CachePreempted,
+    CacheReleased,
+    Dropped,
+    Event,
+    StepCompleted,
+)
 from ferrum_server.kv.epochs import Epochs, Source, SourceKey
 from ferrum_server.kv.manager import Cache, KvManager, KvUsage, ReleaseResult
 from ferrum_server.validate import MAX_ID_BYTES, Limits
@@ -83,6 +95,20 @@ _check_twins(CapacityUnit, pb.CapacityUnit, "CAPACITY_UNIT_")
 _check_twins(Source, pb.CapacitySource, "CAPACITY_SOURCE_")
 _check_twins(PreemptionMode, pb.PreemptionMode, "PREEMPTION_MODE_")
 _check_twins(ErrorReason, pb.ErrorReason, "ERROR_REASON_")
+_check_twins(PenaltyScope, pb.RepetitionPenaltyScope, "REPETITION_PENALTY_SCOPE_")
+_check_twins(RequestOrigin, pb.RequestOrigin, "REQUEST_ORIGIN_")
+_check_twins(CompletionWorkKind, pb.CompletionWorkKind, "COMPLETION_WORK_KIND_")
+
+# KvManager release reasons -> their proto enum (completions and preemptions have events of
+# their own and never reach it).
+_RELEASE_REASONS = {
+    "released": pb.CACHE_RELEASE_REASON_RELEASED,
+    "expired": pb.CACHE_RELEASE_REASON_EXPIRED,
+    "cancelled": pb.CACHE_RELEASE_REASON_CANCELLED,
+    "abandoned": pb.CACHE_RELEASE_REASON_ABANDONED,
+    "failed": pb.CACHE_RELEASE_REASON_FAILED,
+    "drained": pb.CACHE_RELEASE_REASON_DRAINED,
+}
 
 # Most entries in one ListReleaseSources answer (ids are at most MAX_ID_BYTES, so a page stays
 # near 0.6 MiB, under every message limit).
@@ -158,6 +184,25 @@ def _policy(value: int) -> OutputPolicy:
     raise InvalidArgument(f"unknown logits return policy {value}")
 
 
+def _penalty_scope(value: int) -> PenaltyScope:
+    if value == pb.REPETITION_PENALTY_SCOPE_UNSPECIFIED:
+        return PenaltyScope.PROMPT_AND_OUTPUTS
+    try:
+        return PenaltyScope(value)
+    except ValueError:
+        raise InvalidArgument(f"unknown repetition penalty scope {value}") from None
+
+
+def request_origin_from_pb(value: int) -> RequestOrigin | None:
+    """The origin of an admission probe; None when unspecified; unknown values are refused."""
+    if value == pb.REQUEST_ORIGIN_UNSPECIFIED:
+        return None
+    try:
+        return RequestOrigin(value)
+    except ValueError:
+        raise InvalidArgument(f"unknown request origin {value}") from None
+
+
 def sampling_from_pb(params: pb.SamplingParams) -> Sampling:
     return Sampling(
         policy=_policy(params.logits_return_policy),
@@ -168,6 +213,7 @@ def sampling_from_pb(params: pb.SamplingParams) -> Sampling:
         repetition_penalty=params.repetition_penalty or 1.0,
         num_logprobs=params.num_logprobs,
         token_mask=params.token_mask,
+        penalty_scope=_penalty_scope(params.repetition_penalty_scope),
     )
 
 
@@ -182,6 +228,7 @@ def _sampling_columns(columns: pb.SamplingColumns, count: int) -> list[Sampling]
     penalties = _column("repetition_penalties", columns.repetition_penalties, count, 0.0)
     logprobs = _column("num_logprobs", columns.num_logprobs, count, 0)
     masks = _column("token_masks", columns.token_masks, count, b"")
+    scopes = _column("repetition_penalty_scopes", columns.repetition_penalty_scopes, count, 0)
     return [
         Sampling(
             policy=_policy(policies[i]),
@@ -192,6 +239,7 @@ def _sampling_columns(columns: pb.SamplingColumns, count: int) -> list[Sampling]
             repetition_penalty=penalties[i] or 1.0,
             num_logprobs=logprobs[i],
             token_mask=masks[i],
+            penalty_scope=_penalty_scope(scopes[i]),
         )
         for i in range(count)
     ]
@@ -523,10 +571,26 @@ def release_response(result: ReleaseResult, epochs: Epochs) -> pb.ReleaseCacheRe
     )
 
 
-def complete_response(result: ReleaseResult, epochs: Epochs) -> pb.CompleteCacheResponse:
-    return pb.CompleteCacheResponse(
-        released=result.released, blocks_freed=result.blocks_freed, epochs=epochs_to_pb(epochs)
+def completion_work_to_pb(work: CompletionWork) -> pb.CompletionWork:
+    return pb.CompletionWork(
+        kind=pb.CompletionWorkKind.ValueType(work.kind),
+        submission_indeterminate=work.submission_indeterminate,
     )
+
+
+def complete_response(
+    result: ReleaseResult, epochs: Epochs, work: CompletionWork
+) -> pb.CompleteCacheResponse:
+    return pb.CompleteCacheResponse(
+        released=result.released,
+        blocks_freed=result.blocks_freed,
+        epochs=epochs_to_pb(epochs),
+        work=completion_work_to_pb(work),
+    )
+
+
+def cancel_response(released: bool, work: CompletionWork) -> pb.CancelPrefillAdmissionResponse:
+    return pb.CancelPrefillAdmissionResponse(released=released, work=completion_work_to_pb(work))
 
 
 def warmup_response(
@@ -616,7 +680,9 @@ def demand_to_pb(d: Demand) -> pb.CapacityVector:
     return pb.CapacityVector(kv_blocks=d.kv_blocks, tokens=d.tokens, sequences=d.sequences)
 
 
-def capacity_snapshot_to_pb(state: CapacityState, kv: KvManager) -> pb.CapacitySnapshot:
+def capacity_snapshot_to_pb(
+    state: CapacityState, kv: KvManager, poisoned: bool = False
+) -> pb.CapacitySnapshot:
     pool_available = state.free_blocks + state.cached_blocks
     return pb.CapacitySnapshot(
         coordinator_id=state.epochs.coordinator_id,
@@ -634,6 +700,7 @@ def capacity_snapshot_to_pb(state: CapacityState, kv: KvManager) -> pb.CapacityS
         maximum_active_sequences=kv.max_sequences,
         release_epoch=state.epochs.release_epoch,
         capacity_epoch=state.epochs.capacity_epoch,
+        poisoned=poisoned,
     )
 
 
@@ -736,17 +803,18 @@ def kv_state_to_pb(state: CapacityState, block_size: int) -> pb.KvSlotCapacitySn
         free_blocks=state.free_blocks,
         cached_blocks=state.cached_blocks,
         used_blocks=state.used_blocks,
+        reserved_blocks=state.reserved_blocks,
     )
 
 
 def capacity_snapshot_response(
-    state: CapacityState, usage: KvUsage, kv: KvManager, config: EngineConfig
+    state: CapacityState, usage: KvUsage, kv: KvManager, config: EngineConfig, poisoned: bool
 ) -> pb.GetCapacitySnapshotResponse:
     return pb.GetCapacitySnapshotResponse(
         epochs=epochs_to_pb(state.epochs),
         sources=sources_to_pb(sorted(state.generations.items())),
         kv=kv_usage_to_pb(usage),
-        capacity=capacity_snapshot_to_pb(state, kv),
+        capacity=capacity_snapshot_to_pb(state, kv, poisoned),
         limits=pb.AdmissionLimits(
             maximum_active_sequences=config.max_batch_size,
             maximum_scheduled_tokens=config.max_batch_tokens,
@@ -768,3 +836,84 @@ def watch_response(state: CapacityState, block_size: int) -> pb.WatchCapacityRes
         sources=sources_to_pb(sorted(state.generations.items())),
         kv=kv_state_to_pb(state, block_size),
     )
+
+
+# -- execution events -------------------------------------------------------------------------
+
+
+def subscribed_to_pb(
+    next_sequence: int, ring_capacity: int, state: CapacityState
+) -> pb.WatchExecutionEventsResponse:
+    return pb.WatchExecutionEventsResponse(
+        event=pb.ExecutionEvent(
+            epochs=epochs_to_pb(state.epochs),
+            sources=sources_to_pb(sorted(state.generations.items())),
+            subscribed=pb.EventsSubscribed(
+                next_sequence=next_sequence, ring_capacity=ring_capacity
+            ),
+        )
+    )
+
+
+def execution_event_to_pb(event: Event | Dropped) -> pb.WatchExecutionEventsResponse:
+    if isinstance(event, Dropped):
+        return pb.WatchExecutionEventsResponse(
+            event=pb.ExecutionEvent(events_dropped=pb.EventsDropped(count=event.count))
+        )
+    out = pb.ExecutionEvent(
+        sequence=event.sequence,
+        unix_ns=event.unix_ns,
+        epochs=epochs_to_pb(event.epochs),
+        sources=sources_to_pb(event.sources),
+    )
+    payload = event.payload
+    if isinstance(payload, StepCompleted):
+        out.step_completed.CopyFrom(
+            pb.StepCompletedEvent(
+                num_items=payload.num_items,
+                ran_items=payload.ran_items,
+                deferred_items=payload.deferred_items,
+                failed_items=payload.failed_items,
+                prefill_tokens=payload.prefill_tokens,
+                decode_tokens=payload.decode_tokens,
+                elapsed_ns=payload.elapsed_ns,
+            )
+        )
+    elif isinstance(payload, CachePreempted):
+        out.preempted.CopyFrom(
+            pb.CachePreemptedEvent(
+                request_id=payload.request_id,
+                cache_id=payload.cache_id,
+                authority=(
+                    pb.PREEMPTION_AUTHORITY_RETAINED_PREFILL
+                    if payload.pending_admission
+                    else pb.PREEMPTION_AUTHORITY_ACTIVE_SEQUENCE
+                ),
+                mode=pb.PreemptionMode.ValueType(payload.mode),
+                blocks_freed=payload.blocks_freed,
+                num_tokens=payload.num_tokens,
+            )
+        )
+    elif isinstance(payload, CacheReleased):
+        out.released.CopyFrom(
+            pb.CacheReleasedEvent(
+                request_id=payload.request_id,
+                cache_id=payload.cache_id,
+                reason=_RELEASE_REASONS.get(payload.reason, pb.CACHE_RELEASE_REASON_UNSPECIFIED),
+                blocks_freed=payload.blocks_freed,
+                num_tokens=payload.num_tokens,
+            )
+        )
+    elif isinstance(payload, CacheCompleted):
+        out.completed.CopyFrom(
+            pb.CacheCompletedEvent(
+                request_id=payload.request_id,
+                cache_id=payload.cache_id,
+                input_tokens=payload.input_tokens,
+                output_tokens=payload.output_tokens,
+                blocks_freed=payload.blocks_freed,
+                num_tokens=payload.num_tokens,
+                work=completion_work_to_pb(payload.work),
+            )
+        )
+    return pb.WatchExecutionEventsResponse(event=out)

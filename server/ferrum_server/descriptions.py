@@ -1,8 +1,13 @@
-"""Builds the descriptive responses (info, capabilities, status, metrics) from domain values.
+"""Builds the descriptive responses (info, capabilities, status, metrics, resource snapshot,
+cache metrics) from domain values.
 
 Facts fixed at start-up (the model, the configuration, the memory plan) are read directly.
-State that the engine thread mutates is copied there into plain records (`status_of`), and the
-protobuf is built from those on the event loop: no protobuf object reaches the engine thread.
+State that the engine thread mutates is copied there into plain records (`status_of`,
+`resources_of`, `cache_metrics_of`), and the protobuf is built from those on the event loop: no
+protobuf object reaches the engine thread.
+
+Every figure is produced from what the executor measured or holds; the fields that are always 0
+or false here say so in docs/protocol.md ("Figures that are always the same").
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ from ferrum_client.pb import executor_pb2 as pb
 
 from ferrum_server import __version__, convert
 from ferrum_server.engine import Engine
+from ferrum_server.kv.epochs import Epochs
 from ferrum_server.kv.manager import KvUsage
 from ferrum_server.profiling import device_peak_bytes
 from ferrum_server.recorder import EngineStats
+
+# The percentile GetMetrics reports over each latency window (recorder.LATENCY_WINDOW_STEPS).
+P95 = 0.95
 
 # Keyed by EngineConfig.dtype, the configuration's string, so describing needs no torch.
 _DTYPES = {
@@ -25,7 +34,6 @@ _DTYPES = {
     "bfloat16": pb.DATA_TYPE_BF16,
     "float16": pb.DATA_TYPE_FP16,
 }
-_BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _device(engine: Engine) -> pb.Device:
@@ -63,7 +71,6 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         if mc.num_kv_heads < mc.num_heads
         else pb.ATTENTION_TYPE_MULTI_HEAD
     )
-    kv_per_token = engine.memory_plan.block_bytes // engine.config.block_size
     return pb.ExecutorCapabilities(
         max_batch_size=engine.config.max_batch_size,
         max_sequence_length=engine.max_sequence_length,
@@ -73,11 +80,7 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         supports_speculative_decoding=True,
         supported_dtypes=list(_DTYPES.values()),
         supported_devices=[pb.Device(kind=pb.DEVICE_KIND_CPU), pb.Device(kind=pb.DEVICE_KIND_CUDA)],
-        memory_requirements=pb.MemoryRequirements(
-            parameter_memory=_weights_bytes(engine),
-            kv_cache_memory_per_token=kv_per_token // max(1, mc.num_layers),
-            typed_sequence_state=pb.TypedSequenceStateMemory(kv_bytes_per_token=kv_per_token),
-        ),
+        memory_requirements=memory_requirements(engine),
         supports_native_unified_decode=True,
         execution_resource_authority=pb.EXECUTION_RESOURCE_AUTHORITY_PLAN_RUNTIME,
         supports_server_sampling=True,
@@ -92,6 +95,30 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         memory_plan=memory_plan(engine),
         cuda_graph_batch_sizes=list(engine.graph_batch_sizes),
         cache_lease_ms=round(engine.config.cache_lease_s * 1000),
+        kv_capacity=kv_capacity(engine),
+    )
+
+
+def kv_capacity(engine: Engine) -> int:
+    """Most tokens one sequence's KV can ever hold: the model's limit or the whole pool."""
+    return min(engine.max_sequence_length, engine.memory_plan.num_blocks * engine.kv.block_size)
+
+
+def memory_requirements(engine: Engine) -> pb.MemoryRequirements:
+    """From the measured start-up plan: weights as loaded, the activation peak of the largest
+    step spread over its tokens (0 on CPU, where it is not measured), and as overhead what the
+    plan holds besides weights, activations and KV blocks sequences may use (CUDA graph memory
+    and the graphs' scratch block)."""
+    plan = engine.memory_plan
+    kv_per_token = plan.block_bytes // engine.config.block_size
+    largest_step = max(1, min(engine.config.max_batch_tokens, engine.max_sequence_length))
+    graphs = max(plan.cuda_graph_reserved_bytes, plan.cuda_graph_bytes)
+    return pb.MemoryRequirements(
+        parameter_memory=plan.weights_bytes,
+        activation_memory_per_token=-(-plan.activation_peak_bytes // largest_step),
+        kv_cache_memory_per_token=kv_per_token // max(1, engine.model_config.num_layers),
+        typed_sequence_state=pb.TypedSequenceStateMemory(kv_bytes_per_token=kv_per_token),
+        overhead_memory=graphs + plan.reserved_blocks * plan.block_bytes,
     )
 
 
@@ -127,12 +154,18 @@ def executor_config(engine: Engine) -> pb.ExecutorConfig:
         memory_config=pb.ExecutorMemoryConfig(
             enable_memory_pooling=True,
             memory_pool_size=_pool_bytes(engine),
-            max_memory_usage=cfg.gpu_memory_utilization * 100,
+            enable_kv_cache_sharing=cfg.prefix_caching,
+            max_memory_usage=engine.memory_plan.utilization * 100,
         ),
         optimization_config=pb.OptimizationConfig(
-            enable_cuda_graphs=bool(engine.graph_batch_sizes)
+            enable_cuda_graphs=bool(engine.graph_batch_sizes),
+            # The cpu and triton kernels fuse residual + norm, rotary, SiLU-and-mul, sampling.
+            enable_kernel_fusion=engine.runner.kernels.name != "torch",
         ),
-        executor_options={"max_batch_tokens": json.dumps(cfg.max_batch_tokens)},
+        executor_options={
+            "max_batch_tokens": json.dumps(cfg.max_batch_tokens),
+            "kernel_backend": json.dumps(engine.runner.kernels.name),
+        },
     )
 
 
@@ -148,7 +181,8 @@ def info_response(engine: Engine) -> pb.GetInfoResponse:
 
 
 def _weights_bytes(engine: Engine) -> int:
-    return engine.model_config.num_parameters * _BYTES_PER_ELEMENT[engine.config.dtype]
+    """Weights and buffers as loaded (measured at start-up)."""
+    return engine.memory_plan.weights_bytes
 
 
 def _pool_bytes(engine: Engine) -> int:
@@ -176,6 +210,7 @@ class EngineStatus:
     active_caches: int
     kv: KvUsage
     peak_bytes: int | None  # None without device allocator counters (CPU)
+    faulted: bool
 
 
 def status_of(engine: Engine) -> EngineStatus:
@@ -186,21 +221,30 @@ def status_of(engine: Engine) -> EngineStatus:
         active_caches=len(engine.kv.caches),
         kv=engine.kv.usage(),
         peak_bytes=device_peak_bytes(engine.device),
+        faulted=engine.fault is not None,
     )
 
 
-def status_response(engine: Engine, status: EngineStatus, accepting: bool) -> pb.GetStatusResponse:
+def status_response(
+    engine: Engine, status: EngineStatus, accepting: bool, running_items: int = 0
+) -> pb.GetStatusResponse:
+    """running_items: items of the step that was running when the call arrived (read on the
+    event loop then; the rest of the status is read on the engine thread after that step)."""
     stats = status.stats
     if not status.warmed_up:
         state = pb.EXECUTOR_STATE_INITIALIZING
+    elif status.faulted:
+        state = pb.EXECUTOR_STATE_ERROR
     elif not accepting:
         state = pb.EXECUTOR_STATE_SHUTDOWN
+    elif running_items:
+        state = pb.EXECUTOR_STATE_BUSY
     else:
         state = pb.EXECUTOR_STATE_READY
     executor_status = pb.ExecutorStatus(
         state=state,
-        is_ready=accepting,
-        current_batch_size=stats.current_batch_size,
+        is_ready=accepting and not status.faulted,
+        current_batch_size=running_items or stats.current_batch_size,
         prefill_operations=stats.prefill_steps,
         decode_operations=stats.decode_steps,
         avg_prefill_time_ms=stats.prefill_time_ns / 1e6 / max(1, stats.prefill_steps),
@@ -228,7 +272,121 @@ def metrics(engine: Engine) -> pb.ExecutorMetrics:
         decode_operations=stats.decode_steps,
         avg_prefill_latency=stats.prefill_time_ns / 1e6 / max(1, stats.prefill_steps),
         avg_decode_latency=stats.decode_time_ns / 1e6 / max(1, stats.decode_steps),
+        p95_prefill_latency=stats.prefill_window.percentile(P95),
+        p95_decode_latency=stats.decode_window.percentile(P95),
         throughput_tps=(stats.prefill_tokens + stats.decode_tokens) / busy_s if busy_s else 0.0,
         memory_efficiency=memory.used_bytes / max(1, memory.allocated_bytes),
         batch_utilization=stats.items / max(1, stats.steps) / engine.config.max_batch_size,
+    )
+
+
+# -- plan-runtime resource snapshot ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """What GetResourceSnapshot reports, copied on the engine thread in one go."""
+
+    kv: KvUsage
+    live_caches: int
+    pending_admissions: int
+    swapped_blocks: int
+    swapped_bytes: int
+    epochs: Epochs
+
+
+def resources_of(engine: Engine) -> Resources:
+    """Engine thread: copy the live state GetResourceSnapshot reports."""
+    caches = engine.kv.caches.values()
+    swapped = engine.capacity.swapped.values()
+    return Resources(
+        kv=engine.kv.usage(),
+        live_caches=len(caches),
+        pending_admissions=sum(1 for c in caches if c.pending_admission),
+        swapped_blocks=sum(s.host_kv.shape[2] for s in swapped),
+        swapped_bytes=sum(s.num_bytes for s in swapped),
+        epochs=engine.kv.clock.snapshot(),
+    )
+
+
+def resource_snapshot_response(
+    engine: Engine, resources: Resources
+) -> pb.GetResourceSnapshotResponse:
+    plan = engine.memory_plan
+    kv = resources.kv
+    graphs = max(plan.cuda_graph_reserved_bytes, plan.cuda_graph_bytes)
+    static = plan.weights_bytes + graphs
+    resident = plan.kv_cache_bytes + plan.activation_peak_bytes
+    claimed = static + resident
+    domains = [
+        pb.ResourceDomainSnapshot(
+            domain=0,
+            kind=pb.RESOURCE_DOMAIN_KIND_DEVICE_KV,
+            block_size=kv.block_size,
+            block_bytes=plan.block_bytes,
+            total_blocks=kv.total_blocks,
+            free_blocks=kv.free_blocks,
+            cached_blocks=kv.cached_blocks,
+            used_blocks=kv.used_blocks,
+            reserved_blocks=kv.reserved_blocks,
+            total_bytes=kv.total_blocks * plan.block_bytes,
+            used_bytes=kv.used_blocks * plan.block_bytes,
+        )
+    ]
+    swap_bytes = engine.config.swap_space_bytes
+    if swap_bytes:
+        total = swap_bytes // plan.block_bytes
+        domains.append(
+            pb.ResourceDomainSnapshot(
+                domain=1,
+                kind=pb.RESOURCE_DOMAIN_KIND_HOST_SWAP,
+                block_size=kv.block_size,
+                block_bytes=plan.block_bytes,
+                total_blocks=total,
+                free_blocks=max(0, total - resources.swapped_blocks),
+                used_blocks=resources.swapped_blocks,
+                total_bytes=swap_bytes,
+                used_bytes=resources.swapped_bytes,
+            )
+        )
+    slots = engine.kv.max_sequences
+    return pb.GetResourceSnapshotResponse(
+        snapshot=pb.PlanRuntimeResourceSnapshot(
+            device_capacity_bytes=plan.total_bytes,
+            usable_capacity_bytes=plan.budget_bytes,
+            process_claimed_bytes=claimed,
+            plan_claimed_bytes=claimed,
+            static_bytes=static,
+            dynamic_resident_bytes=resident,
+            dynamic_free_bytes=(kv.free_blocks + kv.cached_blocks) * plan.block_bytes,
+            domains=domains,
+            sequence_slots=pb.SequenceSlotSnapshot(
+                total=slots,
+                used=resources.live_caches,
+                free=max(0, slots - resources.live_caches),
+                pending_admission=resources.pending_admissions,
+            ),
+            epochs=convert.epochs_to_pb(resources.epochs),
+        )
+    )
+
+
+# -- cache metrics ----------------------------------------------------------------------------
+
+
+def cache_metrics_of(engine: Engine) -> pb.GetCacheMetricsResponse:
+    """Prefix-cache counters, read on the event loop like GetMetrics' (plain ints, read whole)."""
+    stats = engine.capacity.stats
+    pool = engine.kv.pool
+    return pb.GetCacheMetricsResponse(
+        snapshot=pb.CacheMetricsSnapshot(
+            prefix_caching_enabled=engine.kv.prefix_caching,
+            lookups=stats.prefix_lookups,
+            hit_lookups=stats.prefix_hit_lookups,
+            query_tokens=stats.prefix_query_tokens,
+            hit_tokens=stats.prefix_hit_tokens,
+            miss_tokens=stats.prefix_query_tokens - stats.prefix_hit_tokens,
+            evicted_blocks=pool.num_evictions,
+            cached_blocks=pool.num_cached,
+        )
     )

@@ -42,6 +42,13 @@ class DeferralMode(enum.Enum):
     ALL_OR_NOTHING = "all_or_nothing"  # Batch*/single calls: run everything or nothing
 
 
+class PenaltyScope(enum.IntEnum):
+    """Which context tokens a repetition penalty covers (proto RepetitionPenaltyScope)."""
+
+    PROMPT_AND_OUTPUTS = 1  # HF / vLLM convention (the default)
+    OUTPUTS_ONLY = 2  # ferrum's engine convention: tokens after the product prompt
+
+
 @dataclass(frozen=True, slots=True)
 class Sampling:
     policy: OutputPolicy = OutputPolicy.TOKEN
@@ -52,6 +59,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     num_logprobs: int = 0
     token_mask: bytes = b""
+    penalty_scope: PenaltyScope = PenaltyScope.PROMPT_AND_OUTPUTS
 
 
 GREEDY = Sampling()
@@ -205,6 +213,49 @@ class Timings:
 class StepOutcome:
     results: list[ItemResult]
     timings: Timings
+
+
+class RequestOrigin(enum.IntEnum):
+    """Who a request lifecycle is for (proto RequestOrigin); 0 (unspecified) is not a member."""
+
+    PRODUCT = 1
+    STARTUP = 2
+    DIAGNOSTIC = 3
+
+
+class CompletionWorkKind(enum.IntEnum):
+    """Whether work may follow a completion or cancellation (proto CompletionWorkKind)."""
+
+    NO_ADDITIONAL_WORK = 1
+    ADDITIONAL_OR_UNPROVEN = 2
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionWork:
+    """What a CompleteCache or CancelPrefillAdmission call leaves behind (the seed's
+    ExecutorCompletionWork): nothing, or work that may follow (or cannot be proven absent)."""
+
+    kind: CompletionWorkKind
+    # A forward failed after it may have been submitted (the executor faulted).
+    submission_indeterminate: bool = False
+
+    @classmethod
+    def observe(cls, faulted: bool) -> CompletionWork:
+        """Steps run one at a time on the engine thread and finish before a completion or
+        cancellation runs there, so none is left behind, unless a forward failed after it may
+        have been submitted: then nothing about the device can be proven."""
+        if faulted:
+            return cls(CompletionWorkKind.ADDITIONAL_OR_UNPROVEN, submission_indeterminate=True)
+        return cls(CompletionWorkKind.NO_ADDITIONAL_WORK)
+
+    @property
+    def label(self) -> str:
+        """The metric label: none or additional_or_unproven."""
+        return (
+            "none"
+            if self.kind == CompletionWorkKind.NO_ADDITIONAL_WORK
+            else ("additional_or_unproven")
+        )
 
 
 @dataclass(frozen=True, slots=True)

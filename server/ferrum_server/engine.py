@@ -18,15 +18,23 @@ import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
 from ferrum_server import faults, logs
-from ferrum_server.capacity import CapacityManager, Decision
+from ferrum_server.capacity import (
+    Admitted,
+    CapacityManager,
+    Decision,
+    Deferred,
+    PreemptionMode,
+    PreemptionReceipt,
+)
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import (
     CapacityDeferral,
+    CompletionWork,
     DeferralMode,
     DeferralStage,
     ItemFailure,
@@ -34,14 +42,29 @@ from ferrum_server.domain import (
     ItemResult,
     ItemStatus,
     OutputPolicy,
+    RequestOrigin,
     Step,
     StepItem,
     StepOutcome,
     Timings,
     WarmupOutcome,
 )
-from ferrum_server.errors import DeviceOutOfMemory, ExecutionFailed, InvalidArgument, Unavailable
+from ferrum_server.errors import (
+    DeviceOutOfMemory,
+    ExecutionFailed,
+    ExecutorFaulted,
+    InvalidArgument,
+    Unavailable,
+)
+from ferrum_server.execution_events import (
+    CacheCompleted,
+    CachePreempted,
+    CacheReleased,
+    ExecutionEvents,
+    StepCompleted,
+)
 from ferrum_server.fair_queue import FairQueue, Job
+from ferrum_server.kv.epochs import Epochs, SourceKey
 from ferrum_server.kv.manager import Cache, ReleaseResult
 from ferrum_server.models import ModelConfig
 from ferrum_server.recorder import Recorder
@@ -93,6 +116,13 @@ class Engine:
         self.warmed_up = False
         # None in production: set only when FERRUM_ENABLE_FAULT_INJECTION=1 (tests).
         self.faults = faults.from_environment()
+        # Set once a forward failed after it may have been submitted (not an out-of-memory):
+        # the error's type name. The executor then runs nothing more (see `_fault`).
+        self.fault: str | None = None
+        self.events = ExecutionEvents(
+            self._event_stamp, on_drop=self.recorder.metrics.record_events_dropped
+        )
+        self.kv.release_listeners.append(self._on_release)
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:
@@ -154,7 +184,17 @@ class Engine:
         failed commits nothing.
         """
         started = time.perf_counter_ns()
+        self._check_healthy()
         caches = validate_step(step, self.kv, self.limits)
+        self.recorder.begin(len(step.items))
+        try:
+            return self._execute(step, caches, started, submitted_ns)
+        finally:
+            self.recorder.end(len(step.items))
+
+    def _execute(
+        self, step: Step, caches: list[Cache | None], started: int, submitted_ns: int
+    ) -> StepOutcome:
         held = [len(cache.block_ids) if cache is not None else 0 for cache in caches]
         deferrals = self.capacity.reserve_step(step, caches)
         results: list[ItemResult | None] = [None] * len(step.items)
@@ -174,6 +214,9 @@ class Engine:
         graphed = any(forward.graphed for _, forward in groups)
         self.recorder.step(deferrals.values(), ran, forward_ns + sample_ns, graphed)
         self.publish_gauges()
+        if ran and self.events.active:
+            elapsed_ns = forward_ns + sample_ns
+            self.events.publish(_step_event(step, ran, len(deferrals), len(failed), elapsed_ns))
         timings = Timings(
             queue_ns=max(0, started - submitted_ns) if submitted_ns else 0,
             forward_ns=forward_ns,
@@ -197,6 +240,7 @@ class Engine:
             self._undo(step, caches, runnable, held)
             if is_out_of_memory(exc):
                 raise DeviceOutOfMemory(_OOM_MESSAGE) from exc
+            self._fault(exc)
             raise ExecutionFailed("the forward pass failed") from exc
         self._undo(step, caches, failed, held)
         return groups, failed
@@ -232,7 +276,7 @@ class Engine:
             if cache is None:
                 continue
             if not step.items[index].cache_id:
-                self.kv.release(cache.cache_id)
+                self.kv.release(cache.cache_id, reason="failed")
             else:
                 self.kv.unreserve(cache, held[index])
 
@@ -240,13 +284,14 @@ class Engine:
         """Release the caches a step opened (its caller went away and will never learn them)."""
         for item, result in zip(step.items, outcome.results, strict=True):
             if not item.cache_id and result.cache_id in self.kv.caches:
-                self.kv.release(result.cache_id)
+                self.kv.release(result.cache_id, reason="abandoned")
 
     def release_caches(self, cache_ids: list[str]) -> int:
-        """Release the live caches among cache_ids; return how many were live."""
+        """Release the live caches among cache_ids (their caller went away); return how many
+        were live."""
         live = [c for c in dict.fromkeys(cache_ids) if c in self.kv.caches]
         for cache_id in live:
-            self.kv.release(cache_id)
+            self.kv.release(cache_id, reason="abandoned")
         return len(live)
 
     def _commit(
@@ -269,6 +314,9 @@ class Engine:
         for index in indices:
             item, cache = step.items[index], caches[index]
             assert cache is not None  # reserve_step opened it
+            if not cache.prompt_tokens and item.kind == ItemKind.PREFILL_CHUNK:
+                # Opened without admission: the prompt is what the first chunk says it is.
+                cache.prompt_tokens = item.total_prompt_tokens
             self.kv.commit(cache, item.token_ids)
             ran.append((item, cache))
             result = ItemResult(
@@ -314,7 +362,71 @@ class Engine:
         cache = self.kv.caches.get(cache_id)
         if cache is not None and request_id and cache.request_id != request_id:
             raise InvalidArgument(f"cache {cache_id!r} belongs to another request")
-        return self.kv.release(cache_id)
+        return self.kv.release(cache_id, reason="completed")
+
+    def complete_observed(
+        self,
+        request_id: str,
+        cache_id: str,
+        input_tokens: int,
+        output_tokens: int,
+        instance_id: int = 0,
+    ) -> tuple[ReleaseResult, CompletionWork]:
+        """`complete`, plus whether work on the cache may follow it (recorded and published)."""
+        cache = self.kv.caches.get(cache_id)
+        result = self.complete(request_id, cache_id, instance_id)
+        work = CompletionWork.observe(self.fault is not None)
+        self.recorder.metrics.record_completion_work("complete", work.label)
+        if result.released and cache is not None:
+            _LOG.info(
+                "cache_completed",
+                request_id=cache.request_id,
+                cache_id=cache_id,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                work=work.label,
+            )
+            self.events.publish(
+                CacheCompleted(
+                    cache.request_id,
+                    cache_id,
+                    input_tokens,
+                    output_tokens,
+                    result.blocks_freed,
+                    cache.num_tokens,
+                    work,
+                )
+            )
+        return result, work
+
+    def cancel_admission_observed(
+        self, request_id: str, instance_id: int = 0
+    ) -> tuple[bool, CompletionWork]:
+        """CapacityManager.cancel_admission, plus whether work may follow it (recorded)."""
+        released = self.capacity.cancel_admission(request_id, instance_id)
+        work = CompletionWork.observe(self.fault is not None)
+        self.recorder.metrics.record_completion_work("cancel", work.label)
+        _LOG.info("admission_cancelled", request_id=request_id, released=released, work=work.label)
+        return released, work
+
+    def preempt(
+        self, request_id: str, cache_id: str, mode: PreemptionMode, instance_id: int = 0
+    ) -> PreemptionReceipt:
+        """CapacityManager.preempt, published as an execution event."""
+        cache = self.kv.caches.get(cache_id)
+        receipt = self.capacity.preempt(request_id, cache_id, mode, instance_id)
+        if cache is not None:
+            self.events.publish(
+                CachePreempted(
+                    receipt.request_id,
+                    cache_id,
+                    receipt.pending_admission,
+                    int(receipt.mode),
+                    receipt.blocks_freed,
+                    cache.num_tokens,
+                )
+            )
+        return receipt
 
     def truncate(self, cache_id: str, new_length: int, instance_id: int = 0) -> tuple[Cache, int]:
         check_instance(instance_id, self.limits)
@@ -328,9 +440,32 @@ class Engine:
             self.kv_cache[:, :, target].copy_(self.kv_cache[:, :, source])
         return cache, released
 
-    def try_admit(self, *args: Any) -> Decision:
-        """CapacityManager.try_admit, then refresh the gauges (an admission holds blocks)."""
-        decision = self.capacity.try_admit(*args)
+    def try_admit(
+        self,
+        request_id: str,
+        tokens: list[int],
+        max_tokens: int,
+        prompt_tokens: int,
+        replayed_tokens: int,
+        instance_id: int = 0,
+        origin: RequestOrigin | None = None,
+    ) -> Decision:
+        """CapacityManager.try_admit for a request of `origin` (None: unspecified), counted by
+        origin; then refresh the gauges (an admission holds blocks)."""
+        self._check_healthy()
+        decision = self.capacity.try_admit(
+            request_id, tokens, max_tokens, prompt_tokens, replayed_tokens, instance_id
+        )
+        label = origin.name.lower() if origin is not None else "unspecified"
+        self.recorder.metrics.record_admission_probe(label)
+        outcome = _outcome(decision)
+        # Start-up and diagnostic probes are rare and worth seeing; product ones are counted.
+        log = _LOG.debug if origin in (None, RequestOrigin.PRODUCT) else _LOG.info
+        log("admission_probe", request_id=request_id, origin=label, outcome=outcome)
+        if isinstance(decision, Admitted):
+            cache = self.kv.caches[decision.cache_id]
+            # Replayed outputs stay outputs (a penalty scoped to outputs covers them).
+            cache.prompt_tokens = prompt_tokens
         self.publish_gauges()
         return decision
 
@@ -338,8 +473,38 @@ class Engine:
         """Release every cache (drain); return how many were live."""
         cache_ids = list(self.kv.caches)
         for cache_id in cache_ids:
-            self.kv.release(cache_id)
+            self.kv.release(cache_id, reason="drained")
         return len(cache_ids)
+
+    # -- faults and events ----------------------------------------------------------------
+
+    def _fault(self, exc: BaseException) -> None:
+        """A forward failed after it may have been submitted, and not for lack of memory: what
+        the device holds is unknown (a sticky CUDA error leaves the context unusable), so fail
+        closed: report ERROR, poison the capacity coordinator, refuse new work."""
+        if self.fault is None:
+            self.fault = type(exc).__name__
+            self.recorder.metrics.set_faulted(True)
+            _LOG.error("executor_faulted", error=self.fault, detail=str(exc)[:200])
+
+    def _check_healthy(self) -> None:
+        if self.fault is not None:
+            raise ExecutorFaulted(
+                f"the executor faulted ({self.fault}) and runs nothing more; restart it"
+            )
+
+    def _event_stamp(self) -> tuple[Epochs, list[tuple[SourceKey, int]]]:
+        clock = self.kv.clock
+        return clock.snapshot(), sorted(clock.generations.items())
+
+    def _on_release(self, cache: Cache, reason: str, blocks_freed: int) -> None:
+        # Completions and preemptions publish events of their own, with what they know more.
+        if self.events.active and reason not in ("completed", "preempted"):
+            self.events.publish(
+                CacheReleased(
+                    cache.request_id, cache.cache_id, reason, blocks_freed, cache.num_tokens
+                )
+            )
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -354,7 +519,7 @@ class Engine:
             return 0
         expired = self.kv.idle_caches(lease_s, now)
         for cache in expired:
-            result = self.kv.release(cache.cache_id, reason="expired")
+            result = self.kv.release(cache.cache_id, reason="expired")  # published as an event
             _LOG.warning(
                 "cache_lease_expired",
                 request_id=cache.request_id,
@@ -394,6 +559,7 @@ class Engine:
         tokens they hold; with none (every block held by a live sequence) it runs nothing and
         answers the deferral.
         """
+        self._check_healthy()
         kv = self.kv
         wanted = min(num_tokens or self.config.max_batch_tokens, self.max_sequence_length)
         count = min(wanted, kv.pool.num_available * kv.block_size)
@@ -403,16 +569,19 @@ class Engine:
         tokens = torch.randint(0, self.model_config.vocab_size, (count,), generator=generator)
         item = StepItem(ItemKind.PREFILL_CHUNK, "warmup", "", tokens.tolist(), 0, count)
         scratch = Cache("", "warmup", count, block_ids=kv.pool.allocate(kv.blocks_for(count)))
+        self.recorder.begin(1)
         started = time.perf_counter()
         try:
             forward = self.runner.run([item], [scratch])
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise DeviceOutOfMemory(_OOM_MESSAGE) from exc
+            self._fault(exc)
             raise ExecutionFailed("the warmup forward failed") from exc
         finally:
             # Never registered or hashed: the blocks go back to the free list as they came.
             kv.pool.free(scratch.block_ids)
+            self.recorder.end(1)
         elapsed_ms = (time.perf_counter() - started) * 1e3
         self.recorder.forward([item], forward.forward_ns + forward.sample_ns, forward.graphed)
         self.warmed_up = True
@@ -424,6 +593,20 @@ class Engine:
         return self.capacity.blocks_deferral(
             "warmup", DeferralStage.STEP_ADMISSION, blocks, pool.num_available
         )
+
+
+def _outcome(decision: Decision) -> str:
+    if isinstance(decision, Admitted):
+        return "admitted"
+    return "deferred" if isinstance(decision, Deferred) else "rejected"
+
+
+def _step_event(
+    step: Step, ran: list[tuple[StepItem, Cache]], deferred: int, failed: int, elapsed_ns: int
+) -> StepCompleted:
+    prefill = sum(len(item.token_ids) for item, _ in ran if item.kind == ItemKind.PREFILL_CHUNK)
+    decode = sum(len(item.token_ids) for item, _ in ran if item.kind != ItemKind.PREFILL_CHUNK)
+    return StepCompleted(len(step.items), len(ran), deferred, failed, prefill, decode, elapsed_ns)
 
 
 def _unrun(

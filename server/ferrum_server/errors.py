@@ -86,6 +86,13 @@ class Unavailable(ExecutorError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ExecutorFaulted(ExecutorError):
+    """A forward failed after it may have been submitted (not an out-of-memory): the device's
+    state is unknown, so the executor runs nothing more until it is restarted."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class DeviceOutOfMemory(ExecutorError):
     """The device ran out of memory in the forward; nothing was committed. Retry later or with
     a smaller batch (a transactional or single-item call cannot be split by the executor)."""

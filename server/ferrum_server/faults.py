@@ -8,13 +8,16 @@ every forward), so a test steers a running server without any RPC:
     {"rules": [
         {"kind": "oom", "request_ids": ["r3"], "times": 1},
         {"kind": "slow", "delay_s": 0.5},
-        {"kind": "crash"}
+        {"kind": "crash"},
+        {"kind": "fault"}
     ]}
 
 `kind` is "oom" (raise torch.OutOfMemoryError before the forward), "slow" (sleep delay_s before
-the forward) or "crash" (SIGKILL the process mid-step). A rule fires for a forward holding any of
-its `request_ids` (all forwards when absent), at most `times` times (unlimited when absent); the
-counts restart when the file changes. A missing or unreadable plan injects nothing.
+the forward), "crash" (SIGKILL the process mid-step) or "fault" (raise the RuntimeError a sticky
+CUDA error raises, which the engine treats as an unrecoverable device fault). A rule fires for
+a forward holding any of its `request_ids` (all forwards when absent), at most `times` times
+(unlimited when absent); the counts restart when the file changes. A missing or unreadable plan
+injects nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from ferrum_server import logs
 _LOG = logs.get(__name__)
 ENABLE_ENV = "FERRUM_ENABLE_FAULT_INJECTION"
 PLAN_ENV = "FERRUM_FAULT_PLAN"
-_KINDS = ("oom", "slow", "crash")
+_KINDS = ("oom", "slow", "crash", "fault")
+INJECTED_FAULT = "CUDA error: an illegal memory access was encountered (injected)"
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -60,7 +64,7 @@ class Rule:
 
 def _rule(raw: Any) -> Rule:
     if not isinstance(raw, dict) or raw.get("kind") not in _KINDS:
-        raise ValueError("each rule needs a kind of oom, slow or crash")
+        raise ValueError("each rule needs a kind of oom, slow, crash or fault")
     ids = raw.get("request_ids")
     times = raw.get("times")
     return Rule(
@@ -107,6 +111,8 @@ class FaultInjector:
                 time.sleep(rule.delay_s)
             elif rule.kind == "oom":
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            elif rule.kind == "fault":
+                raise RuntimeError(INJECTED_FAULT)
             else:
                 _LOG.warning("fault_injected_crash")
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -33,6 +33,9 @@ STEP_KINDS = ("prefill", "decode", "mixed")
 ADMISSION_OUTCOMES = ("admitted", "deferred", "maintenance_deferred", "rejected")
 DEFERRAL_REASONS = ("kv_blocks", "sequence_slots", "request_state")
 PREEMPTION_MODES = ("recompute", "swap")
+REQUEST_ORIGINS = ("product", "startup", "diagnostic", "unspecified")
+COMPLETION_CALLS = ("complete", "cancel")
+COMPLETION_WORK = ("none", "additional_or_unproven")
 MEMORY_PARTS = (
     "total",
     "budget",
@@ -86,6 +89,9 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
     (f"{PREFIX}_cuda_graphs", "gauge", (),
      "Decode batch sizes captured as CUDA graphs (0 = every step runs eagerly)."),
     (f"{PREFIX}_ready", "gauge", (), "1 while the executor reports SERVING, else 0."),
+    (f"{PREFIX}_faulted", "gauge", (),
+     "1 once a forward failed after it may have been submitted (not an out-of-memory): the "
+     "executor reports ERROR, refuses new work and must be restarted; else 0."),
     (f"{PREFIX}_step_ledger_bytes", "gauge", (),
      "Bytes of stored responses the step ledger holds for exactly-once retries (serialized "
      "size; at most --step-ledger-max-bytes)."),
@@ -96,6 +102,12 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
      "Decode steps run by replaying a CUDA graph."),
     (f"{PREFIX}_admissions_total", "counter", ("outcome",),
      "Admission decisions (admitted, deferred, maintenance_deferred, rejected)."),
+    (f"{PREFIX}_admission_probes_total", "counter", ("origin",),
+     "TryAdmitPrefill calls that passed validation, by request origin (product, startup, "
+     "diagnostic, unspecified)."),
+    (f"{PREFIX}_completion_work_total", "counter", ("call", "work"),
+     "CompleteCache (complete) and CancelPrefillAdmission (cancel) calls by the work they leave "
+     "behind: none, or additional_or_unproven (after a fault)."),
     (f"{PREFIX}_deferrals_total", "counter", ("reason",),
      "Items deferred for lack of a resource (kv_blocks, sequence_slots, request_state)."),
     (f"{PREFIX}_preemptions_total", "counter", ("mode",),
@@ -106,6 +118,11 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
      "Prompt tokens looked up in the prefix cache."),
     (f"{PREFIX}_prefix_cache_hits_total", "counter", (),
      "Prompt tokens found in the prefix cache."),
+    (f"{PREFIX}_kv_blocks_evicted_total", "counter", (),
+     "Prefix-cache blocks evicted to make room for new allocations."),
+    (f"{PREFIX}_execution_events_dropped_total", "counter", (),
+     "Execution events a WatchExecutionEvents reader missed because it fell more than 1024 "
+     "events behind (it got an events_dropped marker instead)."),
     ("grpc_server_started_total", "counter", GRPC_LABELS, "RPCs started on the server."),
     ("grpc_server_handled_total", "counter", (*GRPC_LABELS, "grpc_code"),
      "RPCs completed on the server, by status code."),
@@ -180,16 +197,21 @@ class Metrics:
         )
         self.cuda_graphs = self._gauge(f"{p}_cuda_graphs")
         self.ready = self._gauge(f"{p}_ready")
+        self.faulted = self._gauge(f"{p}_faulted")
         self.step_ledger_bytes = self._gauge(f"{p}_step_ledger_bytes")
         self.tokens = self._counter(f"{p}_tokens", "kind")
         self.steps = self._counter(f"{p}_steps")
         self.cuda_graph_replays = self._counter(f"{p}_cuda_graph_replays")
         self.admissions = self._counter(f"{p}_admissions", "outcome")
+        self.admission_probes = self._counter(f"{p}_admission_probes", "origin")
+        self.completion_work = self._counter(f"{p}_completion_work", "call", "work")
         self.deferrals = self._counter(f"{p}_deferrals", "reason")
         self.preemptions = self._counter(f"{p}_preemptions", "mode")
         self.caches_expired = self._counter(f"{p}_caches_expired")
         self.prefix_queries = self._counter(f"{p}_prefix_cache_queries")
         self.prefix_hits = self._counter(f"{p}_prefix_cache_hits")
+        self.kv_evictions = self._counter(f"{p}_kv_blocks_evicted")
+        self.events_dropped = self._counter(f"{p}_execution_events_dropped")
         self.rpc_started = self._counter("grpc_server_started", *GRPC_LABELS)
         self.rpc_handled = self._counter("grpc_server_handled", *GRPC_LABELS, "grpc_code")
         self.batch_size = self._histogram(f"{p}_batch_size", BATCH_SIZE_BUCKETS)
@@ -213,6 +235,11 @@ class Metrics:
             self.deferrals.labels(reason)
         for mode in PREEMPTION_MODES:
             self.preemptions.labels(mode)
+        for origin in REQUEST_ORIGINS:
+            self.admission_probes.labels(origin)
+        for call in COMPLETION_CALLS:
+            for work in COMPLETION_WORK:
+                self.completion_work.labels(call, work)
         for part in MEMORY_PARTS:
             self.memory_plan.labels(part)
 
@@ -280,6 +307,24 @@ class Metrics:
 
     def record_preemption(self, mode: str, count: int = 1) -> None:
         self.preemptions.labels(_check(mode, PREEMPTION_MODES, "preemption mode")).inc(count)
+
+    def record_admission_probe(self, origin: str) -> None:
+        self.admission_probes.labels(_check(origin, REQUEST_ORIGINS, "request origin")).inc()
+
+    def record_completion_work(self, call: str, work: str) -> None:
+        self.completion_work.labels(
+            _check(call, COMPLETION_CALLS, "completion call"),
+            _check(work, COMPLETION_WORK, "completion work"),
+        ).inc()
+
+    def record_evictions(self, count: int) -> None:
+        self.kv_evictions.inc(count)
+
+    def record_events_dropped(self, count: int) -> None:
+        self.events_dropped.inc(count)
+
+    def set_faulted(self, faulted: bool) -> None:
+        self.faulted.set(1 if faulted else 0)
 
     def record_caches_expired(self, count: int) -> None:
         self.caches_expired.inc(count)

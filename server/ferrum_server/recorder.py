@@ -1,18 +1,50 @@
 """Accounting of what the engine did: step counters for GetStatus/GetMetrics, and the Prometheus
 metrics. The engine and the capacity manager report to one Recorder given at construction.
 
-Engine thread only, like everything it is told about.
+Engine thread only, like everything it is told about; GetMetrics and GetStatus read the counters
+and the latency windows from the event loop (single writes of ints and floats, which the loop
+sees whole).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ferrum_server.domain import CapacityDeferral, CapacityUnit, ItemKind, StepItem
 from ferrum_server.kv.manager import Cache, KvManager
 from ferrum_server.metrics import Metrics
+
+# Steps of each kind the p95 latencies of GetMetrics are taken over (the most recent ones).
+LATENCY_WINDOW_STEPS = 1024
+
+
+class LatencyWindow:
+    """The latencies (ms) of the last `size` steps of one kind, in a fixed ring: adding is one
+    store, and a percentile sorts at most `size` floats when GetMetrics asks."""
+
+    def __init__(self, size: int = LATENCY_WINDOW_STEPS) -> None:
+        self.size = size
+        self._values = [0.0] * size
+        self._count = 0
+        self._next = 0
+
+    def add(self, ms: float) -> None:
+        self._values[self._next] = ms
+        self._next = (self._next + 1) % self.size
+        self._count = min(self._count + 1, self.size)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def percentile(self, fraction: float) -> float:
+        """Nearest-rank percentile (fraction in (0, 1]) of the window; 0.0 when empty."""
+        values = sorted(self._values[: self._count])  # one slice: a consistent copy
+        if not values:
+            return 0.0
+        return values[max(0, math.ceil(fraction * len(values)) - 1)]
 
 
 @dataclass(slots=True)
@@ -25,8 +57,14 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     items: int = 0
+    # Items of the last step that ran (of the running one once it ends).
     current_batch_size: int = 0
+    # Items of the step running now; 0 when idle (read by GetStatus on the event loop).
+    running_items: int = 0
     graph_steps: int = 0  # decode steps replayed from a CUDA graph
+    # Latest prefill-carrying and decode-only step latencies, for GetMetrics' p95.
+    prefill_window: LatencyWindow = field(default_factory=LatencyWindow, compare=False)
+    decode_window: LatencyWindow = field(default_factory=LatencyWindow, compare=False)
 
 
 class Recorder:
@@ -34,6 +72,16 @@ class Recorder:
         self.stats = EngineStats()
         # Its own registry (never the process-global one), so engines in one process never clash.
         self.metrics = metrics if metrics is not None else Metrics()
+        self._evictions_seen = 0
+
+    def begin(self, num_items: int) -> None:
+        """A step (or warmup forward) of num_items items starts: GetStatus reports BUSY."""
+        self.stats.running_items = num_items
+
+    def end(self, num_items: int) -> None:
+        """It ended (ran, deferred or failed): its size stays the current batch size."""
+        self.stats.current_batch_size = num_items
+        self.stats.running_items = 0
 
     def forward(self, items: Sequence[StepItem], elapsed_ns: int, graphed: bool) -> None:
         """Count one forward: elapsed_ns covers forward plus sampling; graphed when it replayed
@@ -47,9 +95,11 @@ class Recorder:
         if prefill:
             stats.prefill_steps += 1
             stats.prefill_time_ns += elapsed_ns
+            stats.prefill_window.add(elapsed_ns / 1e6)
         else:
             stats.decode_steps += 1
             stats.decode_time_ns += elapsed_ns
+            stats.decode_window.add(elapsed_ns / 1e6)
         stats.graph_steps += int(graphed)
 
     def step(
@@ -96,6 +146,9 @@ class Recorder:
         """Refresh the KV and cache gauges from the pool as it is now."""
         pool = kv.pool
         self.metrics.set_kv(pool.num_blocks, pool.num_used, pool.num_cached)
+        if pool.num_evictions > self._evictions_seen:
+            self.metrics.record_evictions(pool.num_evictions - self._evictions_seen)
+            self._evictions_seen = pool.num_evictions
         waiting = sum(1 for c in kv.caches.values() if c.pending_admission)
         self.metrics.set_sequences(len(kv.caches) - waiting, waiting)
         self.metrics.update_device_memory()

@@ -18,7 +18,7 @@ from ferrum_kernels.backend import KernelBackend, select_backend
 from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors
 
 from ferrum_server.cuda_graphs import DecodeGraphs
-from ferrum_server.domain import ItemKind, OutputPolicy, StepItem
+from ferrum_server.domain import ItemKind, OutputPolicy, PenaltyScope, StepItem
 from ferrum_server.kv.manager import Cache
 from ferrum_server.models import LlamaForCausalLM
 
@@ -165,6 +165,7 @@ class ModelRunner:
             offsets=[position for _, _, position in row_items],
             repetition_penalty=[p.repetition_penalty or 1.0 for p in params],
             penalty_ids=_penalty_context(row_items) if penalised else None,
+            penalty_start=_penalty_start(row_items) if penalised else None,
             token_mask_bits=[p.token_mask or None for p in params] if masked else None,
             num_logprobs=max(p.num_logprobs for p in params),
             vocab_size=self.vocab_size,
@@ -174,7 +175,8 @@ class ModelRunner:
 
 
 def _penalty_context(row_items: list[tuple[StepItem, Cache, int]]) -> list[list[int]]:
-    """HF convention: the penalty covers every context token up to the sampled position."""
+    """Every context token up to the sampled position (HF convention); `_penalty_start` says
+    where each row's scope begins within it."""
     context: list[list[int]] = []
     for item, cache, position in row_items:
         if item.sampling.repetition_penalty in (0.0, 1.0):
@@ -184,6 +186,17 @@ def _penalty_context(row_items: list[tuple[StepItem, Cache, int]]) -> list[list[
         upto = position - item.position
         context.append(cache.token_ids + item.token_ids[:upto])
     return context
+
+
+def _penalty_start(row_items: list[tuple[StepItem, Cache, int]]) -> list[int]:
+    """Where each row's penalty scope starts in its context: 0 (prompt and outputs), or the end
+    of the product prompt (outputs only; a cache's first chunk has not recorded it yet)."""
+    return [
+        (cache.prompt_tokens or item.total_prompt_tokens)
+        if item.sampling.penalty_scope == PenaltyScope.OUTPUTS_ONLY
+        else 0
+        for item, cache, _ in row_items
+    ]
 
 
 _M_TRIM_THRESHOLD = -1

@@ -45,6 +45,9 @@ _READ_METHODS = frozenset(
         "WaitForCapacityChange",
         "WatchCapacity",
         "ListReleaseSources",
+        "GetResourceSnapshot",
+        "GetCacheMetrics",
+        "WatchExecutionEvents",
     )
 )
 _LOG = logs.get(__name__)

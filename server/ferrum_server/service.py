@@ -37,6 +37,7 @@ from ferrum_server.errors import (
     INTERNAL_MESSAGE,
     REASON_METADATA,
     ExecutorError,
+    ExecutorFaulted,
     InvalidArgument,
     Unavailable,
     public_message,
@@ -191,6 +192,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._streams: set[asyncio.Queue[Any]] = set()
 
     def _require_ready(self) -> None:
+        if self.engine.fault is not None:
+            raise ExecutorFaulted(
+                f"the executor faulted ({self.engine.fault}) and runs nothing more; restart it"
+            )
         if not self.accepting:
             raise Unavailable("the executor is not serving (warming up or draining)")
 
@@ -242,8 +247,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     @_maps_errors
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         accepting = self.accepting
+        # Read now, on the loop: the engine-thread read below waits for the running step.
+        running = self.engine.stats.running_items
         status = await self.engine.call(descriptions.status_of, self.engine)
-        return descriptions.status_response(self.engine, status, accepting)
+        return descriptions.status_response(self.engine, status, accepting, running)
 
     @_maps_errors
     async def GetMetrics(
@@ -522,14 +529,16 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.CompleteCacheRequest, ticket: Ticket[Any]
     ) -> pb.CompleteCacheResponse:
         engine = self.engine
-        result = await engine.run(
+        result, work = await engine.run(
             ticket,
-            engine.complete,
+            engine.complete_observed,
             request.request_id,
             request.cache_id,
+            request.input_tokens,
+            request.output_tokens,
             request.executor_instance_id,
         )
-        return convert.complete_response(result, engine.kv.clock.snapshot())
+        return convert.complete_response(result, engine.kv.clock.snapshot(), work)
 
     # -- capacity protocol ----------------------------------------------------------------
 
@@ -539,6 +548,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     ) -> pb.TryAdmitPrefillResponse:
         self._require_ready()
         engine = self.engine
+        origin = convert.request_origin_from_pb(request.request_origin)
 
         def release_admitted(decision: Decision) -> None:
             if isinstance(decision, Admitted):
@@ -553,6 +563,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             request.product_prompt_tokens,
             request.replayed_output_tokens,
             request.executor_instance_id,
+            origin,
             on_orphan=release_admitted,
         )
         return convert.decision_to_pb(decision, self.notifier.state, engine.kv)
@@ -561,12 +572,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def CancelPrefillAdmission(
         self, request: pb.CancelPrefillAdmissionRequest, context: Any
     ) -> pb.CancelPrefillAdmissionResponse:
-        released = await self.engine.call(
-            self.engine.capacity.cancel_admission,
+        released, work = await self.engine.call(
+            self.engine.cancel_admission_observed,
             request.request_id,
             request.executor_instance_id,
         )
-        return pb.CancelPrefillAdmissionResponse(released=released)
+        return convert.cancel_response(released, work)
 
     @_maps_errors
     async def MaintainPrefillBacking(
@@ -596,7 +607,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         engine = self.engine
         usage = await engine.call(engine.kv.usage)
         return convert.capacity_snapshot_response(
-            self.notifier.state, usage, engine.kv, engine.config
+            self.notifier.state, usage, engine.kv, engine.config, engine.fault is not None
         )
 
     @_maps_errors
@@ -643,10 +654,43 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         mode = convert.preemption_mode_from_pb(request.mode)
         receipt = await self.engine.run(
             ticket,
-            self.engine.capacity.preempt,
+            self.engine.preempt,
             request.request_id,
             request.cache_id,
             mode,
             request.executor_instance_id,
         )
         return convert.receipt_to_pb(receipt)
+
+    # -- snapshots and events -------------------------------------------------------------
+
+    @_maps_errors
+    async def GetResourceSnapshot(
+        self, request: pb.GetResourceSnapshotRequest, context: Any
+    ) -> pb.GetResourceSnapshotResponse:
+        resources = await self.engine.call(descriptions.resources_of, self.engine)
+        return descriptions.resource_snapshot_response(self.engine, resources)
+
+    @_maps_errors
+    async def GetCacheMetrics(
+        self, request: pb.GetCacheMetricsRequest, context: Any
+    ) -> pb.GetCacheMetricsResponse:
+        return descriptions.cache_metrics_of(self.engine)
+
+    async def WatchExecutionEvents(
+        self, request: pb.WatchExecutionEventsRequest, context: Any
+    ) -> AsyncIterator[pb.WatchExecutionEventsResponse]:
+        events = self.engine.events
+        try:
+            subscription = events.subscribe()
+        except ExecutorError as exc:
+            await context.abort(exc.code, public_message(exc))
+        try:
+            yield convert.subscribed_to_pb(
+                subscription.next_sequence, subscription.capacity, self.notifier.state
+            )
+            while True:
+                for event in await subscription.take():
+                    yield convert.execution_event_to_pb(event)
+        finally:
+            events.unsubscribe(subscription)

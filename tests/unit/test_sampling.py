@@ -613,3 +613,60 @@ def test_property_ids_in_range_and_allowed(
     assert torch.isfinite(out.logprobs).all()
     # Same inputs, same outputs.
     assert torch.equal(sample(logits, params).token_ids, ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# Repetition penalty scope (penalty_start)
+# ----------------------------------------------------------------------------------------------
+
+# Row context [4, 1, 2]: prompt [4, 1], one output so far, 2. Penalty 2 (HF convention).
+_SCOPE_LOGITS = [2.0, 1.0, -1.0, 0.5, 3.0]
+_SCOPE_CONTEXT = [4, 1, 2]
+
+
+def scoped_params(starts: list[int]) -> SamplingTensors:
+    """Three greedy rows over the same context and logits, with the given scope starts."""
+    n = len(starts)
+    return build_sampling_tensors(
+        temperature=[0.0] * n,
+        top_k=[0] * n,
+        top_p=[1.0] * n,
+        seeds=[0] * n,
+        offsets=[0] * n,
+        repetition_penalty=[2.0] * n,
+        penalty_ids=[_SCOPE_CONTEXT] * n,
+        token_mask_bits=None,
+        num_logprobs=0,
+        vocab_size=len(_SCOPE_LOGITS),
+        device=CPU,
+        penalty_start=starts,
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_penalty_scope_matches_a_hand_computed_expectation(backend: str) -> None:
+    from ferrum_kernels.backend import select_backend
+
+    # start 0: prompt and outputs -> tokens 4, 1, 2 penalised: [2.0, 0.5, -2.0, 0.5, 1.5] -> 0.
+    # start 2: outputs only -> token 2 penalised: [2.0, 1.0, -2.0, 0.5, 3.0] -> 4.
+    # start 3: outputs only before the first output -> nothing penalised -> 4.
+    params = scoped_params([0, 2, 3])
+    assert params.penalty_mask is not None
+    penalised = _apply_repetition_penalty(
+        torch.tensor([_SCOPE_LOGITS] * 3), params.repetition_penalty, params.penalty_mask
+    )
+    assert penalised.tolist() == [
+        [2.0, 0.5, -2.0, 0.5, 1.5],
+        [2.0, 1.0, -2.0, 0.5, 3.0],
+        [2.0, 1.0, -1.0, 0.5, 3.0],
+    ]
+    kernels = select_backend(CPU, backend)
+    out = kernels.sample(torch.tensor([_SCOPE_LOGITS] * 3), params)
+    assert out.token_ids.tolist() == [0, 4, 4]
+
+
+def test_penalty_scope_that_covers_nothing_builds_no_mask() -> None:
+    params = scoped_params([3, 3])
+    assert params.penalty_mask is None
+    with pytest.raises(ValueError, match="penalty_start"):
+        scoped_params([-1])

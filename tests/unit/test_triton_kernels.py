@@ -715,3 +715,24 @@ def test_engine_decode_graphs_on_triton_match_the_eager_torch_engine(
             assert a == b
         else:
             torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_penalty_scope_matches_a_hand_computed_expectation() -> None:
+    """The scope only changes which ids reach the penalty mask, which the Triton kernel reads:
+    the same hand-computed rows as tests/unit/test_sampling.py."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 3.0]] * 3)
+    params = build_sampling_tensors(
+        temperature=[0.0] * 3,
+        top_k=[0] * 3,
+        top_p=[1.0] * 3,
+        seeds=[0] * 3,
+        offsets=[0] * 3,
+        repetition_penalty=[2.0] * 3,
+        penalty_ids=[[4, 1, 2]] * 3,
+        token_mask_bits=None,
+        num_logprobs=0,
+        vocab_size=5,
+        device="cpu",
+        penalty_start=[0, 2, 3],  # prompt and outputs; outputs only; outputs only, none yet
+    )
+    assert sample_triton(logits, params).token_ids.tolist() == [0, 4, 4]

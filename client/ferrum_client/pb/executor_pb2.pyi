@@ -276,6 +276,38 @@ LOGITS_RETURN_POLICY_FULL_LOGITS: LogitsReturnPolicy.ValueType  # 2
 """The executor returns the full float32 logits row and selects nothing."""
 Global___LogitsReturnPolicy: _TypeAlias = LogitsReturnPolicy  # noqa: Y015
 
+class _RepetitionPenaltyScope:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RepetitionPenaltyScopeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RepetitionPenaltyScope.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPETITION_PENALTY_SCOPE_UNSPECIFIED: _RepetitionPenaltyScope.ValueType  # 0
+    """Same as PROMPT_AND_OUTPUTS (the default)."""
+    REPETITION_PENALTY_SCOPE_PROMPT_AND_OUTPUTS: _RepetitionPenaltyScope.ValueType  # 1
+    """Every context token before the sampled position: prompt and outputs (HF / vLLM convention)."""
+    REPETITION_PENALTY_SCOPE_OUTPUTS_ONLY: _RepetitionPenaltyScope.ValueType  # 2
+    """Only tokens after the product prompt: the outputs so far (ferrum's engine convention).
+    The prompt ends at TryAdmitPrefill's product_prompt_tokens, so outputs replayed after a
+    preemption still count as outputs; for a cache opened without admission it ends at the
+    first chunk's total_prompt_tokens.
+    """
+
+class RepetitionPenaltyScope(_RepetitionPenaltyScope, metaclass=_RepetitionPenaltyScopeEnumTypeWrapper):
+    """Which tokens a repetition penalty covers."""
+
+REPETITION_PENALTY_SCOPE_UNSPECIFIED: RepetitionPenaltyScope.ValueType  # 0
+"""Same as PROMPT_AND_OUTPUTS (the default)."""
+REPETITION_PENALTY_SCOPE_PROMPT_AND_OUTPUTS: RepetitionPenaltyScope.ValueType  # 1
+"""Every context token before the sampled position: prompt and outputs (HF / vLLM convention)."""
+REPETITION_PENALTY_SCOPE_OUTPUTS_ONLY: RepetitionPenaltyScope.ValueType  # 2
+"""Only tokens after the product prompt: the outputs so far (ferrum's engine convention).
+The prompt ends at TryAdmitPrefill's product_prompt_tokens, so outputs replayed after a
+preemption still count as outputs; for a cache opened without admission it ends at the
+first chunk's total_prompt_tokens.
+"""
+Global___RepetitionPenaltyScope: _TypeAlias = RepetitionPenaltyScope  # noqa: Y015
+
 class _ItemKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -364,6 +396,30 @@ The step ran, or may have; it is never run again under this id. Re-read the stat
 ListReleaseSources) before going on.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
+
+class _CompletionWorkKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CompletionWorkKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CompletionWorkKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COMPLETION_WORK_KIND_UNSPECIFIED: _CompletionWorkKind.ValueType  # 0
+    """Unknown (never answered by this executor; the seed's default)."""
+    COMPLETION_WORK_KIND_NO_ADDITIONAL_WORK: _CompletionWorkKind.ValueType  # 1
+    """Proven: nothing on the device touches the cache after the call."""
+    COMPLETION_WORK_KIND_ADDITIONAL_OR_UNPROVEN: _CompletionWorkKind.ValueType  # 2
+    """Work may follow, or its absence cannot be proven; the flags say why."""
+
+class CompletionWorkKind(_CompletionWorkKind, metaclass=_CompletionWorkKindEnumTypeWrapper):
+    """What kind of work a completion or an admission cancellation leaves behind."""
+
+COMPLETION_WORK_KIND_UNSPECIFIED: CompletionWorkKind.ValueType  # 0
+"""Unknown (never answered by this executor; the seed's default)."""
+COMPLETION_WORK_KIND_NO_ADDITIONAL_WORK: CompletionWorkKind.ValueType  # 1
+"""Proven: nothing on the device touches the cache after the call."""
+COMPLETION_WORK_KIND_ADDITIONAL_OR_UNPROVEN: CompletionWorkKind.ValueType  # 2
+"""Work may follow, or its absence cannot be proven; the flags say why."""
+Global___CompletionWorkKind: _TypeAlias = CompletionWorkKind  # noqa: Y015
 
 class _CapacitySource:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -619,6 +675,73 @@ PREEMPTION_MODE_SWAP: PreemptionMode.ValueType  # 2
 """Copy KV to host memory; the victim resumes without recompute."""
 Global___PreemptionMode: _TypeAlias = PreemptionMode  # noqa: Y015
 
+class _ResourceDomainKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ResourceDomainKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ResourceDomainKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RESOURCE_DOMAIN_KIND_UNSPECIFIED: _ResourceDomainKind.ValueType  # 0
+    RESOURCE_DOMAIN_KIND_DEVICE_KV: _ResourceDomainKind.ValueType  # 1
+    """The paged KV pool on the device (domain 0)."""
+    RESOURCE_DOMAIN_KIND_HOST_SWAP: _ResourceDomainKind.ValueType  # 2
+    """Host memory holding swapped-out KV (domain 1; present only with --swap-space-bytes)."""
+
+class ResourceDomainKind(_ResourceDomainKind, metaclass=_ResourceDomainKindEnumTypeWrapper):
+    """---------------------------------------------------------------------------------------------
+    Resource snapshot, cache metrics, execution events
+    ---------------------------------------------------------------------------------------------
+
+    Kind of a resource domain.
+    """
+
+RESOURCE_DOMAIN_KIND_UNSPECIFIED: ResourceDomainKind.ValueType  # 0
+RESOURCE_DOMAIN_KIND_DEVICE_KV: ResourceDomainKind.ValueType  # 1
+"""The paged KV pool on the device (domain 0)."""
+RESOURCE_DOMAIN_KIND_HOST_SWAP: ResourceDomainKind.ValueType  # 2
+"""Host memory holding swapped-out KV (domain 1; present only with --swap-space-bytes)."""
+Global___ResourceDomainKind: _TypeAlias = ResourceDomainKind  # noqa: Y015
+
+class _CacheReleaseReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CacheReleaseReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CacheReleaseReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CACHE_RELEASE_REASON_UNSPECIFIED: _CacheReleaseReason.ValueType  # 0
+    CACHE_RELEASE_REASON_RELEASED: _CacheReleaseReason.ValueType  # 1
+    """ReleaseCache."""
+    CACHE_RELEASE_REASON_EXPIRED: _CacheReleaseReason.ValueType  # 2
+    """No call named it for the cache lease."""
+    CACHE_RELEASE_REASON_CANCELLED: _CacheReleaseReason.ValueType  # 3
+    """CancelPrefillAdmission."""
+    CACHE_RELEASE_REASON_ABANDONED: _CacheReleaseReason.ValueType  # 4
+    """Its caller went away (stream lost, or left before learning a cache its step opened)."""
+    CACHE_RELEASE_REASON_FAILED: _CacheReleaseReason.ValueType  # 5
+    """The item that opened it failed in the forward."""
+    CACHE_RELEASE_REASON_DRAINED: _CacheReleaseReason.ValueType  # 6
+    """The executor drained."""
+
+class CacheReleaseReason(_CacheReleaseReason, metaclass=_CacheReleaseReasonEnumTypeWrapper):
+    """Why a cache incarnation ended (other than completion and preemption, which have events of
+    their own).
+    """
+
+CACHE_RELEASE_REASON_UNSPECIFIED: CacheReleaseReason.ValueType  # 0
+CACHE_RELEASE_REASON_RELEASED: CacheReleaseReason.ValueType  # 1
+"""ReleaseCache."""
+CACHE_RELEASE_REASON_EXPIRED: CacheReleaseReason.ValueType  # 2
+"""No call named it for the cache lease."""
+CACHE_RELEASE_REASON_CANCELLED: CacheReleaseReason.ValueType  # 3
+"""CancelPrefillAdmission."""
+CACHE_RELEASE_REASON_ABANDONED: CacheReleaseReason.ValueType  # 4
+"""Its caller went away (stream lost, or left before learning a cache its step opened)."""
+CACHE_RELEASE_REASON_FAILED: CacheReleaseReason.ValueType  # 5
+"""The item that opened it failed in the forward."""
+CACHE_RELEASE_REASON_DRAINED: CacheReleaseReason.ValueType  # 6
+"""The executor drained."""
+Global___CacheReleaseReason: _TypeAlias = CacheReleaseReason  # noqa: Y015
+
 @_typing.final
 class Device(_message.Message):
     """A device: kind plus ordinal (0 for CPU)."""
@@ -851,6 +974,7 @@ class ExecutorCapabilities(_message.Message):
     MEMORY_PLAN_FIELD_NUMBER: _builtins.int
     CUDA_GRAPH_BATCH_SIZES_FIELD_NUMBER: _builtins.int
     CACHE_LEASE_MS_FIELD_NUMBER: _builtins.int
+    KV_CAPACITY_FIELD_NUMBER: _builtins.int
     max_batch_size: _builtins.int
     """Most sequences in one forward."""
     max_sequence_length: _builtins.int
@@ -882,6 +1006,10 @@ class ExecutorCapabilities(_message.Message):
     cache_lease_ms: _builtins.int
     """Cache lease, ms: a cache that no call names for this long is released (expired); 0 = no
     lease. Any call naming a cache renews it, and RenewCacheLease renews without a step.
+    """
+    kv_capacity: _builtins.int
+    """Most tokens one sequence's KV can ever hold: min(max_sequence_length, KV pool blocks x
+    block_size). A request whose context could outgrow it can never complete here.
     """
     @_builtins.property
     def attention_mechanisms(self) -> _containers.RepeatedScalarFieldContainer[Global___AttentionType.ValueType]:
@@ -939,10 +1067,11 @@ class ExecutorCapabilities(_message.Message):
         memory_plan: Global___MemoryPlan | None = ...,
         cuda_graph_batch_sizes: _abc.Iterable[_builtins.int] | None = ...,
         cache_lease_ms: _builtins.int = ...,
+        kv_capacity: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cache_lease_ms", b"cache_lease_ms", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cache_lease_ms", b"cache_lease_ms", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "kv_capacity", b"kv_capacity", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1310,7 +1439,7 @@ class ExecutorStatus(_message.Message):
     is_ready: _builtins.bool
     """Warmed up and accepting work."""
     current_batch_size: _builtins.int
-    """Items in the step running now (0 when idle)."""
+    """Items in the step running now; when idle, items in the last step that ran (0 before any)."""
     prefill_operations: _builtins.int
     """Steps that ran at least one prefill chunk."""
     decode_operations: _builtins.int
@@ -1655,7 +1784,9 @@ class WarmupResponse(_message.Message):
     max_supported_total_tokens: _builtins.int
     """Most tokens the pool can hold at once."""
     peak_activation_bytes: _builtins.int
-    """Peak device activation memory of the forward, bytes (0 on CPU)."""
+    """Peak device activation memory of the largest step, bytes, as measured at start-up
+    (MemoryPlan.activation_peak_bytes; 0 on CPU, where it is not measured). Not this forward's.
+    """
     @_builtins.property
     def deferred(self) -> Global___ExecutionDeferral:
         """Set when nothing ran: every KV block is held by a live sequence (the warmup forward needs
@@ -1695,6 +1826,7 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     NUM_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOKEN_MASK_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_SCOPE_FIELD_NUMBER: _builtins.int
     logits_return_policy: Global___LogitsReturnPolicy.ValueType
     """Output policy."""
     temperature: _builtins.float
@@ -1717,6 +1849,8 @@ class SamplingParams(_message.Message):
     """Allowed-token bitset, LSB first (bit i % 8 of byte i / 8 is token i), exactly
     ceil(vocab_size / 8) bytes; empty = every token allowed. Must allow at least one token.
     """
+    repetition_penalty_scope: Global___RepetitionPenaltyScope.ValueType
+    """Tokens the repetition penalty covers; UNSPECIFIED = prompt and outputs."""
     def __init__(
         self,
         *,
@@ -1728,10 +1862,11 @@ class SamplingParams(_message.Message):
         repetition_penalty: _builtins.float = ...,
         num_logprobs: _builtins.int = ...,
         token_mask: _builtins.bytes = ...,
+        repetition_penalty_scope: Global___RepetitionPenaltyScope.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logits_return_policy", b"logits_return_policy", "num_logprobs", b"num_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "token_mask", b"token_mask", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logits_return_policy", b"logits_return_policy", "num_logprobs", b"num_logprobs", "repetition_penalty", b"repetition_penalty", "repetition_penalty_scope", b"repetition_penalty_scope", "seed", b"seed", "temperature", b"temperature", "token_mask", b"token_mask", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1741,7 +1876,7 @@ Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 class SamplingColumns(_message.Message):
     """Sampling parameters of a batch, columnar. Each column is empty (the default for every item)
     or has exactly one entry per item. Defaults: SELECTED_TOKEN, greedy, no top-k/top-p,
-    seed 0, no penalty, no log-probabilities, no mask.
+    seed 0, no penalty (scope: prompt and outputs), no log-probabilities, no mask.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1754,6 +1889,7 @@ class SamplingColumns(_message.Message):
     REPETITION_PENALTIES_FIELD_NUMBER: _builtins.int
     NUM_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOKEN_MASKS_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_SCOPES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def logits_return_policies(self) -> _containers.RepeatedScalarFieldContainer[Global___LogitsReturnPolicy.ValueType]:
         """Per-item output policy."""
@@ -1786,6 +1922,10 @@ class SamplingColumns(_message.Message):
     def token_masks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Per-item allowed-token bitset (empty bytes = no mask for that item)."""
 
+    @_builtins.property
+    def repetition_penalty_scopes(self) -> _containers.RepeatedScalarFieldContainer[Global___RepetitionPenaltyScope.ValueType]:
+        """Per-item repetition penalty scope (UNSPECIFIED = prompt and outputs)."""
+
     def __init__(
         self,
         *,
@@ -1797,10 +1937,11 @@ class SamplingColumns(_message.Message):
         repetition_penalties: _abc.Iterable[_builtins.float] | None = ...,
         num_logprobs: _abc.Iterable[_builtins.int] | None = ...,
         token_masks: _abc.Iterable[_builtins.bytes] | None = ...,
+        repetition_penalty_scopes: _abc.Iterable[Global___RepetitionPenaltyScope.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logits_return_policies", b"logits_return_policies", "num_logprobs", b"num_logprobs", "repetition_penalties", b"repetition_penalties", "seeds", b"seeds", "temperatures", b"temperatures", "token_masks", b"token_masks", "top_ks", b"top_ks", "top_ps", b"top_ps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logits_return_policies", b"logits_return_policies", "num_logprobs", b"num_logprobs", "repetition_penalties", b"repetition_penalties", "repetition_penalty_scopes", b"repetition_penalty_scopes", "seeds", b"seeds", "temperatures", b"temperatures", "token_masks", b"token_masks", "top_ks", b"top_ks", "top_ps", b"top_ps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3313,6 +3454,7 @@ class CompleteCacheResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _builtins.int
     BLOCKS_FREED_FIELD_NUMBER: _builtins.int
     EPOCHS_FIELD_NUMBER: _builtins.int
+    WORK_FIELD_NUMBER: _builtins.int
     released: _builtins.bool
     """False when the incarnation was already completed or released (idempotent repeat)."""
     blocks_freed: _builtins.int
@@ -3321,20 +3463,69 @@ class CompleteCacheResponse(_message.Message):
     def epochs(self) -> Global___AdmissionEpochs:
         """Epochs after the release."""
 
+    @_builtins.property
+    def work(self) -> Global___CompletionWork:
+        """Whether more work on the cache may follow this completion."""
+
     def __init__(
         self,
         *,
         released: _builtins.bool = ...,
         blocks_freed: _builtins.int = ...,
         epochs: Global___AdmissionEpochs | None = ...,
+        work: Global___CompletionWork | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["epochs", b"epochs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["epochs", b"epochs", "work", b"work"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_freed", b"blocks_freed", "epochs", b"epochs", "released", b"released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_freed", b"blocks_freed", "epochs", b"epochs", "released", b"released", "work", b"work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompleteCacheResponse: _TypeAlias = CompleteCacheResponse  # noqa: Y015
+
+@_typing.final
+class CompletionWork(_message.Message):
+    """Observation of the work a CompleteCache or CancelPrefillAdmission call performed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_SUBMITTED_FIELD_NUMBER: _builtins.int
+    SUBMISSION_INDETERMINATE_FIELD_NUMBER: _builtins.int
+    MAINTENANCE_ENTERED_FIELD_NUMBER: _builtins.int
+    RECOVERY_ENTERED_FIELD_NUMBER: _builtins.int
+    EVIDENCE_LOST_FIELD_NUMBER: _builtins.int
+    kind: Global___CompletionWorkKind.ValueType
+    """Kind."""
+    checkpoint_submitted: _builtins.int
+    """Checkpoints submitted that may still run (always 0 here: nothing is checkpointed)."""
+    submission_indeterminate: _builtins.bool
+    """A forward failed after it may have been submitted (the executor faulted): whether device
+    work touched the cache afterwards cannot be proven.
+    """
+    maintenance_entered: _builtins.bool
+    """Backing maintenance ran during the call (never here: the KV pool never grows)."""
+    recovery_entered: _builtins.bool
+    """Recovery ran during the call (never here)."""
+    evidence_lost: _builtins.bool
+    """The executor lost the evidence of what ran (never here)."""
+    def __init__(
+        self,
+        *,
+        kind: Global___CompletionWorkKind.ValueType = ...,
+        checkpoint_submitted: _builtins.int = ...,
+        submission_indeterminate: _builtins.bool = ...,
+        maintenance_entered: _builtins.bool = ...,
+        recovery_entered: _builtins.bool = ...,
+        evidence_lost: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_submitted", b"checkpoint_submitted", "evidence_lost", b"evidence_lost", "kind", b"kind", "maintenance_entered", b"maintenance_entered", "recovery_entered", b"recovery_entered", "submission_indeterminate", b"submission_indeterminate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompletionWork: _TypeAlias = CompletionWork  # noqa: Y015
 
 @_typing.final
 class AdmissionEpochs(_message.Message):
@@ -3971,16 +4162,22 @@ class CancelPrefillAdmissionResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RELEASED_FIELD_NUMBER: _builtins.int
+    WORK_FIELD_NUMBER: _builtins.int
     released: _builtins.bool
     """True only if something was released."""
+    @_builtins.property
+    def work(self) -> Global___CompletionWork:
+        """Whether more work on the released admission may follow."""
+
     def __init__(
         self,
         *,
         released: _builtins.bool = ...,
+        work: Global___CompletionWork | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["work", b"work"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released", "work", b"work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -5064,3 +5261,647 @@ class PreemptionReceipt(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PreemptionReceipt: _TypeAlias = PreemptionReceipt  # noqa: Y015
+
+@_typing.final
+class ResourceDomainSnapshot(_message.Message):
+    """Blocks and bytes of one resource domain."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DOMAIN_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    USED_BLOCKS_FIELD_NUMBER: _builtins.int
+    RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    domain: _builtins.int
+    """Domain id (0 = device KV pool, 1 = host swap)."""
+    kind: Global___ResourceDomainKind.ValueType
+    """Kind."""
+    block_size: _builtins.int
+    """Tokens per block."""
+    block_bytes: _builtins.int
+    """Bytes per block."""
+    total_blocks: _builtins.int
+    """Blocks in the domain."""
+    free_blocks: _builtins.int
+    """Blocks neither held nor cached."""
+    cached_blocks: _builtins.int
+    """Unreferenced blocks kept for prefix reuse (evictable; device KV only)."""
+    used_blocks: _builtins.int
+    """Blocks held (device: by live caches; host: by swapped-out sequences)."""
+    reserved_blocks: _builtins.int
+    """Held blocks past the committed tokens (admitted or reserved, not yet written)."""
+    total_bytes: _builtins.int
+    """Bytes of the domain (total_blocks x block_bytes; host: the swap space)."""
+    used_bytes: _builtins.int
+    """Bytes held (used_blocks x block_bytes)."""
+    def __init__(
+        self,
+        *,
+        domain: _builtins.int = ...,
+        kind: Global___ResourceDomainKind.ValueType = ...,
+        block_size: _builtins.int = ...,
+        block_bytes: _builtins.int = ...,
+        total_blocks: _builtins.int = ...,
+        free_blocks: _builtins.int = ...,
+        cached_blocks: _builtins.int = ...,
+        used_blocks: _builtins.int = ...,
+        reserved_blocks: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_size", b"block_size", "cached_blocks", b"cached_blocks", "domain", b"domain", "free_blocks", b"free_blocks", "kind", b"kind", "reserved_blocks", b"reserved_blocks", "total_blocks", b"total_blocks", "total_bytes", b"total_bytes", "used_blocks", b"used_blocks", "used_bytes", b"used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResourceDomainSnapshot: _TypeAlias = ResourceDomainSnapshot  # noqa: Y015
+
+@_typing.final
+class SequenceSlotSnapshot(_message.Message):
+    """Sequence slots (the active-sequence ceiling)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_FIELD_NUMBER: _builtins.int
+    USED_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
+    PENDING_ADMISSION_FIELD_NUMBER: _builtins.int
+    total: _builtins.int
+    """Slots (maximum_active_sequences)."""
+    used: _builtins.int
+    """Slots held by live caches (admitted ones included)."""
+    free: _builtins.int
+    """Slots free."""
+    pending_admission: _builtins.int
+    """Of the used slots, those held by admissions whose first chunk has not run."""
+    def __init__(
+        self,
+        *,
+        total: _builtins.int = ...,
+        used: _builtins.int = ...,
+        free: _builtins.int = ...,
+        pending_admission: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free", b"free", "pending_admission", b"pending_admission", "total", b"total", "used", b"used"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SequenceSlotSnapshot: _TypeAlias = SequenceSlotSnapshot  # noqa: Y015
+
+@_typing.final
+class PlanRuntimeResourceSnapshot(_message.Message):
+    """Point-in-time memory evidence of the plan runtime, in bytes. Invariants: usable <= device,
+    process_claimed <= usable, plan_claimed <= process_claimed, dynamic_free <= dynamic_resident,
+    static + dynamic_resident + quarantined <= plan_claimed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    USABLE_CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    PROCESS_CLAIMED_BYTES_FIELD_NUMBER: _builtins.int
+    PLAN_CLAIMED_BYTES_FIELD_NUMBER: _builtins.int
+    STATIC_BYTES_FIELD_NUMBER: _builtins.int
+    DYNAMIC_RESIDENT_BYTES_FIELD_NUMBER: _builtins.int
+    DYNAMIC_FREE_BYTES_FIELD_NUMBER: _builtins.int
+    PENDING_GROWTH_BYTES_FIELD_NUMBER: _builtins.int
+    QUARANTINED_BYTES_FIELD_NUMBER: _builtins.int
+    DOMAINS_FIELD_NUMBER: _builtins.int
+    SEQUENCE_SLOTS_FIELD_NUMBER: _builtins.int
+    EPOCHS_FIELD_NUMBER: _builtins.int
+    device_capacity_bytes: _builtins.int
+    """Physical device memory (CUDA) or host memory (CPU)."""
+    usable_capacity_bytes: _builtins.int
+    """The share the plan may use (device x utilization)."""
+    process_claimed_bytes: _builtins.int
+    """Claims of all plans in the process (one plan per process: equal to plan_claimed_bytes)."""
+    plan_claimed_bytes: _builtins.int
+    """This plan's claim: static + dynamic_resident."""
+    static_bytes: _builtins.int
+    """Weights and CUDA graph memory (the larger of its reservation and its measured size)."""
+    dynamic_resident_bytes: _builtins.int
+    """Resident dynamic pools: the KV pool plus the measured activation peak (0 on CPU)."""
+    dynamic_free_bytes: _builtins.int
+    """Of dynamic_resident, KV blocks free or evictable now."""
+    pending_growth_bytes: _builtins.int
+    """Growth in flight (always 0: the pools are allocated whole at start-up)."""
+    quarantined_bytes: _builtins.int
+    """Memory not reusable (always 0)."""
+    @_builtins.property
+    def domains(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResourceDomainSnapshot]:
+        """Per domain: device KV, and host swap when configured."""
+
+    @_builtins.property
+    def sequence_slots(self) -> Global___SequenceSlotSnapshot:
+        """Sequence slots."""
+
+    @_builtins.property
+    def epochs(self) -> Global___AdmissionEpochs:
+        """Epochs when read."""
+
+    def __init__(
+        self,
+        *,
+        device_capacity_bytes: _builtins.int = ...,
+        usable_capacity_bytes: _builtins.int = ...,
+        process_claimed_bytes: _builtins.int = ...,
+        plan_claimed_bytes: _builtins.int = ...,
+        static_bytes: _builtins.int = ...,
+        dynamic_resident_bytes: _builtins.int = ...,
+        dynamic_free_bytes: _builtins.int = ...,
+        pending_growth_bytes: _builtins.int = ...,
+        quarantined_bytes: _builtins.int = ...,
+        domains: _abc.Iterable[Global___ResourceDomainSnapshot] | None = ...,
+        sequence_slots: Global___SequenceSlotSnapshot | None = ...,
+        epochs: Global___AdmissionEpochs | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["epochs", b"epochs", "sequence_slots", b"sequence_slots"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_capacity_bytes", b"device_capacity_bytes", "domains", b"domains", "dynamic_free_bytes", b"dynamic_free_bytes", "dynamic_resident_bytes", b"dynamic_resident_bytes", "epochs", b"epochs", "pending_growth_bytes", b"pending_growth_bytes", "plan_claimed_bytes", b"plan_claimed_bytes", "process_claimed_bytes", b"process_claimed_bytes", "quarantined_bytes", b"quarantined_bytes", "sequence_slots", b"sequence_slots", "static_bytes", b"static_bytes", "usable_capacity_bytes", b"usable_capacity_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanRuntimeResourceSnapshot: _TypeAlias = PlanRuntimeResourceSnapshot  # noqa: Y015
+
+@_typing.final
+class GetResourceSnapshotRequest(_message.Message):
+    """Request for GetResourceSnapshot."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetResourceSnapshotRequest: _TypeAlias = GetResourceSnapshotRequest  # noqa: Y015
+
+@_typing.final
+class GetResourceSnapshotResponse(_message.Message):
+    """Response of GetResourceSnapshot."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def snapshot(self) -> Global___PlanRuntimeResourceSnapshot:
+        """Snapshot."""
+
+    def __init__(
+        self,
+        *,
+        snapshot: Global___PlanRuntimeResourceSnapshot | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetResourceSnapshotResponse: _TypeAlias = GetResourceSnapshotResponse  # noqa: Y015
+
+@_typing.final
+class CacheMetricsSnapshot(_message.Message):
+    """Prefix-cache counters since start (admissions are the only prefix lookups)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFIX_CACHING_ENABLED_FIELD_NUMBER: _builtins.int
+    LOOKUPS_FIELD_NUMBER: _builtins.int
+    HIT_LOOKUPS_FIELD_NUMBER: _builtins.int
+    QUERY_TOKENS_FIELD_NUMBER: _builtins.int
+    HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    MISS_TOKENS_FIELD_NUMBER: _builtins.int
+    EVICTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    prefix_caching_enabled: _builtins.bool
+    """Prefix caching is on (--prefix-caching)."""
+    lookups: _builtins.int
+    """Admissions that looked their prompt up."""
+    hit_lookups: _builtins.int
+    """Admissions that found at least one full block."""
+    query_tokens: _builtins.int
+    """Prompt tokens looked up."""
+    hit_tokens: _builtins.int
+    """Prompt tokens found (reused without recompute)."""
+    miss_tokens: _builtins.int
+    """Prompt tokens not found (query_tokens - hit_tokens)."""
+    evicted_blocks: _builtins.int
+    """Cached blocks evicted to make room for new ones."""
+    cached_blocks: _builtins.int
+    """Blocks cached (unreferenced, evictable) now."""
+    def __init__(
+        self,
+        *,
+        prefix_caching_enabled: _builtins.bool = ...,
+        lookups: _builtins.int = ...,
+        hit_lookups: _builtins.int = ...,
+        query_tokens: _builtins.int = ...,
+        hit_tokens: _builtins.int = ...,
+        miss_tokens: _builtins.int = ...,
+        evicted_blocks: _builtins.int = ...,
+        cached_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "evicted_blocks", b"evicted_blocks", "hit_lookups", b"hit_lookups", "hit_tokens", b"hit_tokens", "lookups", b"lookups", "miss_tokens", b"miss_tokens", "prefix_caching_enabled", b"prefix_caching_enabled", "query_tokens", b"query_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheMetricsSnapshot: _TypeAlias = CacheMetricsSnapshot  # noqa: Y015
+
+@_typing.final
+class GetCacheMetricsRequest(_message.Message):
+    """Request for GetCacheMetrics."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCacheMetricsRequest: _TypeAlias = GetCacheMetricsRequest  # noqa: Y015
+
+@_typing.final
+class GetCacheMetricsResponse(_message.Message):
+    """Response of GetCacheMetrics."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def snapshot(self) -> Global___CacheMetricsSnapshot:
+        """Snapshot."""
+
+    def __init__(
+        self,
+        *,
+        snapshot: Global___CacheMetricsSnapshot | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCacheMetricsResponse: _TypeAlias = GetCacheMetricsResponse  # noqa: Y015
+
+@_typing.final
+class WatchExecutionEventsRequest(_message.Message):
+    """Subscribe to execution events."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchExecutionEventsRequest: _TypeAlias = WatchExecutionEventsRequest  # noqa: Y015
+
+@_typing.final
+class WatchExecutionEventsResponse(_message.Message):
+    """One message of an execution-event subscription."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> Global___ExecutionEvent:
+        """The event."""
+
+    def __init__(
+        self,
+        *,
+        event: Global___ExecutionEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchExecutionEventsResponse: _TypeAlias = WatchExecutionEventsResponse  # noqa: Y015
+
+@_typing.final
+class EventsSubscribed(_message.Message):
+    """The first message of a subscription."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEXT_SEQUENCE_FIELD_NUMBER: _builtins.int
+    RING_CAPACITY_FIELD_NUMBER: _builtins.int
+    next_sequence: _builtins.int
+    """Sequence number the next event will carry."""
+    ring_capacity: _builtins.int
+    """Capacity of this subscription's ring (events)."""
+    def __init__(
+        self,
+        *,
+        next_sequence: _builtins.int = ...,
+        ring_capacity: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_sequence", b"next_sequence", "ring_capacity", b"ring_capacity"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventsSubscribed: _TypeAlias = EventsSubscribed  # noqa: Y015
+
+@_typing.final
+class EventsDropped(_message.Message):
+    """Events a slow reader missed: the next event's sequence number minus `count` was the first."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    """Events dropped."""
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventsDropped: _TypeAlias = EventsDropped  # noqa: Y015
+
+@_typing.final
+class StepCompletedEvent(_message.Message):
+    """One step ran (forwards that ran nothing for any item are not steps)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_ITEMS_FIELD_NUMBER: _builtins.int
+    RAN_ITEMS_FIELD_NUMBER: _builtins.int
+    DEFERRED_ITEMS_FIELD_NUMBER: _builtins.int
+    FAILED_ITEMS_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    DECODE_TOKENS_FIELD_NUMBER: _builtins.int
+    ELAPSED_NS_FIELD_NUMBER: _builtins.int
+    num_items: _builtins.int
+    """Items in the step."""
+    ran_items: _builtins.int
+    """Items that ran."""
+    deferred_items: _builtins.int
+    """Items deferred (nothing ran for them)."""
+    failed_items: _builtins.int
+    """Items that failed in the forward."""
+    prefill_tokens: _builtins.int
+    """Prompt tokens run."""
+    decode_tokens: _builtins.int
+    """Decode (and verify) tokens run."""
+    elapsed_ns: _builtins.int
+    """Forward plus sampling time, ns."""
+    def __init__(
+        self,
+        *,
+        num_items: _builtins.int = ...,
+        ran_items: _builtins.int = ...,
+        deferred_items: _builtins.int = ...,
+        failed_items: _builtins.int = ...,
+        prefill_tokens: _builtins.int = ...,
+        decode_tokens: _builtins.int = ...,
+        elapsed_ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens", b"decode_tokens", "deferred_items", b"deferred_items", "elapsed_ns", b"elapsed_ns", "failed_items", b"failed_items", "num_items", b"num_items", "prefill_tokens", b"prefill_tokens", "ran_items", b"ran_items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepCompletedEvent: _TypeAlias = StepCompletedEvent  # noqa: Y015
+
+@_typing.final
+class CachePreemptedEvent(_message.Message):
+    """A cache incarnation was preempted."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CACHE_ID_FIELD_NUMBER: _builtins.int
+    AUTHORITY_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    BLOCKS_FREED_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Request id."""
+    cache_id: _builtins.str
+    """Cache id."""
+    authority: Global___PreemptionAuthority.ValueType
+    """Authority retired."""
+    mode: Global___PreemptionMode.ValueType
+    """Mode used."""
+    blocks_freed: _builtins.int
+    """Blocks freed."""
+    num_tokens: _builtins.int
+    """Committed tokens when preempted."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        cache_id: _builtins.str = ...,
+        authority: Global___PreemptionAuthority.ValueType = ...,
+        mode: Global___PreemptionMode.ValueType = ...,
+        blocks_freed: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["authority", b"authority", "blocks_freed", b"blocks_freed", "cache_id", b"cache_id", "mode", b"mode", "num_tokens", b"num_tokens", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachePreemptedEvent: _TypeAlias = CachePreemptedEvent  # noqa: Y015
+
+@_typing.final
+class CacheReleasedEvent(_message.Message):
+    """A cache incarnation was released."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CACHE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    BLOCKS_FREED_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Request id."""
+    cache_id: _builtins.str
+    """Cache id."""
+    reason: Global___CacheReleaseReason.ValueType
+    """Why."""
+    blocks_freed: _builtins.int
+    """Blocks freed."""
+    num_tokens: _builtins.int
+    """Committed tokens when released."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        cache_id: _builtins.str = ...,
+        reason: Global___CacheReleaseReason.ValueType = ...,
+        blocks_freed: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_freed", b"blocks_freed", "cache_id", b"cache_id", "num_tokens", b"num_tokens", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheReleasedEvent: _TypeAlias = CacheReleasedEvent  # noqa: Y015
+
+@_typing.final
+class CacheCompletedEvent(_message.Message):
+    """A sequence completed (CompleteCache) and its cache was released."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CACHE_ID_FIELD_NUMBER: _builtins.int
+    INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    BLOCKS_FREED_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    WORK_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Request id."""
+    cache_id: _builtins.str
+    """Cache id."""
+    input_tokens: _builtins.int
+    """Input tokens counted in usage (as sent)."""
+    output_tokens: _builtins.int
+    """Output tokens counted in usage (as sent)."""
+    blocks_freed: _builtins.int
+    """Blocks freed."""
+    num_tokens: _builtins.int
+    """Committed tokens when completed."""
+    @_builtins.property
+    def work(self) -> Global___CompletionWork:
+        """Whether more work may follow."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        cache_id: _builtins.str = ...,
+        input_tokens: _builtins.int = ...,
+        output_tokens: _builtins.int = ...,
+        blocks_freed: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        work: Global___CompletionWork | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["work", b"work"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_freed", b"blocks_freed", "cache_id", b"cache_id", "input_tokens", b"input_tokens", "num_tokens", b"num_tokens", "output_tokens", b"output_tokens", "request_id", b"request_id", "work", b"work"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheCompletedEvent: _TypeAlias = CacheCompletedEvent  # noqa: Y015
+
+@_typing.final
+class ExecutionEvent(_message.Message):
+    """One execution event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    UNIX_NS_FIELD_NUMBER: _builtins.int
+    EPOCHS_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
+    SUBSCRIBED_FIELD_NUMBER: _builtins.int
+    EVENTS_DROPPED_FIELD_NUMBER: _builtins.int
+    STEP_COMPLETED_FIELD_NUMBER: _builtins.int
+    PREEMPTED_FIELD_NUMBER: _builtins.int
+    RELEASED_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """Per-executor event number: 1, 2, 3, ... (a gap is covered by an EventsDropped marker).
+    0 on `subscribed` and `events_dropped`, which are not events of the executor.
+    """
+    unix_ns: _builtins.int
+    """Wall-clock time the event happened, Unix ns."""
+    @_builtins.property
+    def epochs(self) -> Global___AdmissionEpochs:
+        """Epochs after the event."""
+
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___CapacityAvailabilityEpoch]:
+        """KV and sequence-slot generations after the event, sorted."""
+
+    @_builtins.property
+    def subscribed(self) -> Global___EventsSubscribed:
+        """First message of a subscription."""
+
+    @_builtins.property
+    def events_dropped(self) -> Global___EventsDropped:
+        """This reader fell behind and missed events."""
+
+    @_builtins.property
+    def step_completed(self) -> Global___StepCompletedEvent:
+        """A step ran."""
+
+    @_builtins.property
+    def preempted(self) -> Global___CachePreemptedEvent:
+        """A cache was preempted."""
+
+    @_builtins.property
+    def released(self) -> Global___CacheReleasedEvent:
+        """A cache was released (release, lease expiry, cancellation, ...)."""
+
+    @_builtins.property
+    def completed(self) -> Global___CacheCompletedEvent:
+        """A sequence completed."""
+
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        unix_ns: _builtins.int = ...,
+        epochs: Global___AdmissionEpochs | None = ...,
+        sources: _abc.Iterable[Global___CapacityAvailabilityEpoch] | None = ...,
+        subscribed: Global___EventsSubscribed | None = ...,
+        events_dropped: Global___EventsDropped | None = ...,
+        step_completed: Global___StepCompletedEvent | None = ...,
+        preempted: Global___CachePreemptedEvent | None = ...,
+        released: Global___CacheReleasedEvent | None = ...,
+        completed: Global___CacheCompletedEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "epochs", b"epochs", "event", b"event", "events_dropped", b"events_dropped", "preempted", b"preempted", "released", b"released", "step_completed", b"step_completed", "subscribed", b"subscribed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "epochs", b"epochs", "event", b"event", "events_dropped", b"events_dropped", "preempted", b"preempted", "released", b"released", "sequence", b"sequence", "sources", b"sources", "step_completed", b"step_completed", "subscribed", b"subscribed", "unix_ns", b"unix_ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["subscribed", "events_dropped", "step_completed", "preempted", "released", "completed"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___ExecutionEvent: _TypeAlias = ExecutionEvent  # noqa: Y015

@@ -165,6 +165,21 @@ class ExecutorServiceStub:
                 request_serializer=ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseRequest.SerializeToString,
                 response_deserializer=ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseResponse.FromString,
                 _registered_method=True)
+        self.GetResourceSnapshot = channel.unary_unary(
+                '/ferrum.executor.v1.ExecutorService/GetResourceSnapshot',
+                request_serializer=ferrum__client_dot_pb_dot_executor__pb2.GetResourceSnapshotRequest.SerializeToString,
+                response_deserializer=ferrum__client_dot_pb_dot_executor__pb2.GetResourceSnapshotResponse.FromString,
+                _registered_method=True)
+        self.GetCacheMetrics = channel.unary_unary(
+                '/ferrum.executor.v1.ExecutorService/GetCacheMetrics',
+                request_serializer=ferrum__client_dot_pb_dot_executor__pb2.GetCacheMetricsRequest.SerializeToString,
+                response_deserializer=ferrum__client_dot_pb_dot_executor__pb2.GetCacheMetricsResponse.FromString,
+                _registered_method=True)
+        self.WatchExecutionEvents = channel.unary_stream(
+                '/ferrum.executor.v1.ExecutorService/WatchExecutionEvents',
+                request_serializer=ferrum__client_dot_pb_dot_executor__pb2.WatchExecutionEventsRequest.SerializeToString,
+                response_deserializer=ferrum__client_dot_pb_dot_executor__pb2.WatchExecutionEventsResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -356,6 +371,29 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetResourceSnapshot(self, request, context):
+        """Point-in-time plan-runtime resources: bytes by claim, blocks per domain, sequence slots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCacheMetrics(self, request, context):
+        """Prefix-cache counters since start: lookups, hits, misses, evictions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchExecutionEvents(self, request, context):
+        """A feed of execution events (steps completed, preemptions, releases, completions, lease
+        expiries), each with the epochs after it. Bounded per subscriber: a reader that falls
+        behind gets an `events_dropped` marker instead of unbounded buffering (docs/protocol.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -488,6 +526,21 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.RenewCacheLease,
                     request_deserializer=ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseRequest.FromString,
                     response_serializer=ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseResponse.SerializeToString,
+            ),
+            'GetResourceSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResourceSnapshot,
+                    request_deserializer=ferrum__client_dot_pb_dot_executor__pb2.GetResourceSnapshotRequest.FromString,
+                    response_serializer=ferrum__client_dot_pb_dot_executor__pb2.GetResourceSnapshotResponse.SerializeToString,
+            ),
+            'GetCacheMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCacheMetrics,
+                    request_deserializer=ferrum__client_dot_pb_dot_executor__pb2.GetCacheMetricsRequest.FromString,
+                    response_serializer=ferrum__client_dot_pb_dot_executor__pb2.GetCacheMetricsResponse.SerializeToString,
+            ),
+            'WatchExecutionEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchExecutionEvents,
+                    request_deserializer=ferrum__client_dot_pb_dot_executor__pb2.WatchExecutionEventsRequest.FromString,
+                    response_serializer=ferrum__client_dot_pb_dot_executor__pb2.WatchExecutionEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1193,6 +1246,87 @@ class ExecutorService:
             '/ferrum.executor.v1.ExecutorService/RenewCacheLease',
             ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseRequest.SerializeToString,
             ferrum__client_dot_pb_dot_executor__pb2.RenewCacheLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResourceSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ExecutorService/GetResourceSnapshot',
+            ferrum__client_dot_pb_dot_executor__pb2.GetResourceSnapshotRequest.SerializeToString,
+            ferrum__client_dot_pb_dot_executor__pb2.GetResourceSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCacheMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ExecutorService/GetCacheMetrics',
+            ferrum__client_dot_pb_dot_executor__pb2.GetCacheMetricsRequest.SerializeToString,
+            ferrum__client_dot_pb_dot_executor__pb2.GetCacheMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchExecutionEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferrum.executor.v1.ExecutorService/WatchExecutionEvents',
+            ferrum__client_dot_pb_dot_executor__pb2.WatchExecutionEventsRequest.SerializeToString,
+            ferrum__client_dot_pb_dot_executor__pb2.WatchExecutionEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -118,6 +118,15 @@ class ExecutorServiceStub:
     """Retire one exact request incarnation to free capacity; returns a receipt."""
     RenewCacheLease: _grpc.UnaryUnaryMultiCallable[_executor_pb2.RenewCacheLeaseRequest, _executor_pb2.RenewCacheLeaseResponse]
     """Keep caches that a scheduler holds idle from expiring (see ExecutorCapabilities.cache_lease_ms)."""
+    GetResourceSnapshot: _grpc.UnaryUnaryMultiCallable[_executor_pb2.GetResourceSnapshotRequest, _executor_pb2.GetResourceSnapshotResponse]
+    """Point-in-time plan-runtime resources: bytes by claim, blocks per domain, sequence slots."""
+    GetCacheMetrics: _grpc.UnaryUnaryMultiCallable[_executor_pb2.GetCacheMetricsRequest, _executor_pb2.GetCacheMetricsResponse]
+    """Prefix-cache counters since start: lookups, hits, misses, evictions."""
+    WatchExecutionEvents: _grpc.UnaryStreamMultiCallable[_executor_pb2.WatchExecutionEventsRequest, _executor_pb2.WatchExecutionEventsResponse]
+    """A feed of execution events (steps completed, preemptions, releases, completions, lease
+    expiries), each with the epochs after it. Bounded per subscriber: a reader that falls
+    behind gets an `events_dropped` marker instead of unbounded buffering (docs/protocol.md).
+    """
 
 @_typing.type_check_only
 class ExecutorServiceAsyncStub(ExecutorServiceStub):
@@ -182,6 +191,15 @@ class ExecutorServiceAsyncStub(ExecutorServiceStub):
     """Retire one exact request incarnation to free capacity; returns a receipt."""
     RenewCacheLease: _aio.UnaryUnaryMultiCallable[_executor_pb2.RenewCacheLeaseRequest, _executor_pb2.RenewCacheLeaseResponse]  # type: ignore[assignment]
     """Keep caches that a scheduler holds idle from expiring (see ExecutorCapabilities.cache_lease_ms)."""
+    GetResourceSnapshot: _aio.UnaryUnaryMultiCallable[_executor_pb2.GetResourceSnapshotRequest, _executor_pb2.GetResourceSnapshotResponse]  # type: ignore[assignment]
+    """Point-in-time plan-runtime resources: bytes by claim, blocks per domain, sequence slots."""
+    GetCacheMetrics: _aio.UnaryUnaryMultiCallable[_executor_pb2.GetCacheMetricsRequest, _executor_pb2.GetCacheMetricsResponse]  # type: ignore[assignment]
+    """Prefix-cache counters since start: lookups, hits, misses, evictions."""
+    WatchExecutionEvents: _aio.UnaryStreamMultiCallable[_executor_pb2.WatchExecutionEventsRequest, _executor_pb2.WatchExecutionEventsResponse]  # type: ignore[assignment]
+    """A feed of execution events (steps completed, preemptions, releases, completions, lease
+    expiries), each with the epochs after it. Bounded per subscriber: a reader that falls
+    behind gets an `events_dropped` marker instead of unbounded buffering (docs/protocol.md).
+    """
 
 class ExecutorServiceServicer(metaclass=_abc_1.ABCMeta):
     """The executor service: one per GPU."""
@@ -399,5 +417,32 @@ class ExecutorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_executor_pb2.RenewCacheLeaseResponse, _abc.Awaitable[_executor_pb2.RenewCacheLeaseResponse]]:
         """Keep caches that a scheduler holds idle from expiring (see ExecutorCapabilities.cache_lease_ms)."""
+
+    @_abc_1.abstractmethod
+    def GetResourceSnapshot(
+        self,
+        request: _executor_pb2.GetResourceSnapshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.GetResourceSnapshotResponse, _abc.Awaitable[_executor_pb2.GetResourceSnapshotResponse]]:
+        """Point-in-time plan-runtime resources: bytes by claim, blocks per domain, sequence slots."""
+
+    @_abc_1.abstractmethod
+    def GetCacheMetrics(
+        self,
+        request: _executor_pb2.GetCacheMetricsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.GetCacheMetricsResponse, _abc.Awaitable[_executor_pb2.GetCacheMetricsResponse]]:
+        """Prefix-cache counters since start: lookups, hits, misses, evictions."""
+
+    @_abc_1.abstractmethod
+    def WatchExecutionEvents(
+        self,
+        request: _executor_pb2.WatchExecutionEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_executor_pb2.WatchExecutionEventsResponse], _abc.AsyncIterator[_executor_pb2.WatchExecutionEventsResponse]]:
+        """A feed of execution events (steps completed, preemptions, releases, completions, lease
+        expiries), each with the epochs after it. Bounded per subscriber: a reader that falls
+        behind gets an `events_dropped` marker instead of unbounded buffering (docs/protocol.md).
+        """
 
 def add_ExecutorServiceServicer_to_server(servicer: ExecutorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,6 +12,7 @@ import hashlib
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ferrum_server import logs
@@ -48,6 +49,9 @@ class Cache:
     pending_admission: bool = False
     # Tokens of the admitted execution context (0 when opened without admission).
     context_tokens: int = 0
+    # Where the product prompt ends: TryAdmitPrefill's product_prompt_tokens, else the first
+    # chunk's total_prompt_tokens (0 until known). Tokens past it are outputs (penalty scope).
+    prompt_tokens: int = 0
     # Hashes of full context blocks this cache will compute that others may wait for.
     pending_hashes: list[bytes] = field(default_factory=list)
     # Monotonic times for time-to-first-token and inter-token metrics.
@@ -114,6 +118,8 @@ class KvManager:
         self._retired: OrderedDict[str, str] = OrderedDict()
         # Content hash -> cache id of the admitted cache that will compute that block.
         self._pending: dict[bytes, str] = {}
+        # Called after every release with (cache, reason, blocks freed) (execution events).
+        self.release_listeners: list[Callable[[Cache, str, int], None]] = []
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -346,7 +352,8 @@ class KvManager:
 
     def release(self, cache_id: str, *, reason: str = "released") -> ReleaseResult:
         """Release a cache; a repeat for a retired id is not an error (released = False).
-        `reason` ("released" or "expired") is what a later lookup of the id reports."""
+        `reason` (released, expired, completed, preempted, cancelled, abandoned, failed,
+        drained) is what a later lookup of the id reports."""
         cache = self.caches.pop(cache_id, None)
         if cache is None:
             if cache_id in self._retired:
@@ -370,7 +377,10 @@ class KvManager:
             cache_id=cache_id,
             tokens=cache.num_tokens,
             blocks_freed=freed,
+            reason=reason,
         )
+        for listener in self.release_listeners:
+            listener(cache, reason, freed)
         return ReleaseResult(released=True, blocks_freed=freed)
 
     def _drop_pending(self, cache: Cache) -> bool:
