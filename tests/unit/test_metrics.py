@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import urllib.request
@@ -11,6 +12,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+import promlint
 import pytest
 from ferrum_client import ExecutorClient, ExecutorError, pb
 from ferrum_server.app import start_server
@@ -189,16 +191,31 @@ def test_no_gauge_ends_in_total() -> None:
             assert not family.name.endswith("_total"), family.name
 
 
-def _promtool() -> str:
+def _promtool_findings(body: bytes) -> list[str] | None:
+    """promtool's findings on an exposition; None where promtool is not installed."""
     promtool = shutil.which("promtool")
-    # CI installs it (.ci/run: the Debian `prometheus` package); a lint that quietly skips
-    # would let a bad name through, so its absence fails.
-    assert promtool, "promtool is not installed: apt-get install prometheus (see .ci/run)"
-    return promtool
+    if promtool is None:
+        return None
+    out = subprocess.run(
+        [promtool, "check", "metrics"], input=body, capture_output=True, timeout=60, check=False
+    )
+    findings = sorted(line for line in (out.stdout + out.stderr).decode().splitlines() if line)
+    assert (out.returncode == 0) == (not findings), findings
+    return findings
 
 
-def test_live_exposition_passes_promtool(live_server: LiveServer, client: ExecutorClient) -> None:
-    """Scrape a server that has done real work (every label child populated) and lint it."""
+def _lint(body: bytes) -> list[str]:
+    """Lint findings: promtool's where installed (CI installs it: .ci/run), else the same rules
+    in Python (tests/promlint.py, checked against promtool below)."""
+    findings = _promtool_findings(body)
+    return sorted(promlint.lint(body.decode())) if findings is None else findings
+
+
+def test_live_exposition_passes_the_metrics_lint(
+    live_server: LiveServer, client: ExecutorClient
+) -> None:
+    """Scrape a server that has done real work (every label child populated) and lint it with
+    `promtool check metrics` (or, where promtool is missing, its rules in tests/promlint.py)."""
     prompt = list(range(24))
     admitted = client.try_admit_prefill(
         pb.TryAdmitPrefillRequest(request_id="lint", input_tokens=prompt, product_prompt_tokens=24)
@@ -225,20 +242,42 @@ def test_live_exposition_passes_promtool(live_server: LiveServer, client: Execut
     with urllib.request.urlopen(live_server.metrics_url, timeout=10) as resp:
         body = resp.read()
     assert b"ferrum_executor_steps_total" in body and b'grpc_code="NOT_FOUND"' in body
-    out = subprocess.run(
-        [_promtool(), "check", "metrics"], input=body, capture_output=True, timeout=60, check=False
-    )
-    findings = (out.stdout + out.stderr).decode()
-    assert out.returncode == 0 and not findings.strip(), findings
+    findings = _lint(body)
+    assert not findings, findings
 
 
-def test_promtool_catches_a_gauge_named_total() -> None:
-    """The lint above is not vacuous: promtool rejects the old name."""
-    body = b"# HELP x_blocks_total b\n# TYPE x_blocks_total gauge\nx_blocks_total 1\n"
-    out = subprocess.run(
-        [_promtool(), "check", "metrics"], input=body, capture_output=True, timeout=60, check=False
-    )
-    assert out.returncode != 0 and b"_total" in out.stdout + out.stderr
+# Expositions promtool rejects, one rule each, and one it accepts.
+LINT_CORPUS = [
+    b"# HELP x_blocks_total b\n# TYPE x_blocks_total gauge\nx_blocks_total 1\n",
+    b"# TYPE x_requests counter\nx_requests 1\n",
+    b"# HELP x_wait_milliseconds h\n# TYPE x_wait_milliseconds gauge\nx_wait_milliseconds 1\n",
+    b"# HELP x_lat_ms h\n# TYPE x_lat_ms gauge\nx_lat_ms 1\n",
+    b"# HELP x_count h\n# TYPE x_count gauge\nx_count 1\n",
+    b"# HELP x_bucket h\n# TYPE x_bucket gauge\nx_bucket 1\n",
+    b"# HELP x_gauge_things h\n# TYPE x_gauge_things gauge\nx_gauge_things 1\n",
+    b'# HELP xFoo h\n# TYPE xFoo gauge\nxFoo{fooBar="1"} 1\n',
+    b"# HELP x:y h\n# TYPE x:y gauge\nx:y 1\n",
+    b'# HELP x_y h\n# TYPE x_y gauge\nx_y{le="1"} 1\nx_y{quantile="2"} 1\n',
+    b"# HELP x_ok_total h\n# TYPE x_ok_total counter\nx_ok_total 1\n",
+]
+
+
+def test_the_python_lint_catches_a_gauge_named_total() -> None:
+    """The fallback lint is not vacuous: it rejects the old name, as promtool does."""
+    assert promlint.lint(LINT_CORPUS[0].decode()) == [
+        'x_blocks_total non-counter metrics should not have "_total" suffix'
+    ]
+
+
+def test_the_python_lint_agrees_with_promtool() -> None:
+    """Where promtool is installed, both lints give the same findings on every rule's sample
+    and on a live-like registry exposition. CI requires promtool (FERRUM_REQUIRE_PROMTOOL)."""
+    if shutil.which("promtool") is None:
+        assert not os.environ.get("FERRUM_REQUIRE_PROMTOOL"), "promtool is not installed"
+        pytest.skip("promtool is not installed (apt-get install prometheus); CI runs this")
+    for body in [*LINT_CORPUS, Metrics(process_collectors=False).exposition()]:
+        assert sorted(promlint.lint(body.decode())) == _promtool_findings(body), body[:80]
+    assert all(_promtool_findings(body) for body in LINT_CORPUS[:-1])
 
 
 async def test_metrics_listen_on_the_grpc_host_by_default() -> None:
