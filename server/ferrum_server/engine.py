@@ -144,7 +144,11 @@ class Engine:
         started = time.perf_counter_ns()
         caches = validate_step(step, self.kv, self.limits)
         held = [len(cache.block_ids) if cache is not None else 0 for cache in caches]
-        deferrals = self.capacity.reserve_step(step, caches)
+        reservation = self.capacity.reserve_step(step, caches)
+        deferrals, narrowed = reservation.deferrals, reservation.narrowed
+        if narrowed:  # those chunks run (and commit) only the prefix that fits
+            items = [narrowed.get(i, item) for i, item in enumerate(step.items)]
+            step = dataclasses.replace(step, items=items)
         results: list[ItemResult | None] = [None] * len(step.items)
         for index, deferral in deferrals.items():
             results[index] = _unrun(step.items[index], caches[index], deferral=deferral)
@@ -153,6 +157,10 @@ class Engine:
         ran: list[tuple[StepItem, Cache]] = []
         for indices, forward in groups:
             ran += self._commit(step, caches, indices, forward, results)
+        for index in narrowed:
+            narrowed_result = results[index]
+            if narrowed_result is not None and narrowed_result.completed_num_tokens:
+                narrowed_result.capacity_probe_count = 1  # the whole chunk did not fit
         for index in failed:
             item = step.items[index]
             failure = ItemFailure.from_error(DeviceOutOfMemory(_OOM_MESSAGE), item.request_id)
@@ -263,6 +271,7 @@ class Engine:
                 status=ItemStatus.INTERMEDIATE,
                 cache_id=cache.cache_id,
                 committed_tokens=cache.num_tokens,
+                completed_num_tokens=len(item.token_ids),
             )
             if item.num_outputs:
                 if item.sampling.policy == OutputPolicy.LOGITS:

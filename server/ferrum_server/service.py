@@ -473,6 +473,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             request.product_prompt_tokens,
             request.replayed_output_tokens,
             request.executor_instance_id,
+            request.first_chunk_tokens,
             on_orphan=release_admitted,
         )
         return convert.decision_to_pb(decision, self.notifier.state, engine.kv)
