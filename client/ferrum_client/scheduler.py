@@ -194,8 +194,10 @@ class StepResult:
     token_ids: Sequence[int]
     timing: StepTiming
     errors: dict[int, str] = field(default_factory=dict)  # item index -> message (FAILED)
-    # Item index -> the sources its deferral waits on (DEFERRED items).
+    # Item index -> the sources its deferral waits on, and its opaque wait condition
+    # (DEFERRED items).
     blocked_sources: dict[int, frozenset[SourceKey]] = field(default_factory=dict)
+    waits: dict[int, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,6 +470,7 @@ def decode_results(response: pb.UnifiedBatchResponse) -> StepResult:
             )
             for d in results.deferrals
         },
+        waits={d.item_index: d.capacity.wait_condition for d in results.deferrals},
     )
 
 
@@ -649,7 +652,7 @@ class Scheduler:
                 if in_flight:
                     for event in await self._finish(in_flight.popleft()):
                         yield event
-                elif self._waiting and self._waiting[0].wait is not None:
+                elif (self._waiting and self._waiting[0].wait is not None) or self._parked():
                     await self._wait_for_capacity()
                 elif pending:
                     arrival = max(0.0, start + pending[0][0] - time.perf_counter())
@@ -743,10 +746,17 @@ class Scheduler:
             return "wait"
         return "retry"
 
+    def _parked(self) -> list[_Request]:
+        """Running requests whose deferred chunk waits on a capacity source (no release of
+        ours could help it): they sit out steps until it advances."""
+        return [r for r in self._running if r.wait is not None]
+
     async def _wait_for_capacity(self) -> None:
-        """Nothing can run: park until a source named by the head request advances."""
-        request = self._waiting[0]
-        if request.wait is None:
+        """Nothing can run: park until a source named by the head request (or else by a
+        parked running request) advances; then every wait re-checks once."""
+        head = self._waiting[0] if self._waiting and self._waiting[0].wait else None
+        request = head or next(iter(self._parked()), None)
+        if request is None or request.wait is None:
             return
         self.stats.capacity_waits += 1
         timeout_ms = self.config.wait_timeout_ms
@@ -755,6 +765,8 @@ class Scheduler:
         if await self.backend.wait_for_capacity(request.wait, timeout_ms):
             self.stats.wakeups += 1
             request.wait = None
+            for parked in self._parked():
+                parked.wait = None
 
     # -- cache leases -----------------------------------------------------------------------
 
@@ -782,7 +794,10 @@ class Scheduler:
                 self._requeue(request)
 
     def _release_waits(self) -> None:
-        """Our own releases advance sources too: let the head re-probe once."""
+        """Our own releases advance sources too: let the head re-probe once, and parked
+        chunks retry."""
+        for parked in self._parked():
+            parked.wait = None
         if self._waiting and self._waiting[0].wait is not None:
             self.stats.own_releases += 1
             self._waiting[0].wait = None
@@ -836,7 +851,7 @@ class Scheduler:
             if budget <= 0 or len(items) >= self._max_items:
                 break
             end = len(request.context) - 1 if hold_last else len(request.context)
-            if request.in_flight or request.computed >= end:
+            if request.in_flight or request.computed >= end or request.wait is not None:
                 continue
             chunk = request.context[request.computed : min(end, request.computed + budget)]
             items.append(self._chunk_item(request, chunk))
@@ -954,7 +969,7 @@ class Scheduler:
         self.stats.records.append(record)
         self._observe_cost(record)
         events: list[tuple[int, int]] = []
-        blocked: list[tuple[_Request, frozenset[SourceKey]]] = []
+        blocked: list[tuple[_Request, frozenset[SourceKey], object | None]] = []
         statuses, committed, tokens = result.statuses, result.committed_tokens, result.token_ids
         for k, request in enumerate(step.members):
             request.in_flight = False
@@ -962,7 +977,8 @@ class Scheduler:
             request.blocked = status == ItemStatus.DEFERRED
             if status == ItemStatus.DEFERRED:
                 self.stats.deferred_items += 1
-                blocked.append((request, result.blocked_sources.get(k, frozenset())))
+                sources = result.blocked_sources.get(k, frozenset())
+                blocked.append((request, sources, result.waits.get(k)))
                 continue
             if status == ItemStatus.FAILED:
                 self.stats.failed_items += 1
@@ -993,9 +1009,11 @@ class Scheduler:
                 )
             )
             self._release_waits()
-        for request, sources in blocked:
+        for request, sources, wait in blocked:
             if request in self._running and not request.result.finish_reason:
-                await self._preempt_for(request, sources)
+                preempted = await self._preempt_for(request, sources)
+                if not preempted and request.in_prefill:
+                    request.wait = wait  # sits out steps until a named source advances
         return events
 
     def _spawn(self, work: Awaitable[None]) -> None:
@@ -1014,7 +1032,7 @@ class Scheduler:
         elif len(result.output_ids) >= request.params.max_new_tokens:
             result.finish_reason = "length"
 
-    async def _preempt_for(self, blocked: _Request, sources: frozenset[SourceKey]) -> None:
+    async def _preempt_for(self, blocked: _Request, sources: frozenset[SourceKey]) -> bool:
         """An item was deferred: retire the most recently admitted other request, not in
         flight (a queued step may still reference those), whose release the executor says
         (ListReleaseSources) advances a source the item waits on. A prefill chunk (only a
@@ -1024,7 +1042,7 @@ class Scheduler:
         candidates = self._running[position + 1 :] if blocked.in_prefill else self._running
         victims = [r for r in candidates if r is not blocked and not r.in_flight]
         if not victims:
-            return  # retried next step: older work finishes, and a lone request always fits
+            return False  # older work finishes (or the chunk waits), a lone request fits
         live = {(e.request_id, e.cache_id): e for e in await self.backend.release_sources()}
         useful = [
             r
@@ -1033,7 +1051,7 @@ class Scheduler:
             and (not sources or entry.sources & sources)
         ]
         if not useful:
-            return  # no release would help now; retried next step
+            return False  # no release would help now
         victim = useful[-1]
         self._running.remove(victim)
         # Awaited: the blocked item's retry must find the victim's blocks free.
@@ -1048,6 +1066,7 @@ class Scheduler:
         self.stats.preemptions += 1
         victim.result.num_preemptions += 1
         self._requeue(victim)
+        return True
 
     def _requeue(self, victim: _Request) -> None:
         """Put a request whose cache is gone first in the queue, its outputs to be replayed."""

@@ -361,7 +361,7 @@ def test_a_narrower_admission_hint_is_reprobed_and_chunks_continue_where_they_en
     prompt = list(range(1, 61))
 
     def hinted(request: pb.TryAdmitPrefillRequest, probe: int) -> pb.TryAdmitPrefillResponse | None:
-        if request.first_chunk_tokens:
+        if request.first_chunk_tokens or probe > 3:  # admitted whole after a few waits
             return None
         return pb.TryAdmitPrefillResponse(
             deferred=pb.AdmissionDeferred(wait_condition=_condition(KV), narrower_prefill_tokens=40)

@@ -28,6 +28,7 @@ from ferrum_server.capacity_notifier import CapacityNotifier
 from ferrum_server.convert import sampling_from_pb
 from ferrum_server.domain import (
     GREEDY,
+    CapacityDeferral,
     DeferralMode,
     ItemKind,
     Sampling,
@@ -105,7 +106,8 @@ class InProcessBackend:
         ]
 
     async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool:
-        assert isinstance(wait, Deferred) and self._notifier is not None
+        # An admission's Deferred, or a step item's CapacityDeferral: both name the sources.
+        assert isinstance(wait, Deferred | CapacityDeferral) and self._notifier is not None
         result = await self._notifier.wait(
             wait.epochs.coordinator_id, wait.observed, timeout_ms / 1000
         )
@@ -165,12 +167,14 @@ async def _result(future: Awaitable[object]) -> StepResult:
     results, t = outcome.results, outcome.timings
     errors: dict[int, str] = {}
     blocked: dict[int, frozenset[tuple[int, int]]] = {}
+    waits: dict[int, object] = {}
     for index, r in enumerate(results):
         failure = getattr(r, "failure", None)
         if failure is not None:
             errors[index] = str(getattr(failure, "message", failure))
         if r.deferral is not None:
             blocked[index] = frozenset((int(s), d) for (s, d), _ in r.deferral.observed)
+            waits[index] = r.deferral
     return StepResult(
         statuses=[int(r.status) for r in results],
         committed_tokens=[r.committed_tokens for r in results],
@@ -178,4 +182,5 @@ async def _result(future: Awaitable[object]) -> StepResult:
         timing=StepTiming(t.queue_ns, t.forward_ns, t.sample_ns, t.total_ns),
         errors=errors,
         blocked_sources=blocked,
+        waits=waits,
     )
