@@ -357,27 +357,32 @@ def test_a_prompt_that_does_not_fit_starts_with_the_narrower_chunk_the_executor_
     expected, _, _ = _generate(server, [prompt], params, config)
     kv = small.engine.kv  # type: ignore[attr-defined]
 
+    from ferrum_client.scheduler import GrpcBackend
+
+    class ReleaseBlockerOnWait(GrpcBackend):
+        """Releases the blocker the first time the scheduler parks (no sleeps, no polling)."""
+
+        blocker_id = ""
+        committed_when_parked = -1
+
+        async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool:
+            if self.blocker_id:
+                ours = [c for c in kv.caches.values() if c.request_id != "blocker"]
+                self.committed_when_parked = ours[0].num_tokens if ours else 0
+                await self.client.release_cache(pb.ReleaseCacheRequest(cache_id=self.blocker_id))
+                self.blocker_id = ""
+            return await super().wait_for_capacity(wait, timeout_ms)
+
     async def scenario() -> tuple[list[int], Scheduler, int]:
         async with AsyncExecutorClient(small.target) as client:
             blocker = await client.prefill(
                 pb.PrefillRequest(request_id="blocker", input_tokens=blocker_prompt)
             )
-            blocker_id = blocker.completed.kv_cache.cache_id
-            scheduler = Scheduler(client, config)
-            committed_while_blocked = -1
-
-            async def release_when_parked() -> None:
-                nonlocal committed_while_blocked
-                while scheduler.stats.capacity_waits == 0:
-                    await asyncio.sleep(0.01)
-                ours = [c for c in kv.caches.values() if c.request_id != "blocker"]
-                committed_while_blocked = ours[0].num_tokens if ours else 0
-                await client.release_cache(pb.ReleaseCacheRequest(cache_id=blocker_id))
-
-            releaser = asyncio.ensure_future(release_when_parked())
+            backend = ReleaseBlockerOnWait(client)
+            backend.blocker_id = blocker.completed.kv_cache.cache_id
+            scheduler = Scheduler(backend, config)
             results = await scheduler.generate([prompt], params)
-            await releaser
-        return results[0].output_ids, scheduler, committed_while_blocked
+        return results[0].output_ids, scheduler, backend.committed_when_parked
 
     output, scheduler, committed = small.run(scenario())  # type: ignore[misc]
     assert output == expected[0]
