@@ -63,6 +63,7 @@ class BatchBuilder:
     def __init__(self) -> None:
         self.items = pb.BatchItems()
         self._sampling: list[SamplingOptions] = []
+        self._narrowing: list[bool] = []
 
     def __len__(self) -> int:
         return len(self.items.kinds)
@@ -77,9 +78,12 @@ class BatchBuilder:
         *,
         maximum_sequence_tokens: int = 0,
         sampling: SamplingOptions = GREEDY,
+        allow_narrowing: bool = False,
     ) -> int:
-        """Add tokens [position, position + len(tokens)) of a prompt; cache_id "" opens one."""
-        return self._add(
+        """Add tokens [position, position + len(tokens)) of a prompt; cache_id "" opens one.
+        With allow_narrowing the executor may run only the prefix that fits (the result's
+        completed_num_tokens says how much)."""
+        index = self._add(
             pb.ITEM_KIND_PREFILL_CHUNK,
             request_id,
             cache_id,
@@ -89,6 +93,8 @@ class BatchBuilder:
             maximum_sequence_tokens,
             sampling,
         )
+        self._narrowing[index] = allow_narrowing
+        return index
 
     def add_decode(
         self,
@@ -125,12 +131,15 @@ class BatchBuilder:
         items.total_prompt_tokens.append(total)
         items.maximum_sequence_tokens.append(max_tokens)
         self._sampling.append(sampling)
+        self._narrowing.append(False)
         return len(items.kinds) - 1
 
     def build(self) -> pb.BatchItems:
         items = pb.BatchItems()
         items.CopyFrom(self.items)
         fill_sampling_columns(items.sampling, self._sampling)
+        if any(self._narrowing):  # the column stays empty (false for all) otherwise
+            items.allow_narrowing.extend(self._narrowing)
         return items
 
 
@@ -148,6 +157,10 @@ class ItemView:
     logits: bytes
     deferral: pb.ExecutionDeferral | None
     error: pb.ItemError | None = None
+    # Tokens of the item that ran: fewer than it carried for a narrowed prefill chunk.
+    completed_num_tokens: int = 0
+    # Failed capacity probes before it ran (1 for a narrowed chunk).
+    capacity_probe_count: int = 0
 
     @property
     def deferred(self) -> bool:
@@ -183,7 +196,14 @@ def item_views(results: pb.BatchResults) -> list[ItemView]:
                 logits=results.logits[i] if results.logits else b"",
                 deferral=deferrals.get(i),
                 error=errors.get(i),
+                completed_num_tokens=_entry(results.completed_num_tokens, i),
+                capacity_probe_count=_entry(results.capacity_probe_counts, i),
             )
         )
         top_start += num_top
     return views
+
+
+def _entry(column: Sequence[int], index: int) -> int:
+    """A result column's entry; 0 when the executor did not send the column (older ones)."""
+    return column[index] if column else 0

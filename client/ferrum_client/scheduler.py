@@ -12,9 +12,14 @@ Policy, per step:
   full-size steps rather than draining through a tail of small ones;
 * admission through the executor's capacity answers: ``TryAdmitPrefill`` admits, defers (the
   scheduler then parks on ``WaitForCapacityChange`` for exactly the sources named, never
-  polling) or rejects; a decode the executor defers because its sequence cannot grow preempts
-  the most recently admitted other request, which is re-admitted later with its outputs
-  replayed;
+  polling), asks for maintenance first (one ``MaintainPrefillBacking``, then a re-probe or a
+  wait on the release it names) or rejects; a deferral hinting a narrower first chunk is
+  re-probed at once with that claim when nothing else is in prefill or blocked, and chunks
+  allow narrowing (the scheduler continues from what completed); an item the executor defers
+  preempts a request whose release, per ``ListReleaseSources``, advances a source the item
+  waits on (the most recently admitted such request; for a prefill chunk only one admitted
+  after it), which is re-admitted later with its outputs replayed; a preemption receipt for
+  another request or cache is a ``ContractViolation``;
 * stop conditions (``max_new_tokens``, stop token ids), tokens streamed as they arrive, and
   cancellation that frees the request's KV at once.
 
@@ -54,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from ferrum_client.batch import GREEDY, SamplingOptions, fill_sampling_columns
+from ferrum_client.errors import ExecutorError
 from ferrum_client.handles import AsyncExecutorClient, StepStream
 from ferrum_client.pb import executor_pb2 as pb
 from ferrum_client.step_cost import StepCostModel
@@ -77,7 +83,12 @@ class ItemStatus(enum.IntEnum):
 
 
 # Prefill tokens a step may always carry beside its decodes, however tight the step-time target.
+# Also the smallest narrower first chunk (AdmissionDeferred.narrower_prefill_tokens) worth
+# admitting a request with.
 MIN_PREFILL_TOKENS = 32
+# Consecutive maintenance rounds (MaintainPrefillBacking, then a re-probe answered
+# maintenance_deferred again) before the request parks on the deferral's wait condition.
+MAX_MAINTENANCE_ROUNDS = 3
 # Step-time target of SchedulerConfig (milliseconds).
 DEFAULT_TARGET_STEP_MS = 200.0
 
@@ -114,6 +125,9 @@ class SchedulerConfig:
     # start them decoding together (see _plan_held_prefill); a prompt is held at most this long.
     align_first_tokens: bool = True
     max_first_token_hold_ms: float = 30_000.0
+    # Admit a request that does not fit whole with the narrower first chunk the executor hints
+    # (at least MIN_PREFILL_TOKENS), when no running request is in prefill or blocked.
+    narrow_admissions: bool = True
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1 or self.max_running < 1 or self.pipeline_depth < 1:
@@ -153,6 +167,12 @@ class PlannedItem:
     total_prompt_tokens: int = 0
     maximum_sequence_tokens: int = 0
     sampling: SamplingOptions = GREEDY
+    # A prefill chunk that does not fit may run only its fitting prefix.
+    allow_narrowing: bool = False
+
+
+# A capacity source as the executor names it: (CapacitySource value, domain).
+SourceKey = tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,15 +194,53 @@ class StepResult:
     token_ids: Sequence[int]
     timing: StepTiming
     errors: dict[int, str] = field(default_factory=dict)  # item index -> message (FAILED)
+    # Item index -> the sources its deferral waits on, and its opaque wait condition
+    # (DEFERRED items).
+    blocked_sources: dict[int, frozenset[SourceKey]] = field(default_factory=dict)
+    waits: dict[int, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    kind: str  # "admitted", "deferred" or "rejected"
+    kind: str  # "admitted", "deferred", "maintenance" or "rejected"
     cache_id: str = ""
     cached_prompt_tokens: int = 0
-    wait: object | None = None  # opaque wait condition (deferred)
+    wait: object | None = None  # opaque wait condition (deferred, maintenance)
     reason: str = ""
+    # Deferred: the largest first chunk the executor would admit now (0 = none).
+    narrower_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Maintenance:
+    """What one MaintainPrefillBacking attempt leaves the request to do."""
+
+    kind: str  # "retry": probe admission again now; "wait": wait on `wait`
+    wait: object | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSource:
+    """One live cache in the executor's ListReleaseSources answer."""
+
+    request_id: str
+    cache_id: str
+    # Sources its release would advance.
+    sources: frozenset[SourceKey]
+    releasable_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """The identity a preemption receipt names."""
+
+    request_id: str
+    cache_id: str
+
+
+class ContractViolation(RuntimeError):
+    """The executor answered something its contract rules out (a preemption receipt for
+    another request or cache, a release-source listing that does not end)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,8 +262,19 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
     async def admit(
-        self, request_id: str, tokens: Sequence[int], maximum_tokens: int, prompt_tokens: int
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        maximum_tokens: int,
+        prompt_tokens: int,
+        first_chunk_tokens: int = 0,
     ) -> Admission: ...
+
+    async def maintain(self, request_id: str) -> Maintenance:
+        """One bounded maintenance attempt for a request answered "maintenance"."""
+        ...
+
+    async def cancel_admission(self, request_id: str) -> None: ...
 
     async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool: ...
 
@@ -217,7 +286,11 @@ class Backend(Protocol):
 
     async def release(self, cache_id: str) -> None: ...
 
-    async def preempt(self, request_id: str, cache_id: str, mode: int) -> None: ...
+    async def release_sources(self) -> list[ReleaseSource]:
+        """Every live cache the executor lists, with the sources its release advances."""
+        ...
+
+    async def preempt(self, request_id: str, cache_id: str, mode: int) -> Receipt: ...
 
     async def renew_leases(self, cache_ids: Sequence[str]) -> list[str]:
         """Renew the caches' leases; return the ids that were no longer live."""
@@ -247,7 +320,12 @@ class GrpcBackend:
             self._stream = None
 
     async def admit(
-        self, request_id: str, tokens: Sequence[int], maximum_tokens: int, prompt_tokens: int
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        maximum_tokens: int,
+        prompt_tokens: int,
+        first_chunk_tokens: int = 0,
     ) -> Admission:
         decision = await self.client.try_admit_prefill(
             pb.TryAdmitPrefillRequest(
@@ -257,6 +335,7 @@ class GrpcBackend:
                 product_prompt_tokens=prompt_tokens,
                 replayed_output_tokens=len(tokens) - prompt_tokens,
                 request_origin=pb.REQUEST_ORIGIN_PRODUCT,
+                first_chunk_tokens=first_chunk_tokens,
             )
         )
         kind = decision.WhichOneof("decision")
@@ -266,7 +345,32 @@ class GrpcBackend:
             )
         if kind == "rejected":
             return Admission("rejected", reason=decision.rejected.reason)
-        return Admission("deferred", wait=decision.deferred.wait_condition)
+        if kind == "maintenance_deferred":
+            # Its wait condition is for after a bounded number of maintenance rounds only.
+            return Admission("maintenance", wait=decision.maintenance_deferred.wait_condition)
+        if kind != "deferred":
+            raise ContractViolation(f"TryAdmitPrefill answered no decision for {request_id!r}")
+        deferred = decision.deferred
+        return Admission(
+            "deferred",
+            wait=deferred.wait_condition,
+            narrower_prefill_tokens=deferred.narrower_prefill_tokens,
+        )
+
+    async def maintain(self, request_id: str) -> Maintenance:
+        response = await self.client.maintain_prefill_backing(
+            pb.MaintainPrefillBackingRequest(request_id=request_id)
+        )
+        if response.WhichOneof("outcome") == "wait_for_release":
+            return Maintenance("wait", response.wait_for_release.wait_condition)
+        # maintained (backing installed), retry_admission (capacity changed meanwhile) and
+        # no_longer_pending (nothing is held for it) all mean: probe admission again.
+        return Maintenance("retry")
+
+    async def cancel_admission(self, request_id: str) -> None:
+        await self.client.cancel_prefill_admission(
+            pb.CancelPrefillAdmissionRequest(request_id=request_id)
+        )
 
     async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool:
         assert isinstance(wait, pb.CapacityWaitCondition)
@@ -295,14 +399,38 @@ class GrpcBackend:
     async def release(self, cache_id: str) -> None:
         await self.client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id))
 
-    async def preempt(self, request_id: str, cache_id: str, mode: int) -> None:
-        await self.client.preempt_execution_capacity(
+    async def release_sources(self) -> list[ReleaseSource]:
+        entries: list[ReleaseSource] = []
+        token, seen = "", set()
+        while True:
+            page = await self.client.list_release_sources(
+                pb.ListReleaseSourcesRequest(page_token=token)
+            )
+            entries.extend(
+                ReleaseSource(
+                    e.request_id,
+                    e.cache_id,
+                    frozenset((int(s.source), s.domain) for s in e.sources),
+                    e.releasable_blocks,
+                )
+                for e in page.entries
+            )
+            token = page.next_page_token
+            if not token:
+                return entries
+            if token in seen:  # pages are ordered by cache id: a token never comes back
+                raise ContractViolation(f"ListReleaseSources repeated page token {token!r}")
+            seen.add(token)
+
+    async def preempt(self, request_id: str, cache_id: str, mode: int) -> Receipt:
+        response = await self.client.preempt_execution_capacity(
             pb.PreemptExecutionCapacityRequest(
                 request_id=request_id,
                 cache_id=cache_id,
                 mode=mode,  # type: ignore[arg-type]
             )
         )
+        return Receipt(response.receipt.request_id, response.receipt.cache_id)
 
     async def renew_leases(self, cache_ids: Sequence[str]) -> list[str]:
         response = await self.client.renew_cache_lease(
@@ -322,6 +450,8 @@ def encode_items(items: Sequence[PlannedItem]) -> pb.BatchItems:
     out.positions.extend([i.position for i in items])
     out.total_prompt_tokens.extend([i.total_prompt_tokens for i in items])
     out.maximum_sequence_tokens.extend([i.maximum_sequence_tokens for i in items])
+    if any(i.allow_narrowing for i in items):  # empty column: false for every item
+        out.allow_narrowing.extend([i.allow_narrowing for i in items])
     fill_sampling_columns(out.sampling, [i.sampling for i in items])
     return out
 
@@ -334,6 +464,13 @@ def decode_results(response: pb.UnifiedBatchResponse) -> StepResult:
         token_ids=list(results.token_ids),
         timing=StepTiming(t.queue_ns, t.forward_ns, t.sample_ns, t.total_ns),
         errors={e.item_index: e.message for e in results.errors},
+        blocked_sources={
+            d.item_index: frozenset(
+                (int(o.source), o.domain) for o in d.capacity.wait_condition.observed
+            )
+            for d in results.deferrals
+        },
+        waits={d.item_index: d.capacity.wait_condition for d in results.deferrals},
     )
 
 
@@ -354,6 +491,9 @@ class _Request:
     computed: int = 0  # tokens with committed KV (context, then context + new outputs)
     wait: object | None = None
     in_flight: bool = False
+    # Its last item was deferred (cleared when one runs): narrowed admissions wait meanwhile.
+    blocked: bool = False
+    maintenance_rounds: int = 0
     cancelled: bool = False
     touched_s: float = 0.0  # time.monotonic() when a call last named its cache
 
@@ -398,6 +538,11 @@ class SchedulerStats:
     # Releases this scheduler made itself (completion, preemption, cancel) that cleared a wait.
     own_releases: int = 0
     preemptions: int = 0
+    # Admissions made with the executor's narrower first chunk, and chunks it narrowed.
+    narrowed_admissions: int = 0
+    narrowed_chunks: int = 0
+    # TryAdmitPrefill answers of maintenance_deferred (each followed by MaintainPrefillBacking).
+    maintenance_deferrals: int = 0
     deferred_items: int = 0
     failed_items: int = 0
     step_tokens: list[int] = field(default_factory=list)
@@ -413,6 +558,8 @@ class _InFlight:
     result: Awaitable[StepResult]
     members: list[_Request]
     record: StepRecord
+    # Tokens each member's item carried.
+    sizes: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -505,7 +652,7 @@ class Scheduler:
                 if in_flight:
                     for event in await self._finish(in_flight.popleft()):
                         yield event
-                elif self._waiting and self._waiting[0].wait is not None:
+                elif (self._waiting and self._waiting[0].wait is not None) or self._parked():
                     await self._wait_for_capacity()
                 elif pending:
                     arrival = max(0.0, start + pending[0][0] - time.perf_counter())
@@ -529,28 +676,87 @@ class Scheduler:
             request = self._waiting[0]
             if request.wait is not None:
                 return  # still waiting on its capacity sources
-            self.stats.admission_probes += 1
-            decision = await self.backend.admit(
-                request.result.request_id, request.context, request.max_tokens, len(request.prompt)
-            )
+            decision = await self._probe(request)
+            if decision.kind == "deferred" and self._narrow_admission(decision):
+                # A hint, not a grant: re-probe with that first chunk.
+                decision = await self._probe(request, decision.narrower_prefill_tokens)
+                if decision.kind == "admitted":
+                    self.stats.narrowed_admissions += 1
             if decision.kind == "admitted":
                 self._waiting.popleft()
                 request.cache_id = decision.cache_id
                 request.computed = decision.cached_prompt_tokens
                 request.touched_s = time.monotonic()
+                request.maintenance_rounds = 0
                 self._running.append(request)
             elif decision.kind == "rejected":
                 self._waiting.popleft()
                 self._finish_failed(request, "rejected", decision.reason)
+            elif decision.kind == "maintenance":
+                self.stats.maintenance_deferrals += 1
+                if await self._maintain(request, decision) == "wait":
+                    return  # the head waits on a release
+                # "retry": probe it again now; "failed": it left the queue, probe the next
             else:
                 self.stats.admissions_deferred += 1
                 request.wait = decision.wait
                 return
 
+    async def _probe(self, request: _Request, first_chunk_tokens: int = 0) -> Admission:
+        self.stats.admission_probes += 1
+        return await self.backend.admit(
+            request.result.request_id,
+            request.context,
+            request.max_tokens,
+            len(request.prompt),
+            first_chunk_tokens,
+        )
+
+    def _narrow_admission(self, decision: Admission) -> bool:
+        """Whether to re-probe a deferred request with the executor's narrower first chunk:
+        worth a step's prefill floor, and only while no running request is in prefill or
+        blocked, so a partial claim never races another prefill for blocks, nor takes the
+        blocks a deferred item (or a victim's release) was freeing for it."""
+        return (
+            self.config.narrow_admissions
+            and decision.narrower_prefill_tokens >= MIN_PREFILL_TOKENS
+            and not any(r.in_prefill or r.blocked for r in self._running)
+        )
+
+    async def _maintain(self, request: _Request, decision: Admission) -> str:
+        """The executor needs physical maintenance before it can admit the head `request`:
+        one bounded MaintainPrefillBacking attempt. Returns "retry" (probe again at once),
+        "wait" (it now waits on a wait condition) or "failed" (maintenance failed: the
+        admission is cancelled, as the contract asks, and the request ends with an error)."""
+        request.maintenance_rounds += 1
+        if request.maintenance_rounds > MAX_MAINTENANCE_ROUNDS:
+            # Maintenance keeps answering "try again": wait for a source to advance instead.
+            request.maintenance_rounds = 0
+            request.wait = decision.wait
+            return "wait"
+        try:
+            outcome = await self.backend.maintain(request.result.request_id)
+        except ExecutorError as error:
+            self._waiting.popleft()
+            self._finish_failed(request, "error", f"prefill maintenance failed: {error}")
+            await self.backend.cancel_admission(request.result.request_id)
+            return "failed"
+        if outcome.kind == "wait":
+            request.wait = outcome.wait
+            return "wait"
+        return "retry"
+
+    def _parked(self) -> list[_Request]:
+        """Running requests whose deferred chunk waits on a capacity source (no release of
+        ours could help it): they sit out steps until it advances."""
+        return [r for r in self._running if r.wait is not None]
+
     async def _wait_for_capacity(self) -> None:
-        """Nothing can run: park until a source named by the head request advances."""
-        request = self._waiting[0]
-        if request.wait is None:
+        """Nothing can run: park until a source named by the head request (or else by a
+        parked running request) advances; then every wait re-checks once."""
+        head = self._waiting[0] if self._waiting and self._waiting[0].wait else None
+        request = head or next(iter(self._parked()), None)
+        if request is None or request.wait is None:
             return
         self.stats.capacity_waits += 1
         timeout_ms = self.config.wait_timeout_ms
@@ -559,6 +765,8 @@ class Scheduler:
         if await self.backend.wait_for_capacity(request.wait, timeout_ms):
             self.stats.wakeups += 1
             request.wait = None
+            for parked in self._parked():
+                parked.wait = None
 
     # -- cache leases -----------------------------------------------------------------------
 
@@ -586,7 +794,10 @@ class Scheduler:
                 self._requeue(request)
 
     def _release_waits(self) -> None:
-        """Our own releases advance sources too: let the head re-probe once."""
+        """Our own releases advance sources too: let the head re-probe once, and parked
+        chunks retry."""
+        for parked in self._parked():
+            parked.wait = None
         if self._waiting and self._waiting[0].wait is not None:
             self.stats.own_releases += 1
             self._waiting[0].wait = None
@@ -640,7 +851,7 @@ class Scheduler:
             if budget <= 0 or len(items) >= self._max_items:
                 break
             end = len(request.context) - 1 if hold_last else len(request.context)
-            if request.in_flight or request.computed >= end:
+            if request.in_flight or request.computed >= end or request.wait is not None:
                 continue
             chunk = request.context[request.computed : min(end, request.computed + budget)]
             items.append(self._chunk_item(request, chunk))
@@ -659,6 +870,8 @@ class Scheduler:
             len(request.context),
             request.max_tokens,
             request.params.sampling,
+            # Admitted whole, a chunk always fits; with a narrowed admission it may not.
+            allow_narrowing=True,
         )
 
     def _submit(
@@ -684,7 +897,8 @@ class Scheduler:
             chunk_sizes=tuple(chunks),
             timing=StepTiming(),
         )
-        return _InFlight(self.backend.submit(items), members, record)
+        sizes = [len(item.tokens) for item in items]
+        return _InFlight(self.backend.submit(items), members, record, sizes)
 
     def _first_tokens_due(self) -> bool:
         """With nothing decoding: whether the running prompts start now, none being in flight:
@@ -755,19 +969,24 @@ class Scheduler:
         self.stats.records.append(record)
         self._observe_cost(record)
         events: list[tuple[int, int]] = []
-        blocked: list[_Request] = []
+        blocked: list[tuple[_Request, frozenset[SourceKey], object | None]] = []
         statuses, committed, tokens = result.statuses, result.committed_tokens, result.token_ids
         for k, request in enumerate(step.members):
             request.in_flight = False
             status = statuses[k]
+            request.blocked = status == ItemStatus.DEFERRED
             if status == ItemStatus.DEFERRED:
                 self.stats.deferred_items += 1
-                blocked.append(request)
+                sources = result.blocked_sources.get(k, frozenset())
+                blocked.append((request, sources, result.waits.get(k)))
                 continue
             if status == ItemStatus.FAILED:
                 self.stats.failed_items += 1
                 self._finish_failed(request, "error", result.errors.get(k, "item failed"))
                 continue
+            # A narrowed chunk committed only its prefix: the next chunk starts from there.
+            if step.sizes and committed[k] - request.computed < step.sizes[k]:
+                self.stats.narrowed_chunks += 1
             request.computed = committed[k]
             if status == ItemStatus.TOKEN and not request.result.finish_reason:
                 token = tokens[k]
@@ -790,9 +1009,11 @@ class Scheduler:
                 )
             )
             self._release_waits()
-        for request in blocked:
+        for request, sources, wait in blocked:
             if request in self._running and not request.result.finish_reason:
-                await self._preempt_for(request)
+                preempted = await self._preempt_for(request, sources)
+                if not preempted and request.in_prefill:
+                    request.wait = wait  # sits out steps until a named source advances
         return events
 
     def _spawn(self, work: Awaitable[None]) -> None:
@@ -811,26 +1032,47 @@ class Scheduler:
         elif len(result.output_ids) >= request.params.max_new_tokens:
             result.finish_reason = "length"
 
-    async def _preempt_for(self, blocked: _Request) -> None:
-        """A decode could not grow: retire the most recently admitted other request that is
-        not in flight (a queued step may still reference the ones that are)."""
-        victims = [r for r in self._running if r is not blocked and not r.in_flight]
+    async def _preempt_for(self, blocked: _Request, sources: frozenset[SourceKey]) -> bool:
+        """An item was deferred: retire the most recently admitted other request, not in
+        flight (a queued step may still reference those), whose release the executor says
+        (ListReleaseSources) advances a source the item waits on. A prefill chunk (only a
+        narrowed admission's can defer) preempts only requests admitted after it, so a partial
+        claim never evicts older work; it waits for that work to finish instead."""
+        position = self._running.index(blocked)
+        candidates = self._running[position + 1 :] if blocked.in_prefill else self._running
+        victims = [r for r in candidates if r is not blocked and not r.in_flight]
         if not victims:
-            return  # retried next step: its own admission guaranteed the fit eventually
-        victim = victims[-1]
+            return False  # older work finishes (or the chunk waits), a lone request fits
+        live = {(e.request_id, e.cache_id): e for e in await self.backend.release_sources()}
+        useful = [
+            r
+            for r in victims
+            if (entry := live.get((r.result.request_id, r.cache_id))) is not None
+            and (not sources or entry.sources & sources)
+        ]
+        if not useful:
+            return False  # no release would help now
+        victim = useful[-1]
         self._running.remove(victim)
-        # Awaited: the blocked decode's retry must find the victim's blocks free.
-        await self.backend.preempt(
+        # Awaited: the blocked item's retry must find the victim's blocks free.
+        receipt = await self.backend.preempt(
             victim.result.request_id, victim.cache_id, self.config.preemption_mode
         )
+        if receipt != Receipt(victim.result.request_id, victim.cache_id):
+            raise ContractViolation(
+                f"preempting {victim.result.request_id!r} (cache {victim.cache_id!r}) returned "
+                f"a receipt for {receipt.request_id!r} (cache {receipt.cache_id!r})"
+            )
         self.stats.preemptions += 1
         victim.result.num_preemptions += 1
         self._requeue(victim)
+        return True
 
     def _requeue(self, victim: _Request) -> None:
         """Put a request whose cache is gone first in the queue, its outputs to be replayed."""
         victim.context = victim.prompt + victim.output
         victim.cache_id, victim.computed, victim.wait = "", 0, None
+        victim.blocked = False
         self._release_waits()
         self._waiting.appendleft(victim)
 
@@ -872,10 +1114,14 @@ async def generate(
 __all__ = [
     "Admission",
     "Backend",
+    "ContractViolation",
     "GenerationParams",
     "GenerationResult",
     "GrpcBackend",
+    "Maintenance",
     "PlannedItem",
+    "Receipt",
+    "ReleaseSource",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",

@@ -9,6 +9,7 @@ deferred (with the exact sources to wait on), or rejected (can never fit).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections import OrderedDict
@@ -64,6 +65,8 @@ class Deferred:
     shortfalls: list[Shortfall]
     epochs: Epochs
     observed: list[tuple[SourceKey, int]]
+    # The largest first_chunk_tokens that would be admitted now (0 = none): a hint to re-probe.
+    narrower_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,15 @@ class Rejected:
 
 
 Decision = Admitted | Deferred | Rejected
+
+
+@dataclass(frozen=True, slots=True)
+class StepReservation:
+    """What reserve_step decided: the items deferred, and the chunks narrowed to the prefix
+    that fits (each replaces its planned item for the forward; the rest run as planned)."""
+
+    deferrals: dict[int, CapacityDeferral]
+    narrowed: dict[int, StepItem]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +150,7 @@ class CapacityStats:
     deferred: int = 0
     rejected: int = 0
     preemptions: int = 0
+    narrowed_chunks: int = 0
     swaps_out: int = 0
     swaps_in: int = 0
     prefix_lookups: int = 0  # admissions (each looked its prompt up)
@@ -169,40 +182,67 @@ class CapacityManager:
 
     # -- steps ----------------------------------------------------------------------------
 
-    def reserve_step(self, step: Step, caches: list[Cache | None]) -> dict[int, CapacityDeferral]:
+    def reserve_step(self, step: Step, caches: list[Cache | None]) -> StepReservation:
         """Take the blocks every runnable item needs, opening caches for opening items (filled
-        into `caches`); return the deferrals of the others. With ALL_OR_NOTHING, one item
-        that does not fit defers every item and nothing is taken."""
+        into `caches`); defer the others. A prefill chunk that allows narrowing and does not
+        fit runs the longest prefix the blocks still hold (one failed probe, then that
+        prefix), if that is at least one token. With ALL_OR_NOTHING, one item that is deferred
+        defers every item and nothing is taken."""
         kv = self.kv
         free_blocks = kv.pool.num_available
         free_slots = kv.num_free_sequence_slots
         runnable: list[int] = []
         deferrals: dict[int, CapacityDeferral] = {}
+        narrowed: dict[int, StepItem] = {}
         for index, (item, cache) in enumerate(zip(step.items, caches, strict=True)):
             needed = kv.blocks_needed(cache, item.end)
             opens = cache is None
             if opens and free_slots < 1:
                 deferrals[index] = self._slots_deferral(index, item.request_id)
-            elif needed > free_blocks:
-                stage = DeferralStage.STEP_ADMISSION if opens else DeferralStage.SEQUENCE_EXTENSION
-                deferrals[index] = self._blocks_deferral(
-                    index, item.request_id, stage, needed, free_blocks, item, cache
-                )
-            else:
-                runnable.append(index)
-                free_blocks -= needed
-                free_slots -= int(opens)
+                continue
+            if needed > free_blocks:
+                fits = self._fitting_prefix(item, cache, free_blocks)
+                if not fits:
+                    stage = (
+                        DeferralStage.STEP_ADMISSION if opens else DeferralStage.SEQUENCE_EXTENSION
+                    )
+                    deferrals[index] = self._blocks_deferral(
+                        index, item.request_id, stage, needed, free_blocks, item, cache
+                    )
+                    continue
+                item = narrowed[index] = dataclasses.replace(item, token_ids=item.token_ids[:fits])
+                needed = kv.blocks_needed(cache, item.end)
+            runnable.append(index)
+            free_blocks -= needed
+            free_slots -= int(opens)
         if deferrals and step.mode == DeferralMode.ALL_OR_NOTHING:
             first = deferrals[min(deferrals)]
-            return dict.fromkeys(range(len(step.items)), first)
+            return StepReservation(dict.fromkeys(range(len(step.items)), first), {})
         for index in runnable:
-            item = step.items[index]
+            item = narrowed.get(index, step.items[index])
             cache = caches[index]
             if cache is None:
                 max_tokens = item.max_sequence_tokens or self.limits.max_sequence_length
                 cache = caches[index] = kv.open(item.request_id, max_tokens)
             kv.grow(cache, item.end)
-        return deferrals
+        for index, item in narrowed.items():
+            self.stats.narrowed_chunks += 1
+            _LOG.debug(
+                "chunk_narrowed",
+                request_id=item.request_id,
+                planned=len(step.items[index].token_ids),
+                completed=len(item.token_ids),
+            )
+        return StepReservation(deferrals, narrowed)
+
+    def _fitting_prefix(self, item: StepItem, cache: Cache | None, free_blocks: int) -> int:
+        """Tokens of a narrowable prefill chunk that the cache's blocks plus free_blocks hold
+        (always fewer than the chunk's); 0 when the item may not narrow or none fits."""
+        if not item.allow_narrowing or item.kind != ItemKind.PREFILL_CHUNK:
+            return 0
+        held = len(cache.block_ids) if cache is not None else 0
+        fits = (held + free_blocks) * self.kv.block_size - item.position
+        return max(0, min(fits, len(item.token_ids) - 1))
 
     def reserve_slots(
         self, requests: list[SlotRequest], instance_id: int = 0
@@ -346,14 +386,23 @@ class CapacityManager:
         prompt_tokens: int,
         replayed_tokens: int,
         instance_id: int = 0,
+        first_chunk_tokens: int = 0,
     ) -> Decision:
+        """Admit, defer or reject one request. The admission claims the KV blocks of the first
+        `first_chunk_tokens` context tokens (0 = all of them) and the prefix-cache hit; a
+        deferral for lack of blocks hints the largest first chunk that would fit now."""
         check_instance(instance_id, self.limits)
         self._validate(request_id, tokens, max_tokens, prompt_tokens, replayed_tokens)
+        if first_chunk_tokens > len(tokens):
+            raise InvalidArgument(
+                f"first_chunk_tokens {first_chunk_tokens} exceeds the {len(tokens)} input tokens"
+            )
         self.stats.probes += 1
         kv = self.kv
         model_max = self.limits.max_sequence_length
         bound = max_tokens or len(tokens)
-        immediate = Demand(kv_blocks=kv.blocks_for(len(tokens)), tokens=len(tokens), sequences=1)
+        claim = first_chunk_tokens or len(tokens)
+        immediate = Demand(kv_blocks=kv.blocks_for(claim), tokens=claim, sequences=1)
         fit = Demand(kv_blocks=kv.blocks_for(bound), tokens=bound, sequences=1)
         if len(tokens) > model_max or max_tokens > model_max:
             longest = max(len(tokens), max_tokens)
@@ -404,9 +453,12 @@ class CapacityManager:
                 KV_BLOCKS,
                 "prefix_pending",
             )
-        needed = immediate.kv_blocks - match.num_blocks + match.num_cached
+        needed = max(immediate.kv_blocks, match.num_blocks) - match.num_blocks + match.num_cached
         available = kv.pool.num_available
         if needed > available:
+            # Blocks left once the cached hits are taken, each holding block_size more tokens.
+            spare = available - match.num_cached
+            narrower = min((match.num_blocks + spare) * kv.block_size, claim - 1) if spare else 0
             return self._defer(
                 immediate,
                 fit,
@@ -418,8 +470,9 @@ class CapacityManager:
                 ),
                 KV_BLOCKS,
                 "kv_blocks",
+                narrower,
             )
-        cache = kv.admit(request_id, tokens, max_tokens or model_max, match)
+        cache = kv.admit(request_id, tokens, max_tokens or model_max, match, claim)
         cached = match.num_blocks * kv.block_size
         self.stats.admitted += 1
         self.stats.prefix_lookups += 1
@@ -480,7 +533,13 @@ class CapacityManager:
         return Rejected(immediate=immediate, fit=fit, shortfalls=[shortfall], reason=reason)
 
     def _defer(
-        self, immediate: Demand, fit: Demand, shortfall: Shortfall, source: SourceKey, reason: str
+        self,
+        immediate: Demand,
+        fit: Demand,
+        shortfall: Shortfall,
+        source: SourceKey,
+        reason: str,
+        narrower: int = 0,
     ) -> Deferred:
         self.stats.deferred += 1
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
@@ -492,6 +551,7 @@ class CapacityManager:
             shortfalls=[shortfall],
             epochs=clock.snapshot(),
             observed=clock.observed({source}),
+            narrower_prefill_tokens=narrower,
         )
 
     def expire_prefix_marks(self, now: float) -> int:

@@ -261,6 +261,7 @@ def step_from_pb(
     positions = _column("positions", items.positions, count, 0)
     totals = _column("total_prompt_tokens", items.total_prompt_tokens, count, 0)
     max_tokens = _column("maximum_sequence_tokens", items.maximum_sequence_tokens, count, 0)
+    narrowing = _column("allow_narrowing", items.allow_narrowing, count, False)
     flat = list(items.token_ids)
     if sum(num_tokens) != len(flat):
         raise InvalidArgument(
@@ -281,6 +282,7 @@ def step_from_pb(
                 total_prompt_tokens=totals[i],
                 max_sequence_tokens=max_tokens[i],
                 sampling=samplings[i],
+                allow_narrowing=narrowing[i],
             )
         )
         start = end
@@ -316,6 +318,7 @@ def prefill_step_from_pb(request: pb.PrefillRequest) -> Step:
         total_prompt_tokens=len(tokens),
         max_sequence_tokens=request.maximum_sequence_tokens,
         sampling=sampling_from_pb(request.sampling),
+        allow_narrowing=request.allow_narrowing,
     )
     return Step([item], DeferralMode.ALL_OR_NOTHING, request.executor_instance_id)
 
@@ -431,6 +434,8 @@ def results_to_pb(results: Seq[ItemResult]) -> pb.BatchResults:
             out.top_token_ids.extend(r.top_ids[0])
             out.top_logprobs.extend(r.top_logprobs[0])
     out.logits.extend(r.logits for r in results)
+    out.completed_num_tokens.extend(r.completed_num_tokens for r in results)
+    out.capacity_probe_counts.extend(r.capacity_probe_count for r in results)
     out.deferrals.extend(deferral_to_pb(r.deferral) for r in results if r.deferral is not None)
     out.errors.extend(
         pb.ItemError(
@@ -489,10 +494,16 @@ def prefill_response(step: Step, outcome: StepOutcome, block_size: int) -> pb.Pr
         tokens_to_process=len(item.token_ids),
         total_prompt_tokens=item.total_prompt_tokens,
     )
+    completed = pb.PrefillChunk(
+        tokens_processed=item.position,
+        tokens_to_process=result.completed_num_tokens,
+        total_prompt_tokens=item.total_prompt_tokens,
+    )
     completion = pb.PrefillCompletion(
         kv_cache=_cache_ref(result, block_size),
         planned_chunk=chunk,
-        completed_chunk=chunk,
+        completed_chunk=completed,
+        capacity_probe_count=result.capacity_probe_count,
         request_id=item.request_id,
     )
     if result.status != ItemStatus.INTERMEDIATE:
@@ -740,6 +751,7 @@ def decision_to_pb(
             wait_condition=pb.CapacityWaitCondition(
                 coordinator_id=epochs.coordinator_id, observed=sources_to_pb(decision.observed)
             ),
+            narrower_prefill_tokens=decision.narrower_prefill_tokens,
         )
     )
 

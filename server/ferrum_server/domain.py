@@ -75,6 +75,8 @@ class StepItem:
     total_prompt_tokens: int = 0  # prefill chunks only
     max_sequence_tokens: int = 0  # 0 = model maximum
     sampling: Sampling = GREEDY
+    # A prefill chunk that does not fit may run the prefix that does (CapacityManager).
+    allow_narrowing: bool = False
 
     @property
     def end(self) -> int:
@@ -199,6 +201,10 @@ class ItemResult:
     logits: bytes = b""
     deferral: CapacityDeferral | None = None
     failure: ItemFailure | None = None
+    # Tokens of the item that ran (fewer than planned for a narrowed chunk; 0 if it did not).
+    completed_num_tokens: int = 0
+    # Capacity probes that failed before it ran (1 for a narrowed chunk).
+    capacity_probe_count: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,7 +196,11 @@ class Engine:
         self, step: Step, caches: list[Cache | None], started: int, submitted_ns: int
     ) -> StepOutcome:
         held = [len(cache.block_ids) if cache is not None else 0 for cache in caches]
-        deferrals = self.capacity.reserve_step(step, caches)
+        reservation = self.capacity.reserve_step(step, caches)
+        deferrals, narrowed = reservation.deferrals, reservation.narrowed
+        if narrowed:  # those chunks run (and commit) only the prefix that fits
+            items = [narrowed.get(i, item) for i, item in enumerate(step.items)]
+            step = dataclasses.replace(step, items=items)
         results: list[ItemResult | None] = [None] * len(step.items)
         for index, deferral in deferrals.items():
             results[index] = _unrun(step.items[index], caches[index], deferral=deferral)
@@ -205,6 +209,10 @@ class Engine:
         ran: list[tuple[StepItem, Cache]] = []
         for indices, forward in groups:
             ran += self._commit(step, caches, indices, forward, results)
+        for index in narrowed:
+            narrowed_result = results[index]
+            if narrowed_result is not None and narrowed_result.completed_num_tokens:
+                narrowed_result.capacity_probe_count = 1  # the whole chunk did not fit
         for index in failed:
             item = step.items[index]
             failure = ItemFailure.from_error(DeviceOutOfMemory(_OOM_MESSAGE), item.request_id)
@@ -323,6 +331,7 @@ class Engine:
                 status=ItemStatus.INTERMEDIATE,
                 cache_id=cache.cache_id,
                 committed_tokens=cache.num_tokens,
+                completed_num_tokens=len(item.token_ids),
             )
             if item.num_outputs:
                 if item.sampling.policy == OutputPolicy.LOGITS:
@@ -448,13 +457,20 @@ class Engine:
         prompt_tokens: int,
         replayed_tokens: int,
         instance_id: int = 0,
+        first_chunk_tokens: int = 0,
         origin: RequestOrigin | None = None,
     ) -> Decision:
         """CapacityManager.try_admit for a request of `origin` (None: unspecified), counted by
         origin; then refresh the gauges (an admission holds blocks)."""
         self._check_healthy()
         decision = self.capacity.try_admit(
-            request_id, tokens, max_tokens, prompt_tokens, replayed_tokens, instance_id
+            request_id,
+            tokens,
+            max_tokens,
+            prompt_tokens,
+            replayed_tokens,
+            instance_id,
+            first_chunk_tokens,
         )
         label = origin.name.lower() if origin is not None else "unspecified"
         self.recorder.metrics.record_admission_probe(label)

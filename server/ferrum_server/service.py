@@ -563,6 +563,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             request.product_prompt_tokens,
             request.replayed_output_tokens,
             request.executor_instance_id,
+            request.first_chunk_tokens,
             origin,
             on_orphan=release_admitted,
         )

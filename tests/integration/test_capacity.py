@@ -298,3 +298,91 @@ def test_shared_prefix_is_computed_once(
     assert hits >= 31 * 256
     _assert_quiescent(prefix_server)
     _assert_quiescent(no_prefix_server)
+
+
+def test_a_chunk_that_does_not_fit_runs_its_fitting_prefix_only_when_allowed(
+    tight: LiveServer,
+) -> None:
+    """Issue #14 item 4 through gRPC: narrowing on the step path and on Prefill, deferral
+    without permission, and the exact admission hint and its re-probe."""
+    from ferrum_client import BatchBuilder, item_views
+
+    engine = tight.engine  # type: ignore[attr-defined]
+    kv = engine.kv
+    hog_prompt, prompt, other, late = random_prompts(31, 4, 60, 60)
+    with ExecutorClient(tight.target) as client:
+        hog = client.prefill(pb.PrefillRequest(request_id="hog", input_tokens=hog_prompt))
+        hog_id = hog.completed.kv_cache.cache_id  # 15 of 24 blocks: 9 left, 36 tokens
+        assert kv.pool.num_available == 9
+        # Not allowed: deferred, nothing taken, no cache opened.
+        caches_before = set(kv.caches)
+        plain = BatchBuilder()
+        plain.add_prefill_chunk("n", "", prompt[:48], 0, 60)
+        view = item_views(client.unified_batch(pb.UnifiedBatchRequest(items=plain.build())).results)
+        assert view[0].deferred and view[0].completed_num_tokens == 0
+        assert view[0].deferral is not None
+        assert view[0].deferral.capacity.narrower_prefill_tokens == 36
+        assert set(kv.caches) == caches_before and kv.pool.num_available == 9
+        # Allowed: the 36 tokens the 9 free blocks hold run, and only they are committed.
+        allowed = BatchBuilder()
+        allowed.add_prefill_chunk("n", "", prompt[:48], 0, 60, allow_narrowing=True)
+        results = client.unified_batch(pb.UnifiedBatchRequest(items=allowed.build())).results
+        view = item_views(results)
+        assert list(results.completed_num_tokens) == [36]
+        assert list(results.capacity_probe_counts) == [1]
+        assert view[0].status == pb.ITEM_STATUS_INTERMEDIATE and view[0].committed_tokens == 36
+        narrowed_id = view[0].cache_id
+        assert kv.caches[narrowed_id].token_ids == prompt[:36]
+        assert kv.pool.num_available == 0
+        # The single-item Prefill reports planned and completed chunks once the hog is gone.
+        client.release_cache(pb.ReleaseCacheRequest(cache_id=hog_id))
+        blocker = client.prefill(pb.PrefillRequest(request_id="b", input_tokens=other[:52]))
+        blocker_id = blocker.completed.kv_cache.cache_id  # 13 blocks: 2 left, 8 tokens
+        rest = client.prefill(
+            pb.PrefillRequest(
+                request_id="n",
+                input_tokens=prompt,
+                cache_id=narrowed_id,
+                chunk=pb.PrefillChunk(
+                    tokens_processed=36, tokens_to_process=24, total_prompt_tokens=60
+                ),
+                allow_narrowing=True,
+            )
+        ).completed
+        assert (rest.planned_chunk.tokens_processed, rest.planned_chunk.tokens_to_process) == (
+            36,
+            24,
+        )
+        assert (rest.completed_chunk.tokens_processed, rest.completed_chunk.tokens_to_process) == (
+            36,
+            8,
+        )
+        assert rest.capacity_probe_count == 1 and not rest.HasField("output")
+        assert rest.kv_cache.num_tokens == 44 and kv.caches[narrowed_id].token_ids == prompt[:44]
+        # Admission: the hint is exactly what the available blocks hold, and the re-probe with
+        # it admits a claim of that many tokens.
+        client.release_cache(pb.ReleaseCacheRequest(cache_id=narrowed_id))  # 11 blocks free
+        probe = pb.TryAdmitPrefillRequest(
+            request_id="late", input_tokens=late, product_prompt_tokens=60
+        )
+        answer = client.try_admit_prefill(probe)
+        assert answer.WhichOneof("decision") == "deferred"
+        deferred = answer.deferred
+        assert deferred.narrower_prefill_tokens == 44
+        assert deferred.blockers[0].kind == pb.SHORTFALL_KIND_FIT_AVAILABILITY
+        probe.first_chunk_tokens = deferred.narrower_prefill_tokens
+        admitted = client.try_admit_prefill(probe).admitted
+        assert admitted.held_blocks == 11 and kv.pool.num_available == 0
+        with pytest.raises(ExecutorError) as caught:
+            client.try_admit_prefill(
+                pb.TryAdmitPrefillRequest(
+                    request_id="bad",
+                    input_tokens=[1] * 4,
+                    product_prompt_tokens=4,
+                    first_chunk_tokens=5,
+                )
+            )
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        for cache_id in (admitted.cache_id, blocker_id):
+            client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id))
+    _assert_quiescent(tight)

@@ -338,3 +338,57 @@ def test_steps_stay_within_the_executors_limits(
         want, _, _ = _generate(server, [prompt], params, SchedulerConfig())
         assert got == want[0]
     _assert_quiescent(narrow)
+
+
+def test_a_prompt_that_does_not_fit_starts_with_the_narrower_chunk_the_executor_hints(
+    small: LiveServer, server: LiveServer
+) -> None:
+    """Another client's cache holds 30 of the 40 blocks. An 80-token prompt (20 blocks) is
+    deferred with a hint of 40 tokens (the 10 free blocks); the scheduler re-probes with that
+    first chunk, prefills those 40 tokens at once (its chunk narrowed to them), then parks its
+    next chunk on the KV source, never polling; once the blocker is released the prompt
+    finishes with the same tokens as in a roomy pool (issue #14, items 4 and 8)."""
+    from ferrum_client import pb
+
+    blocker_prompt, prompt = random_prompts(41, 2, 120, 120)
+    prompt = prompt[:80]
+    params = GenerationParams(max_new_tokens=4)
+    config = SchedulerConfig(max_step_tokens=128)
+    expected, _, _ = _generate(server, [prompt], params, config)
+    kv = small.engine.kv  # type: ignore[attr-defined]
+
+    from ferrum_client.scheduler import GrpcBackend
+
+    class ReleaseBlockerOnWait(GrpcBackend):
+        """Releases the blocker the first time the scheduler parks (no sleeps, no polling)."""
+
+        blocker_id = ""
+        committed_when_parked = -1
+
+        async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool:
+            if self.blocker_id:
+                ours = [c for c in kv.caches.values() if c.request_id != "blocker"]
+                self.committed_when_parked = ours[0].num_tokens if ours else 0
+                await self.client.release_cache(pb.ReleaseCacheRequest(cache_id=self.blocker_id))
+                self.blocker_id = ""
+            return await super().wait_for_capacity(wait, timeout_ms)
+
+    async def scenario() -> tuple[list[int], Scheduler, int]:
+        async with AsyncExecutorClient(small.target) as client:
+            blocker = await client.prefill(
+                pb.PrefillRequest(request_id="blocker", input_tokens=blocker_prompt)
+            )
+            backend = ReleaseBlockerOnWait(client)
+            backend.blocker_id = blocker.completed.kv_cache.cache_id
+            scheduler = Scheduler(backend, config)
+            results = await scheduler.generate([prompt], params)
+        return results[0].output_ids, scheduler, backend.committed_when_parked
+
+    output, scheduler, committed = small.run(scenario())  # type: ignore[misc]
+    assert output == expected[0]
+    stats = scheduler.stats
+    assert stats.narrowed_admissions == 1 and stats.narrowed_chunks >= 1
+    assert committed == 40  # the hinted prefix ran while the blocker held the rest
+    # One deferred chunk, then a wait on its source: no step was resubmitted meanwhile.
+    assert stats.deferred_items == 1 and stats.capacity_waits == 1
+    _assert_quiescent(small)

@@ -149,7 +149,7 @@ def test_request_origin_is_validated_and_counted(engine: Engine) -> None:
         convert.request_origin_from_pb(9)
     probes = engine.recorder.metrics.admission_probes
     before = probes.labels("diagnostic")._value.get()
-    decision = engine.try_admit("origin", [1, 2, 3], 0, 3, 0, 0, RequestOrigin.DIAGNOSTIC)
+    decision = engine.try_admit("origin", [1, 2, 3], 0, 3, 0, 0, origin=RequestOrigin.DIAGNOSTIC)
     assert probes.labels("diagnostic")._value.get() == before + 1
     engine.release(decision.cache_id)  # type: ignore[union-attr]
 

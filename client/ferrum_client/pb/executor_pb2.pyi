@@ -1962,6 +1962,7 @@ class BatchItems(_message.Message):
     TOTAL_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     MAXIMUM_SEQUENCE_TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    ALLOW_NARROWING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per-item request id (the scheduler's identity; bound to the cache when it opens)."""
@@ -2005,6 +2006,16 @@ class BatchItems(_message.Message):
     def sampling(self) -> Global___SamplingColumns:
         """Sampling parameters."""
 
+    @_builtins.property
+    def allow_narrowing(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Per-item permission to narrow a prefill chunk (ignored for decodes). A chunk that allows
+        it and cannot get the KV blocks of all its tokens runs the longest prefix that fits now
+        (at least one token; its result reports fewer completed_num_tokens than num_tokens, a
+        capacity_probe_counts entry of 1, and is INTERMEDIATE: the narrowed prefix never ends the
+        prompt). Without it, or when not even one token fits, the chunk is DEFERRED as before.
+        Empty column = false for every item.
+        """
+
     def __init__(
         self,
         *,
@@ -2017,10 +2028,11 @@ class BatchItems(_message.Message):
         total_prompt_tokens: _abc.Iterable[_builtins.int] | None = ...,
         maximum_sequence_tokens: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___SamplingColumns | None = ...,
+        allow_narrowing: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_ids", b"cache_ids", "kinds", b"kinds", "maximum_sequence_tokens", b"maximum_sequence_tokens", "num_tokens", b"num_tokens", "positions", b"positions", "request_ids", b"request_ids", "sampling", b"sampling", "token_ids", b"token_ids", "total_prompt_tokens", b"total_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_narrowing", b"allow_narrowing", "cache_ids", b"cache_ids", "kinds", b"kinds", "maximum_sequence_tokens", b"maximum_sequence_tokens", "num_tokens", b"num_tokens", "positions", b"positions", "request_ids", b"request_ids", "sampling", b"sampling", "token_ids", b"token_ids", "total_prompt_tokens", b"total_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2077,6 +2089,8 @@ class BatchResults(_message.Message):
     LOGITS_FIELD_NUMBER: _builtins.int
     DEFERRALS_FIELD_NUMBER: _builtins.int
     ERRORS_FIELD_NUMBER: _builtins.int
+    COMPLETED_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    CAPACITY_PROBE_COUNTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def statuses(self) -> _containers.RepeatedScalarFieldContainer[Global___ItemStatus.ValueType]:
         """Per-item status."""
@@ -2121,6 +2135,16 @@ class BatchResults(_message.Message):
     def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___ItemError]:
         """One entry per FAILED item, in item order."""
 
+    @_builtins.property
+    def completed_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per-item tokens of the item that ran: its num_tokens, fewer for a narrowed prefill chunk
+        (see BatchItems.allow_narrowing), 0 for a DEFERRED or FAILED item.
+        """
+
+    @_builtins.property
+    def capacity_probe_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per-item capacity probes that failed before the item ran: 1 for a narrowed chunk, else 0."""
+
     def __init__(
         self,
         *,
@@ -2135,10 +2159,12 @@ class BatchResults(_message.Message):
         logits: _abc.Iterable[_builtins.bytes] | None = ...,
         deferrals: _abc.Iterable[Global___ExecutionDeferral] | None = ...,
         errors: _abc.Iterable[Global___ItemError] | None = ...,
+        completed_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        capacity_probe_counts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_ids", b"cache_ids", "committed_tokens", b"committed_tokens", "deferrals", b"deferrals", "errors", b"errors", "logits", b"logits", "num_top_logprobs", b"num_top_logprobs", "statuses", b"statuses", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_ids", b"cache_ids", "capacity_probe_counts", b"capacity_probe_counts", "committed_tokens", b"committed_tokens", "completed_num_tokens", b"completed_num_tokens", "deferrals", b"deferrals", "errors", b"errors", "logits", b"logits", "num_top_logprobs", b"num_top_logprobs", "statuses", b"statuses", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2334,6 +2360,7 @@ class PrefillRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
+    ALLOW_NARROWING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id."""
     maximum_sequence_tokens: _builtins.int
@@ -2347,6 +2374,11 @@ class PrefillRequest(_message.Message):
     request returns the stored result without running again; a different request under a used
     id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
     FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
+    """
+    allow_narrowing: _builtins.bool
+    """Run the prefix of the chunk that fits when the whole chunk does not (see
+    BatchItems.allow_narrowing); the completion then has completed_chunk shorter than
+    planned_chunk and capacity_probe_count 1.
     """
     @_builtins.property
     def input_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -2371,10 +2403,11 @@ class PrefillRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         executor_instance_id: _builtins.int = ...,
         step_id: _builtins.int = ...,
+        allow_narrowing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_id", b"cache_id", "chunk", b"chunk", "executor_instance_id", b"executor_instance_id", "input_tokens", b"input_tokens", "maximum_sequence_tokens", b"maximum_sequence_tokens", "request_id", b"request_id", "sampling", b"sampling", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_narrowing", b"allow_narrowing", "cache_id", b"cache_id", "chunk", b"chunk", "executor_instance_id", b"executor_instance_id", "input_tokens", b"input_tokens", "maximum_sequence_tokens", b"maximum_sequence_tokens", "request_id", b"request_id", "sampling", b"sampling", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3809,7 +3842,12 @@ class AdmissionDeferred(_message.Message):
     capacity_epoch: _builtins.int
     """Capacity epoch when probed."""
     narrower_prefill_tokens: _builtins.int
-    """A narrower first chunk (tokens) that fits now; 0 = none. A hint, not a grant: re-probe."""
+    """The largest first_chunk_tokens that would be admitted now (the prefix-cache hit plus the
+    tokens the available blocks hold), set only when KV blocks were the blocker and at least
+    one more token than the cached prefix fits; 0 = none (a sequence slot or a pending prefix
+    blocks, or no block is available). A hint, not a grant: re-probe TryAdmitPrefill with
+    first_chunk_tokens set to it.
+    """
     @_builtins.property
     def immediate_requested(self) -> Global___CapacityVector:
         """Claim needed now."""
@@ -4043,6 +4081,7 @@ class TryAdmitPrefillRequest(_message.Message):
     REQUEST_ORIGIN_FIELD_NUMBER: _builtins.int
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
+    FIRST_CHUNK_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id."""
     maximum_sequence_tokens: _builtins.int
@@ -4061,6 +4100,14 @@ class TryAdmitPrefillRequest(_message.Message):
     id answers ALREADY_EXISTS. Ids are remembered per executor instance and caller (bounded; an evicted id answers
     FAILED_PRECONDITION, reason ERROR_REASON_STEP_RESULT_EVICTED; see docs/security.md).
     """
+    first_chunk_tokens: _builtins.int
+    """Context tokens whose KV blocks the admission claims now; 0 = the whole execution context
+    (its chunks then never defer). With 0 < n < len(input_tokens) the admission holds the
+    blocks of the first n tokens (prefix-cache hits always included) and later chunks claim
+    theirs when they run, so they may defer or narrow. The re-probe an
+    AdmissionDeferred.narrower_prefill_tokens hint asks for. More than len(input_tokens) is
+    INVALID_ARGUMENT.
+    """
     @_builtins.property
     def input_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Execution context: prompt followed by replayed outputs (after a preemption)."""
@@ -4076,10 +4123,11 @@ class TryAdmitPrefillRequest(_message.Message):
         request_origin: Global___RequestOrigin.ValueType = ...,
         executor_instance_id: _builtins.int = ...,
         step_id: _builtins.int = ...,
+        first_chunk_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "input_tokens", b"input_tokens", "maximum_sequence_tokens", b"maximum_sequence_tokens", "product_prompt_tokens", b"product_prompt_tokens", "replayed_output_tokens", b"replayed_output_tokens", "request_id", b"request_id", "request_origin", b"request_origin", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "first_chunk_tokens", b"first_chunk_tokens", "input_tokens", b"input_tokens", "maximum_sequence_tokens", b"maximum_sequence_tokens", "product_prompt_tokens", b"product_prompt_tokens", "replayed_output_tokens", b"replayed_output_tokens", "request_id", b"request_id", "request_origin", b"request_origin", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -231,9 +231,15 @@ class KvManager:
         return cache
 
     def admit(
-        self, request_id: str, tokens: list[int], max_tokens: int, match: PrefixMatch
+        self,
+        request_id: str,
+        tokens: list[int],
+        max_tokens: int,
+        match: PrefixMatch,
+        claim_tokens: int = 0,
     ) -> Cache:
-        """Open a cache holding the matched prefix and blocks for all of `tokens`."""
+        """Open a cache holding the matched prefix and blocks for the first claim_tokens of
+        `tokens` (0 = all); later chunks grow it when they run."""
         cache = self.open(request_id, max_tokens)
         for block_id in match.block_ids:
             self.pool.acquire(block_id)
@@ -242,7 +248,7 @@ class KvManager:
         cache.token_ids.extend(tokens[: match.num_blocks * self.block_size])
         cache.pending_admission = True
         cache.context_tokens = len(tokens)
-        self.grow(cache, len(tokens))
+        self.grow(cache, claim_tokens or len(tokens))
         if self.prefix_caching:
             bs = self.block_size
             parent = match.hashes[-1] if match.hashes else _ROOT_HASH

@@ -14,7 +14,10 @@ from collections.abc import Awaitable, Sequence
 from ferrum_client.batch import SamplingOptions
 from ferrum_client.scheduler import (
     Admission,
+    Maintenance,
     PlannedItem,
+    Receipt,
+    ReleaseSource,
     StepLimits,
     StepResult,
     StepTiming,
@@ -25,6 +28,7 @@ from ferrum_server.capacity_notifier import CapacityNotifier
 from ferrum_server.convert import sampling_from_pb
 from ferrum_server.domain import (
     GREEDY,
+    CapacityDeferral,
     DeferralMode,
     ItemKind,
     Sampling,
@@ -55,7 +59,12 @@ class InProcessBackend:
             self._notifier = None
 
     async def admit(
-        self, request_id: str, tokens: Sequence[int], maximum_tokens: int, prompt_tokens: int
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        maximum_tokens: int,
+        prompt_tokens: int,
+        first_chunk_tokens: int = 0,
     ) -> Admission:
         engine = self.engine
         decision = await engine.call(
@@ -65,15 +74,40 @@ class InProcessBackend:
             maximum_tokens,
             prompt_tokens,
             len(tokens) - prompt_tokens,
+            0,
+            first_chunk_tokens,
         )
         if isinstance(decision, Admitted):
             return Admission("admitted", decision.cache_id, decision.cached_prompt_tokens)
         if isinstance(decision, Deferred):
-            return Admission("deferred", wait=decision)
+            return Admission(
+                "deferred", wait=decision, narrower_prefill_tokens=decision.narrower_prefill_tokens
+            )
         return Admission("rejected", reason=decision.reason)
 
+    async def maintain(self, request_id: str) -> Maintenance:
+        # The pool is allocated whole at start-up: the engine never asks for maintenance, and
+        # the server answers MaintainPrefillBacking with no_longer_pending (probe again).
+        return Maintenance("retry")
+
+    async def cancel_admission(self, request_id: str) -> None:
+        await self.engine.call(self.engine.capacity.cancel_admission, request_id)
+
+    async def release_sources(self) -> list[ReleaseSource]:
+        entries = await self.engine.call(self.engine.capacity.release_sources)
+        return [
+            ReleaseSource(
+                e.request_id,
+                e.cache_id,
+                frozenset((int(source), domain) for (source, domain), _ in e.sources),
+                e.releasable_blocks,
+            )
+            for e in entries
+        ]
+
     async def wait_for_capacity(self, wait: object, timeout_ms: int) -> bool:
-        assert isinstance(wait, Deferred) and self._notifier is not None
+        # An admission's Deferred, or a step item's CapacityDeferral: both name the sources.
+        assert isinstance(wait, Deferred | CapacityDeferral) and self._notifier is not None
         result = await self._notifier.wait(
             wait.epochs.coordinator_id, wait.observed, timeout_ms / 1000
         )
@@ -91,6 +125,7 @@ class InProcessBackend:
                     total_prompt_tokens=item.total_prompt_tokens,
                     max_sequence_tokens=item.maximum_sequence_tokens,
                     sampling=_sampling(item.sampling),
+                    allow_narrowing=item.allow_narrowing,
                 )
                 for item in items
             ],
@@ -110,14 +145,15 @@ class InProcessBackend:
     async def release(self, cache_id: str) -> None:
         await self.engine.call(self.engine.release, cache_id)
 
-    async def preempt(self, request_id: str, cache_id: str, mode: int) -> None:
+    async def preempt(self, request_id: str, cache_id: str, mode: int) -> Receipt:
         swap = mode == 2  # pb.PREEMPTION_MODE_SWAP
-        await self.engine.call(
+        receipt = await self.engine.call(
             self.engine.capacity.preempt,
             request_id,
             cache_id,
             PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
         )
+        return Receipt(receipt.request_id, receipt.cache_id)
 
     async def renew_leases(self, cache_ids: Sequence[str]) -> list[str]:
         return await self.engine.call(self.engine.renew_leases, list(cache_ids))
@@ -130,14 +166,21 @@ async def _result(future: Awaitable[object]) -> StepResult:
     assert isinstance(outcome, StepOutcome)
     results, t = outcome.results, outcome.timings
     errors: dict[int, str] = {}
+    blocked: dict[int, frozenset[tuple[int, int]]] = {}
+    waits: dict[int, object] = {}
     for index, r in enumerate(results):
         failure = getattr(r, "failure", None)
         if failure is not None:
             errors[index] = str(getattr(failure, "message", failure))
+        if r.deferral is not None:
+            blocked[index] = frozenset((int(s), d) for (s, d), _ in r.deferral.observed)
+            waits[index] = r.deferral
     return StepResult(
         statuses=[int(r.status) for r in results],
         committed_tokens=[r.committed_tokens for r in results],
         token_ids=[r.token_ids[0] if r.token_ids else 0 for r in results],
         timing=StepTiming(t.queue_ns, t.forward_ns, t.sample_ns, t.total_ns),
         errors=errors,
+        blocked_sources=blocked,
+        waits=waits,
     )
