@@ -33,12 +33,15 @@ from ferrum_server.domain import (
     GREEDY,
     CapacityDeferral,
     CapacityUnit,
+    Completion,
+    CompletionOutcome,
     DeferralMode,
     DeferralStage,
     ItemKind,
     ItemResult,
     ItemStatus,
     OutputPolicy,
+    PromptIdentity,
     Sampling,
     Shortfall,
     ShortfallKind,
@@ -50,7 +53,15 @@ from ferrum_server.domain import (
 )
 from ferrum_server.errors import ErrorReason, InvalidArgument
 from ferrum_server.kv.epochs import Epochs, Source, SourceKey
-from ferrum_server.kv.manager import Cache, KvManager, KvUsage, ReleaseResult
+from ferrum_server.kv.manager import (
+    Cache,
+    KvManager,
+    KvUsage,
+    ReleaseResult,
+    chain_hashes,
+    context_digest,
+    prefix_hash,
+)
 from ferrum_server.validate import MAX_ID_BYTES
 
 V = TypeVar("V")
@@ -82,6 +93,7 @@ _check_twins(CapacityUnit, pb.CapacityUnit, "CAPACITY_UNIT_")
 _check_twins(Source, pb.CapacitySource, "CAPACITY_SOURCE_")
 _check_twins(PreemptionMode, pb.PreemptionMode, "PREEMPTION_MODE_")
 _check_twins(ErrorReason, pb.ErrorReason, "ERROR_REASON_")
+_check_twins(CompletionOutcome, pb.CompletionOutcome, "COMPLETION_OUTCOME_")
 
 # Most entries in one ListReleaseSources answer (ids are at most MAX_ID_BYTES, so a page stays
 # near 0.6 MiB, under every message limit).
@@ -209,7 +221,21 @@ def step_from_pb(
     return Step(step_items, mode, instance_id)
 
 
-def prefill_step_from_pb(request: pb.PrefillRequest) -> Step:
+def prompt_identity(tokens: list[int], position: int, block_size: int) -> PromptIdentity:
+    """The whole prompt's token identity, as block hashes (computed here, on the event loop,
+    so the engine thread only compares digests)."""
+    hashes = chain_hashes(tokens, block_size)
+    num_blocks = position // block_size
+    return PromptIdentity(
+        digest=context_digest(tokens, block_size, hashes),
+        prefix_digest=prefix_hash(hashes, num_blocks),
+        prefix_tail=tokens[num_blocks * block_size : position],
+    )
+
+
+def prefill_step_from_pb(request: pb.PrefillRequest, block_size: int) -> Step:
+    """One chunk of a prompt carried whole: besides the chunk, the item holds the prompt's
+    identity, checked against (or, for a cache it opens, declared to) the cache."""
     tokens = list(request.input_tokens)
     if not tokens:
         raise InvalidArgument("input_tokens is empty")
@@ -238,6 +264,7 @@ def prefill_step_from_pb(request: pb.PrefillRequest) -> Step:
         total_prompt_tokens=len(tokens),
         max_sequence_tokens=request.maximum_sequence_tokens,
         sampling=sampling_from_pb(request.sampling),
+        prompt=prompt_identity(tokens, begin, block_size),
     )
     return Step([item], DeferralMode.ALL_OR_NOTHING, request.executor_instance_id)
 
@@ -493,9 +520,12 @@ def release_response(result: ReleaseResult, epochs: Epochs) -> pb.ReleaseCacheRe
     )
 
 
-def complete_response(result: ReleaseResult, epochs: Epochs) -> pb.CompleteCacheResponse:
+def complete_response(result: Completion, epochs: Epochs) -> pb.CompleteCacheResponse:
     return pb.CompleteCacheResponse(
-        released=result.released, blocks_freed=result.blocks_freed, epochs=epochs_to_pb(epochs)
+        released=result.released,
+        blocks_freed=result.blocks_freed,
+        epochs=epochs_to_pb(epochs),
+        outcome=pb.CompletionOutcome.ValueType(result.outcome),
     )
 
 

@@ -26,6 +26,8 @@ from ferrum_server.capacity import CapacityManager, Decision
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import (
     CapacityDeferral,
+    Completion,
+    CompletionOutcome,
     DeferralMode,
     DeferralStage,
     ItemFailure,
@@ -40,7 +42,7 @@ from ferrum_server.domain import (
     WarmupOutcome,
 )
 from ferrum_server.errors import DeviceOutOfMemory, ExecutionFailed, InvalidArgument
-from ferrum_server.kv.manager import Cache, ReleaseResult
+from ferrum_server.kv.manager import Cache, ReleaseResult, Retirement
 from ferrum_server.models import ModelConfig
 from ferrum_server.recorder import Recorder
 from ferrum_server.runner import ForwardOutput
@@ -142,13 +144,18 @@ class Engine:
         failed commits nothing.
         """
         started = time.perf_counter_ns()
-        caches = validate_step(step, self.kv, self.limits)
+        validated = validate_step(step, self.kv, self.limits)
+        caches, refused = validated.caches, validated.refused
         held = [len(cache.block_ids) if cache is not None else 0 for cache in caches]
-        deferrals = self.capacity.reserve_step(step, caches)
+        deferrals = self.capacity.reserve_step(step, caches, skip=refused)
         results: list[ItemResult | None] = [None] * len(step.items)
+        for index, error in refused.items():
+            item = step.items[index]
+            failure = ItemFailure.from_error(error, item.request_id)
+            results[index] = _unrun(item, caches[index], failure=failure)
         for index, deferral in deferrals.items():
             results[index] = _unrun(step.items[index], caches[index], deferral=deferral)
-        runnable = [i for i in range(len(step.items)) if i not in deferrals]
+        runnable = [i for i in range(len(step.items)) if i not in deferrals and i not in refused]
         groups, failed = self._forward(step, caches, runnable, held) if runnable else ([], [])
         ran: list[tuple[StepItem, Cache]] = []
         for indices, forward in groups:
@@ -257,6 +264,9 @@ class Engine:
         for index in indices:
             item, cache = step.items[index], caches[index]
             assert cache is not None  # reserve_step opened it
+            if item.kind == ItemKind.PREFILL_CHUNK:
+                digest = item.prompt.digest if item.prompt is not None else b""
+                self.kv.declare_prompt(cache, item.total_prompt_tokens, digest)
             self.kv.commit(cache, item.token_ids)
             ran.append((item, cache))
             result = ItemResult(
@@ -295,14 +305,21 @@ class Engine:
         check_instance(instance_id, self.limits)
         return self.kv.release(cache_id)
 
-    def complete(self, request_id: str, cache_id: str, instance_id: int = 0) -> ReleaseResult:
+    def complete(
+        self,
+        request_id: str,
+        cache_id: str,
+        input_tokens: int,
+        output_tokens: int,
+        instance_id: int = 0,
+    ) -> Completion:
+        """Record a successful completion (KvManager.complete checks it against the cache) and
+        count it; a completion of an incarnation that already ended answers how it ended."""
         check_instance(instance_id, self.limits)
-        if not cache_id:
-            raise InvalidArgument("cache_id is required")
-        cache = self.kv.caches.get(cache_id)
-        if cache is not None and request_id and cache.request_id != request_id:
-            raise InvalidArgument(f"cache {cache_id!r} belongs to another request")
-        return self.kv.release(cache_id)
+        result = self.kv.complete(request_id, cache_id, input_tokens, output_tokens)
+        outcome = _COMPLETION_OUTCOMES[result.previously]
+        self.recorder.metrics.record_completion(outcome.name.lower(), input_tokens, output_tokens)
+        return Completion(outcome, result.blocks_freed)
 
     def truncate(self, cache_id: str, new_length: int, instance_id: int = 0) -> tuple[Cache, int]:
         check_instance(instance_id, self.limits)
@@ -342,7 +359,7 @@ class Engine:
             return 0
         expired = self.kv.idle_caches(lease_s, now)
         for cache in expired:
-            result = self.kv.release(cache.cache_id, reason="expired")
+            result = self.kv.release(cache.cache_id, reason=Retirement.EXPIRED)
             _LOG.warning(
                 "cache_lease_expired",
                 request_id=cache.request_id,
@@ -412,6 +429,17 @@ class Engine:
         return self.capacity.blocks_deferral(
             "warmup", DeferralStage.STEP_ADMISSION, blocks, pool.num_available
         )
+
+
+# CompleteCache's outcome by how the incarnation had ended (None: this call completed it).
+_COMPLETION_OUTCOMES = {
+    None: CompletionOutcome.COMPLETED,
+    Retirement.COMPLETED: CompletionOutcome.ALREADY_COMPLETED,
+    Retirement.RELEASED: CompletionOutcome.ALREADY_RELEASED,
+    Retirement.CANCELLED: CompletionOutcome.CANCELLED,
+    Retirement.PREEMPTED: CompletionOutcome.PREEMPTED,
+    Retirement.EXPIRED: CompletionOutcome.EXPIRED,
+}
 
 
 def _unrun(

@@ -223,7 +223,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
     @_mutating
     async def Prefill(self, request: pb.PrefillRequest, ticket: Ticket[Any]) -> pb.PrefillResponse:
-        step = convert.prefill_step_from_pb(request)
+        step = convert.prefill_step_from_pb(request, self.engine.kv.block_size)
         outcome = await self._execute(step, ticket)
         return convert.prefill_response(step, outcome, self.engine.kv.block_size)
 
@@ -447,6 +447,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             engine.complete,
             request.request_id,
             request.cache_id,
+            request.input_tokens,
+            request.output_tokens,
             request.executor_instance_id,
         )
         return convert.complete_response(result, engine.kv.clock.snapshot())
