@@ -28,7 +28,7 @@ _LOG = logs.get(__name__)
 # release or completion is answered as a repeat, with a typed outcome, rather than NOT_FOUND.
 # The memory holds at most RETIRED_MAX_IDS ids and RETIRED_MAX_BYTES accounted bytes (each entry
 # counts its two ids plus RETIRED_ENTRY_OVERHEAD, the Python objects around them, measured by
-# tests/unit/test_authority.py); the oldest are forgotten first (documented in docs/capacity.md).
+# tests/unit/test_kv_authority.py); the oldest are forgotten first (documented in docs/capacity.md).
 RETIRED_MAX_IDS = 65536
 RETIRED_MAX_BYTES = 16 * 1024**2
 RETIRED_ENTRY_OVERHEAD = 256
