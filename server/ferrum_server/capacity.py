@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -30,9 +31,9 @@ from ferrum_server.domain import (
 )
 from ferrum_server.errors import AlreadyExists, InvalidArgument, NotFound
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, Epochs, SourceKey
-from ferrum_server.kv.manager import Cache, KvManager
+from ferrum_server.kv.manager import Cache, KvManager, Retirement
 from ferrum_server.recorder import Recorder
-from ferrum_server.validate import Limits, check_instance
+from ferrum_server.validate import Limits, check_instance, check_opener
 
 _LOG = logs.get(__name__)
 
@@ -182,12 +183,14 @@ class CapacityManager:
 
     # -- steps ----------------------------------------------------------------------------
 
-    def reserve_step(self, step: Step, caches: list[Cache | None]) -> StepReservation:
+    def reserve_step(
+        self, step: Step, caches: list[Cache | None], skip: Collection[int] = ()
+    ) -> StepReservation:
         """Take the blocks every runnable item needs, opening caches for opening items (filled
-        into `caches`); defer the others. A prefill chunk that allows narrowing and does not
-        fit runs the longest prefix the blocks still hold (one failed probe, then that
-        prefix), if that is at least one token. With ALL_OR_NOTHING, one item that is deferred
-        defers every item and nothing is taken."""
+        into `caches`); defer the others. Items in `skip` (refused) take nothing. A prefill
+        chunk that allows narrowing and does not fit runs the longest prefix the blocks still
+        hold (one failed probe, then that prefix), if that is at least one token. With
+        ALL_OR_NOTHING, one item that is deferred defers every item and nothing is taken."""
         kv = self.kv
         free_blocks = kv.pool.num_available
         free_slots = kv.num_free_sequence_slots
@@ -195,6 +198,8 @@ class CapacityManager:
         deferrals: dict[int, CapacityDeferral] = {}
         narrowed: dict[int, StepItem] = {}
         for index, (item, cache) in enumerate(zip(step.items, caches, strict=True)):
+            if index in skip:
+                continue
             needed = kv.blocks_needed(cache, item.end)
             opens = cache is None
             if opens and free_slots < 1:
@@ -291,6 +296,7 @@ class CapacityManager:
         """Check every slot request against its cache; None for the ones that open a cache."""
         longest = self.limits.max_sequence_length
         seen: set[str] = set()
+        openers: set[str] = set()
         caches: list[Cache | None] = []
         for index, request in enumerate(requests):
             if request.target_len == 0 or request.target_len > longest:
@@ -311,6 +317,14 @@ class CapacityManager:
                     raise InvalidArgument(f"item {index}: cache belongs to another request")
                 if request.target_len < cache.num_tokens:
                     raise InvalidArgument(f"item {index}: target_len below committed length")
+            else:
+                check_opener(index, request.request_id, openers)
+                holder = self.kv.live_cache_of(request.request_id)
+                if holder is not None:
+                    raise AlreadyExists(
+                        f"item {index}: request {request.request_id!r} already holds cache "
+                        f"{holder.cache_id!r}; reserve slots on that cache instead"
+                    )
             caches.append(cache)
         return caches
 
@@ -518,12 +532,12 @@ class CapacityManager:
             raise InvalidArgument(
                 f"maximum_sequence_tokens {max_tokens} is below the {len(tokens)} input tokens"
             )
-        for cache in self.kv.caches.values():
-            if cache.request_id == request_id:
-                raise AlreadyExists(
-                    f"request {request_id!r} already holds cache {cache.cache_id!r}; release or "
-                    f"preempt it before admitting it again"
-                )
+        cache = self.kv.live_cache_of(request_id)
+        if cache is not None:
+            raise AlreadyExists(
+                f"request {request_id!r} already holds cache {cache.cache_id!r}; release or "
+                f"preempt it before admitting it again"
+            )
 
     def _reject(
         self, immediate: Demand, fit: Demand, shortfall: Shortfall, reason: str
@@ -578,11 +592,11 @@ class CapacityManager:
     def cancel_admission(self, request_id: str, instance_id: int = 0) -> bool:
         """Release an admitted request whose first chunk never ran."""
         check_instance(instance_id, self.limits)
-        for cache in list(self.kv.caches.values()):
-            if cache.request_id == request_id and cache.pending_admission:
-                self.kv.release(cache.cache_id, reason="cancelled")
-                return True
-        return False
+        cache = self.kv.live_cache_of(request_id)
+        if cache is None or not cache.pending_admission:
+            return False
+        self.kv.release(cache.cache_id, reason=Retirement.CANCELLED)
+        return True
 
     # -- preemption -----------------------------------------------------------------------
 
@@ -612,18 +626,23 @@ class CapacityManager:
         self, request_id: str, cache_id: str, mode: PreemptionMode, instance_id: int = 0
     ) -> PreemptionReceipt:
         check_instance(instance_id, self.limits)
+        # The request id and the cache id together name one incarnation of one request: a
+        # preemption without the request id, or naming another request's cache, retires
+        # nothing (a stale or confused decision must not release someone else's KV).
+        if not request_id:
+            raise InvalidArgument("request_id is required")
         if not cache_id:
             raise InvalidArgument("cache_id is required")
         cache = self.kv.caches.get(cache_id)
         if cache is None:
             raise NotFound(f"cache {cache_id!r} is not live (released or unknown)")
-        if request_id and cache.request_id != request_id:
+        if cache.request_id != request_id:
             raise InvalidArgument(f"cache {cache_id!r} belongs to another request")
         used = mode
         if mode == PreemptionMode.SWAP and not self._swap_out(cache):
             used = PreemptionMode.RECOMPUTE
         pending = cache.pending_admission
-        result = self.kv.release(cache_id, reason="preempted")
+        result = self.kv.release(cache_id, reason=Retirement.PREEMPTED)
         self.stats.preemptions += 1
         self.metrics.record_preemption(used.name.lower())
         _LOG.info(
@@ -688,7 +707,7 @@ class CapacityManager:
         del self.swapped[request_id]
         cache = kv.open(request_id, max_tokens)
         cache.pending_admission = True
-        cache.context_tokens = len(tokens)
+        kv.declare_context(cache, tokens)
         kv.grow(cache, len(tokens))
         # Keep at least one token to run, so the scheduler gets logits for the next position.
         restored = min(len(swapped.token_ids), len(tokens) - 1)

@@ -34,6 +34,8 @@ from ferrum_server.domain import (
     GREEDY,
     CapacityDeferral,
     CapacityUnit,
+    Completion,
+    CompletionOutcome,
     CompletionWork,
     CompletionWorkKind,
     DeferralMode,
@@ -43,6 +45,7 @@ from ferrum_server.domain import (
     ItemStatus,
     OutputPolicy,
     PenaltyScope,
+    PromptIdentity,
     RequestOrigin,
     Sampling,
     Shortfall,
@@ -63,7 +66,15 @@ from ferrum_server.execution_events import (
     StepCompleted,
 )
 from ferrum_server.kv.epochs import Epochs, Source, SourceKey
-from ferrum_server.kv.manager import Cache, KvManager, KvUsage, ReleaseResult
+from ferrum_server.kv.manager import (
+    Cache,
+    KvManager,
+    KvUsage,
+    ReleaseResult,
+    chain_hashes,
+    context_digest,
+    prefix_hash,
+)
 from ferrum_server.validate import MAX_ID_BYTES, Limits
 
 V = TypeVar("V")
@@ -98,6 +109,7 @@ _check_twins(ErrorReason, pb.ErrorReason, "ERROR_REASON_")
 _check_twins(PenaltyScope, pb.RepetitionPenaltyScope, "REPETITION_PENALTY_SCOPE_")
 _check_twins(RequestOrigin, pb.RequestOrigin, "REQUEST_ORIGIN_")
 _check_twins(CompletionWorkKind, pb.CompletionWorkKind, "COMPLETION_WORK_KIND_")
+_check_twins(CompletionOutcome, pb.CompletionOutcome, "COMPLETION_OUTCOME_")
 
 # KvManager release reasons -> their proto enum (completions and preemptions have events of
 # their own and never reach it).
@@ -289,7 +301,21 @@ def step_from_pb(
     return Step(step_items, mode, instance_id)
 
 
-def prefill_step_from_pb(request: pb.PrefillRequest) -> Step:
+def prompt_identity(tokens: list[int], position: int, block_size: int) -> PromptIdentity:
+    """The whole prompt's token identity, as block hashes (computed here, on the event loop,
+    so the engine thread only compares digests)."""
+    hashes = chain_hashes(tokens, block_size)
+    num_blocks = position // block_size
+    return PromptIdentity(
+        digest=context_digest(tokens, block_size, hashes),
+        prefix_digest=prefix_hash(hashes, num_blocks),
+        prefix_tail=tokens[num_blocks * block_size : position],
+    )
+
+
+def prefill_step_from_pb(request: pb.PrefillRequest, block_size: int) -> Step:
+    """One chunk of a prompt carried whole: besides the chunk, the item holds the prompt's
+    identity, checked against (or, for a cache it opens, declared to) the cache."""
     tokens = list(request.input_tokens)
     if not tokens:
         raise InvalidArgument("input_tokens is empty")
@@ -319,6 +345,7 @@ def prefill_step_from_pb(request: pb.PrefillRequest) -> Step:
         max_sequence_tokens=request.maximum_sequence_tokens,
         sampling=sampling_from_pb(request.sampling),
         allow_narrowing=request.allow_narrowing,
+        prompt=prompt_identity(tokens, begin, block_size),
     )
     return Step([item], DeferralMode.ALL_OR_NOTHING, request.executor_instance_id)
 
@@ -590,13 +617,14 @@ def completion_work_to_pb(work: CompletionWork) -> pb.CompletionWork:
 
 
 def complete_response(
-    result: ReleaseResult, epochs: Epochs, work: CompletionWork
+    result: Completion, epochs: Epochs, work: CompletionWork
 ) -> pb.CompleteCacheResponse:
     return pb.CompleteCacheResponse(
         released=result.released,
         blocks_freed=result.blocks_freed,
         epochs=epochs_to_pb(epochs),
         work=completion_work_to_pb(work),
+        outcome=pb.CompletionOutcome.ValueType(result.outcome),
     )
 
 

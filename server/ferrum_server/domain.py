@@ -66,6 +66,16 @@ GREEDY = Sampling()
 
 
 @dataclass(frozen=True, slots=True)
+class PromptIdentity:
+    """The token identity of a chunk whose call carried the whole prompt (Prefill): checked
+    against the cache by hash, never token by token."""
+
+    digest: bytes  # kv.manager.context_digest of the whole prompt
+    prefix_digest: bytes  # chained hash of the full blocks before the chunk
+    prefix_tail: list[int]  # the prompt's tokens after those blocks, up to the chunk
+
+
+@dataclass(frozen=True, slots=True)
 class StepItem:
     kind: ItemKind
     request_id: str
@@ -77,6 +87,7 @@ class StepItem:
     sampling: Sampling = GREEDY
     # A prefill chunk that does not fit may run the prefix that does (CapacityManager).
     allow_narrowing: bool = False
+    prompt: PromptIdentity | None = None  # set when the call carried the whole prompt
 
     @property
     def end(self) -> int:
@@ -98,6 +109,29 @@ class Step:
     items: list[StepItem]
     mode: DeferralMode = DeferralMode.PER_ITEM
     executor_instance_id: int = 0
+
+
+class CompletionOutcome(enum.IntEnum):
+    """What a CompleteCache found (proto CompletionOutcome)."""
+
+    COMPLETED = 1
+    ALREADY_COMPLETED = 2
+    ALREADY_RELEASED = 3
+    CANCELLED = 4
+    PREEMPTED = 5
+    EXPIRED = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """The answer to a CompleteCache."""
+
+    outcome: CompletionOutcome
+    blocks_freed: int
+
+    @property
+    def released(self) -> bool:
+        return self.outcome == CompletionOutcome.COMPLETED
 
 
 class DeferralStage(enum.IntEnum):

@@ -34,6 +34,8 @@ from ferrum_server.capacity import (
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import (
     CapacityDeferral,
+    Completion,
+    CompletionOutcome,
     CompletionWork,
     DeferralMode,
     DeferralStage,
@@ -52,6 +54,7 @@ from ferrum_server.domain import (
 from ferrum_server.errors import (
     DeviceOutOfMemory,
     ExecutionFailed,
+    ExecutorError,
     ExecutorFaulted,
     InvalidArgument,
     Unavailable,
@@ -65,7 +68,7 @@ from ferrum_server.execution_events import (
 )
 from ferrum_server.fair_queue import FairQueue, Job
 from ferrum_server.kv.epochs import Epochs, SourceKey
-from ferrum_server.kv.manager import Cache, ReleaseResult
+from ferrum_server.kv.manager import Cache, ReleaseResult, Retirement
 from ferrum_server.models import ModelConfig
 from ferrum_server.recorder import Recorder
 from ferrum_server.runner import ForwardOutput
@@ -185,26 +188,35 @@ class Engine:
         """
         started = time.perf_counter_ns()
         self._check_healthy()
-        caches = validate_step(step, self.kv, self.limits)
+        validated = validate_step(step, self.kv, self.limits)
         self.recorder.begin(len(step.items))
         try:
-            return self._execute(step, caches, started, submitted_ns)
+            return self._execute(step, validated.caches, validated.refused, started, submitted_ns)
         finally:
             self.recorder.end(len(step.items))
 
     def _execute(
-        self, step: Step, caches: list[Cache | None], started: int, submitted_ns: int
+        self,
+        step: Step,
+        caches: list[Cache | None],
+        refused: dict[int, ExecutorError],
+        started: int,
+        submitted_ns: int,
     ) -> StepOutcome:
         held = [len(cache.block_ids) if cache is not None else 0 for cache in caches]
-        reservation = self.capacity.reserve_step(step, caches)
+        reservation = self.capacity.reserve_step(step, caches, skip=refused)
         deferrals, narrowed = reservation.deferrals, reservation.narrowed
         if narrowed:  # those chunks run (and commit) only the prefix that fits
             items = [narrowed.get(i, item) for i, item in enumerate(step.items)]
             step = dataclasses.replace(step, items=items)
         results: list[ItemResult | None] = [None] * len(step.items)
+        for index, error in refused.items():
+            item = step.items[index]
+            failure = ItemFailure.from_error(error, item.request_id)
+            results[index] = _unrun(item, caches[index], failure=failure)
         for index, deferral in deferrals.items():
             results[index] = _unrun(step.items[index], caches[index], deferral=deferral)
-        runnable = [i for i in range(len(step.items)) if i not in deferrals]
+        runnable = [i for i in range(len(step.items)) if i not in deferrals and i not in refused]
         groups, failed = self._forward(step, caches, runnable, held) if runnable else ([], [])
         ran: list[tuple[StepItem, Cache]] = []
         for indices, forward in groups:
@@ -284,7 +296,7 @@ class Engine:
             if cache is None:
                 continue
             if not step.items[index].cache_id:
-                self.kv.release(cache.cache_id, reason="failed")
+                self.kv.release(cache.cache_id, reason=Retirement.FAILED)
             else:
                 self.kv.unreserve(cache, held[index])
 
@@ -292,14 +304,14 @@ class Engine:
         """Release the caches a step opened (its caller went away and will never learn them)."""
         for item, result in zip(step.items, outcome.results, strict=True):
             if not item.cache_id and result.cache_id in self.kv.caches:
-                self.kv.release(result.cache_id, reason="abandoned")
+                self.kv.release(result.cache_id, reason=Retirement.ABANDONED)
 
     def release_caches(self, cache_ids: list[str]) -> int:
         """Release the live caches among cache_ids (their caller went away); return how many
         were live."""
         live = [c for c in dict.fromkeys(cache_ids) if c in self.kv.caches]
         for cache_id in live:
-            self.kv.release(cache_id, reason="abandoned")
+            self.kv.release(cache_id, reason=Retirement.ABANDONED)
         return len(live)
 
     def _commit(
@@ -322,9 +334,9 @@ class Engine:
         for index in indices:
             item, cache = step.items[index], caches[index]
             assert cache is not None  # reserve_step opened it
-            if not cache.prompt_tokens and item.kind == ItemKind.PREFILL_CHUNK:
-                # Opened without admission: the prompt is what the first chunk says it is.
-                cache.prompt_tokens = item.total_prompt_tokens
+            if item.kind == ItemKind.PREFILL_CHUNK:
+                digest = item.prompt.digest if item.prompt is not None else b""
+                self.kv.declare_prompt(cache, item.total_prompt_tokens, digest)
             self.kv.commit(cache, item.token_ids)
             ran.append((item, cache))
             result = ItemResult(
@@ -364,14 +376,21 @@ class Engine:
         check_instance(instance_id, self.limits)
         return self.kv.release(cache_id)
 
-    def complete(self, request_id: str, cache_id: str, instance_id: int = 0) -> ReleaseResult:
+    def complete(
+        self,
+        request_id: str,
+        cache_id: str,
+        input_tokens: int,
+        output_tokens: int,
+        instance_id: int = 0,
+    ) -> Completion:
+        """Record a successful completion (KvManager.complete checks it against the cache) and
+        count it; a completion of an incarnation that already ended answers how it ended."""
         check_instance(instance_id, self.limits)
-        if not cache_id:
-            raise InvalidArgument("cache_id is required")
-        cache = self.kv.caches.get(cache_id)
-        if cache is not None and request_id and cache.request_id != request_id:
-            raise InvalidArgument(f"cache {cache_id!r} belongs to another request")
-        return self.kv.release(cache_id, reason="completed")
+        result = self.kv.complete(request_id, cache_id, input_tokens, output_tokens)
+        outcome = _COMPLETION_OUTCOMES[result.previously]
+        self.recorder.metrics.record_completion(outcome.name.lower(), input_tokens, output_tokens)
+        return Completion(outcome, result.blocks_freed)
 
     def complete_observed(
         self,
@@ -380,10 +399,10 @@ class Engine:
         input_tokens: int,
         output_tokens: int,
         instance_id: int = 0,
-    ) -> tuple[ReleaseResult, CompletionWork]:
+    ) -> tuple[Completion, CompletionWork]:
         """`complete`, plus whether work on the cache may follow it (recorded and published)."""
         cache = self.kv.caches.get(cache_id)
-        result = self.complete(request_id, cache_id, instance_id)
+        result = self.complete(request_id, cache_id, input_tokens, output_tokens, instance_id)
         work = CompletionWork.observe(self.fault is not None)
         self.recorder.metrics.record_completion_work("complete", work.label)
         if result.released and cache is not None:
@@ -489,7 +508,7 @@ class Engine:
         """Release every cache (drain); return how many were live."""
         cache_ids = list(self.kv.caches)
         for cache_id in cache_ids:
-            self.kv.release(cache_id, reason="drained")
+            self.kv.release(cache_id, reason=Retirement.DRAINED)
         return len(cache_ids)
 
     # -- faults and events ----------------------------------------------------------------
@@ -535,7 +554,7 @@ class Engine:
             return 0
         expired = self.kv.idle_caches(lease_s, now)
         for cache in expired:
-            result = self.kv.release(cache.cache_id, reason="expired")  # published as an event
+            result = self.kv.release(cache.cache_id, reason=Retirement.EXPIRED)  # an event
             _LOG.warning(
                 "cache_lease_expired",
                 request_id=cache.request_id,
@@ -623,6 +642,17 @@ def _step_event(
     prefill = sum(len(item.token_ids) for item, _ in ran if item.kind == ItemKind.PREFILL_CHUNK)
     decode = sum(len(item.token_ids) for item, _ in ran if item.kind != ItemKind.PREFILL_CHUNK)
     return StepCompleted(len(step.items), len(ran), deferred, failed, prefill, decode, elapsed_ns)
+
+
+# CompleteCache's outcome by how the incarnation had ended (None: this call completed it).
+_COMPLETION_OUTCOMES = {
+    None: CompletionOutcome.COMPLETED,
+    Retirement.COMPLETED: CompletionOutcome.ALREADY_COMPLETED,
+    Retirement.RELEASED: CompletionOutcome.ALREADY_RELEASED,
+    Retirement.CANCELLED: CompletionOutcome.CANCELLED,
+    Retirement.PREEMPTED: CompletionOutcome.PREEMPTED,
+    Retirement.EXPIRED: CompletionOutcome.EXPIRED,
+}
 
 
 def _unrun(

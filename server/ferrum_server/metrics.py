@@ -36,6 +36,16 @@ PREEMPTION_MODES = ("recompute", "swap")
 REQUEST_ORIGINS = ("product", "startup", "diagnostic", "unspecified")
 COMPLETION_CALLS = ("complete", "cancel")
 COMPLETION_WORK = ("none", "additional_or_unproven")
+# CompleteCache outcomes (proto CompletionOutcome, lower case).
+COMPLETION_OUTCOMES = (
+    "completed",
+    "already_completed",
+    "already_released",
+    "cancelled",
+    "preempted",
+    "expired",
+)
+COMPLETED_TOKEN_KINDS = ("input", "output")
 MEMORY_PARTS = (
     "total",
     "budget",
@@ -112,6 +122,13 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
      "Items deferred for lack of a resource (kv_blocks, sequence_slots, request_state)."),
     (f"{PREFIX}_preemptions_total", "counter", ("mode",),
      "Sequences preempted (recompute, swap)."),
+    (f"{PREFIX}_completions_total", "counter", ("outcome",),
+     "CompleteCache calls by outcome: completed (this call released the live cache), or how the "
+     "cache had already ended (already_completed, already_released, cancelled, preempted, "
+     "expired)."),
+    (f"{PREFIX}_completed_tokens_total", "counter", ("kind",),
+     "Tokens of successfully completed sequences as CompleteCache reported them (input, "
+     "output), after they were checked against the cache's committed length."),
     (f"{PREFIX}_caches_expired_total", "counter", (),
      "Caches released because no call named them for the cache lease (--cache-lease-s)."),
     (f"{PREFIX}_prefix_cache_queries_total", "counter", (),
@@ -130,6 +147,8 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
     (f"{PREFIX}_batch_tokens", "histogram", (), "Tokens per executed step."),
     (f"{PREFIX}_step_duration_seconds", "histogram", ("kind",),
      "Wall time of one step (prefill, decode, mixed)."),
+    (f"{PREFIX}_completion_output_tokens", "histogram", (),
+     "Output tokens per successfully completed sequence (CompleteCache)."),
     (f"{PREFIX}_time_to_first_token_seconds", "histogram", (),
      "Time from a request's admission to its first sampled token."),
     (f"{PREFIX}_inter_token_latency_seconds", "histogram", (),
@@ -207,6 +226,11 @@ class Metrics:
         self.completion_work = self._counter(f"{p}_completion_work", "call", "work")
         self.deferrals = self._counter(f"{p}_deferrals", "reason")
         self.preemptions = self._counter(f"{p}_preemptions", "mode")
+        self.completions = self._counter(f"{p}_completions", "outcome")
+        self.completed_tokens = self._counter(f"{p}_completed_tokens", "kind")
+        self.completion_output_tokens = self._histogram(
+            f"{p}_completion_output_tokens", BATCH_TOKEN_BUCKETS
+        )
         self.caches_expired = self._counter(f"{p}_caches_expired")
         self.prefix_queries = self._counter(f"{p}_prefix_cache_queries")
         self.prefix_hits = self._counter(f"{p}_prefix_cache_hits")
@@ -242,6 +266,10 @@ class Metrics:
                 self.completion_work.labels(call, work)
         for part in MEMORY_PARTS:
             self.memory_plan.labels(part)
+        for outcome in COMPLETION_OUTCOMES:
+            self.completions.labels(outcome)
+        for token_kind in COMPLETED_TOKEN_KINDS:
+            self.completed_tokens.labels(token_kind)
 
     def _gauge(self, name: str) -> Gauge:
         return Gauge(name, _help(name), registry=self.registry)
@@ -325,6 +353,16 @@ class Metrics:
 
     def set_faulted(self, faulted: bool) -> None:
         self.faulted.set(1 if faulted else 0)
+
+    def record_completion(self, outcome: str, input_tokens: int, output_tokens: int) -> None:
+        """One CompleteCache: its outcome; the token counts only when it completed the cache (a
+        repeat, or a completion of an already ended cache, counts no tokens)."""
+        self.completions.labels(_check(outcome, COMPLETION_OUTCOMES, "completion outcome")).inc()
+        if outcome != "completed":
+            return
+        self.completed_tokens.labels("input").inc(input_tokens)
+        self.completed_tokens.labels("output").inc(output_tokens)
+        self.completion_output_tokens.observe(output_tokens)
 
     def record_caches_expired(self, count: int) -> None:
         self.caches_expired.inc(count)

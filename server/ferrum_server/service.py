@@ -277,7 +277,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, ticket: Ticket[Any]) -> pb.PrefillResponse:
         limits = self.engine.limits
         convert.check_prompt_size(len(request.input_tokens), limits.max_sequence_length)
-        step, outcome = await self._execute(ticket, convert.prefill_step_from_pb, request)
+        step, outcome = await self._execute(
+            ticket, convert.prefill_step_from_pb, request, self.engine.kv.block_size
+        )
         return convert.prefill_response(step, outcome, self.engine.kv.block_size)
 
     @_mutating

@@ -2,16 +2,26 @@
 
 Every check runs before any state changes, so a rejected step leaves the executor exactly as
 it was. Messages name the item index and the offending value, never internals.
+
+The authority checks (who may open or extend which cache, with which tokens) refuse one item:
+in a PER_ITEM step that item alone fails and the others run; any other step is refused whole.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 
-from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, Step, StepItem
-from ferrum_server.errors import InvalidArgument, PositionMismatch, StaleInstance
-from ferrum_server.kv.manager import Cache, KvManager
+from ferrum_server.domain import DeferralMode, ItemKind, OutputPolicy, Sampling, Step, StepItem
+from ferrum_server.errors import (
+    AlreadyExists,
+    ExecutorError,
+    InvalidArgument,
+    PositionMismatch,
+    StaleInstance,
+)
+from ferrum_server.kv.manager import Cache, KvManager, prefix_hash
 
 # Longest id accepted, in bytes of UTF-8: every string field of a request (convert.check_ids)
 # and every step item's ids. Ids are logged, stored and echoed in answers.
@@ -44,8 +54,17 @@ def check_instance(claimed: int, limits: Limits) -> None:
         )
 
 
-def validate_step(step: Step, kv: KvManager, limits: Limits) -> list[Cache | None]:
-    """Check the whole step; return each item's cache (None for items opening a cache)."""
+@dataclass(frozen=True, slots=True)
+class Validated:
+    """A step that may run: each item's cache (None for items opening a cache), and the items
+    refused for authority (PER_ITEM steps only: they fail alone, nothing runs for them)."""
+
+    caches: list[Cache | None]
+    refused: dict[int, ExecutorError] = field(default_factory=dict)
+
+
+def validate_step(step: Step, kv: KvManager, limits: Limits) -> Validated:
+    """Check the whole step; answer each item's cache and the items refused for authority."""
     check_instance(step.executor_instance_id, limits)
     items = step.items
     if not items:
@@ -63,15 +82,94 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> list[Cache | Non
                 "message limit; split the batch or request selected tokens"
             )
     sequences: list[Cache | None] = []
+    refused: dict[int, ExecutorError] = {}
     seen: set[str] = set()
+    openers: set[str] = set()
     for index, item in enumerate(items):
         _check_item(index, item, limits)
         if item.cache_id:
             if item.cache_id in seen:
                 raise InvalidArgument(f"item {index}: cache {item.cache_id!r} appears twice")
             seen.add(item.cache_id)
-        sequences.append(_check_against_state(index, item, kv))
-    return sequences
+        else:
+            check_opener(index, item.request_id, openers)
+        cache = _check_against_state(index, item, kv)
+        sequences.append(cache)
+        error = check_authority(index, item, cache, kv)
+        if error is not None:
+            if step.mode != DeferralMode.PER_ITEM:
+                raise error
+            refused[index] = error
+    return Validated(sequences, refused)
+
+
+def check_opener(index: int, request_id: str, openers: set[str]) -> None:
+    """A request opens at most one cache per call (an empty request id opens an anonymous
+    cache, which belongs to no request)."""
+    if not request_id:
+        return
+    if request_id in openers:
+        raise InvalidArgument(
+            f"item {index}: request {request_id!r} opens a second cache in one call; a request "
+            "holds one cache"
+        )
+    openers.add(request_id)
+
+
+def check_authority(
+    index: int, item: StepItem, cache: Cache | None, kv: KvManager
+) -> ExecutorError | None:
+    """Whether the item may open or extend its cache: one live cache per request, and while a
+    cache's prompt is incomplete only chunks of that prompt (same length, same tokens where
+    known) run on it. Reads only; the refusal, or None."""
+    where = f"item {index}"
+    if cache is None:
+        holder = kv.live_cache_of(item.request_id)
+        if holder is None:
+            return None
+        return AlreadyExists(
+            f"{where}: request {item.request_id!r} already holds cache {holder.cache_id!r}; "
+            "continue that cache, or release or preempt it before opening another"
+        )
+    if item.kind != ItemKind.PREFILL_CHUNK:
+        if cache.prompt_in_progress:
+            return InvalidArgument(
+                f"{where}: the cache's prompt is prefilled to {cache.num_tokens} of "
+                f"{cache.prompt_total} tokens; only its chunks run until it is complete"
+            )
+        return None
+    if cache.prompt_in_progress:
+        if item.total_prompt_tokens != cache.prompt_total:
+            return InvalidArgument(
+                f"{where}: total_prompt_tokens {item.total_prompt_tokens} differs from the "
+                f"{cache.prompt_total}-token prompt of cache {cache.cache_id!r}"
+            )
+        context = cache.context
+        if context is not None and context[item.position : item.end] != array("I", item.token_ids):
+            return InvalidArgument(
+                f"{where}: the chunk's tokens differ from the execution context admitted for "
+                f"cache {cache.cache_id!r} at [{item.position}, {item.end})"
+            )
+        prompt = item.prompt
+        if prompt is not None and cache.prompt_digest and prompt.digest != cache.prompt_digest:
+            return InvalidArgument(
+                f"{where}: the prompt differs from the one cache {cache.cache_id!r} was "
+                "admitted or opened with"
+            )
+    if item.prompt is not None:
+        # A block-hash comparison: the chained hash of the prompt's full blocks before the
+        # chunk against the cache's committed block hashes, plus the few tokens after them.
+        start = item.position - item.position % kv.block_size
+        num_blocks = item.position // kv.block_size
+        if (
+            item.prompt.prefix_digest != prefix_hash(cache.block_hashes, num_blocks)
+            or item.prompt.prefix_tail != cache.token_ids[start : item.position]
+        ):
+            return InvalidArgument(
+                f"{where}: the prompt's first {item.position} tokens differ from those cache "
+                f"{cache.cache_id!r} committed"
+            )
+    return None
 
 
 def response_bytes(items: list[StepItem], limits: Limits) -> int:

@@ -123,7 +123,9 @@ def run_one(data: bytes) -> None:
                 r.items, DeferralMode.ALL_OR_NOTHING, r.executor_instance_id, ItemKind.DECODE
             )
         ),
-        pb.PrefillRequest: lambda r: eng.execute(convert.prefill_step_from_pb(r)),
+        pb.PrefillRequest: lambda r: eng.execute(
+            convert.prefill_step_from_pb(r, eng.kv.block_size)
+        ),
         pb.DecodeRequest: lambda r: eng.execute(convert.decode_step_from_pb(r)),
         pb.ForwardVerifyRequest: lambda r: eng.execute(convert.verify_step_from_pb(r)),
         pb.TruncateKvRequest: lambda r: eng.truncate(

@@ -11,6 +11,7 @@ from ferrum_client import (
     AsyncExecutorClient,
     BatchBuilder,
     ExecutorClient,
+    InvalidArgumentError,
     SamplingOptions,
     item_views,
     pb,
@@ -95,11 +96,12 @@ def test_unified_batch_matches_items_alone(client: ExecutorClient) -> None:
     chunk_prompts = [_prompt(20 + i, 14 + 5 * i) for i in range(2)]
     fresh = _prompt(30, 9)
     batched, alone = {}, {}
-    for copy in (batched, alone):
+    # One live cache per request id: the copy run alone has its own request ids.
+    for copy, suffix in ((batched, ""), (alone, "-solo")):
         for i, p in enumerate(decode_prompts):
-            copy[f"d{i}"] = _prefill_in_chunks(client, p, [len(p)], f"d{i}")[0]
+            copy[f"d{i}"] = _prefill_in_chunks(client, p, [len(p)], f"d{i}{suffix}")[0]
         for i, p in enumerate(chunk_prompts):
-            copy[f"c{i}"] = _open_partial(client, p, 7, f"c{i}")
+            copy[f"c{i}"] = _open_partial(client, p, 7, f"c{i}{suffix}")
     builder = BatchBuilder()
     for i, p in enumerate(chunk_prompts):
         builder.add_prefill_chunk(f"c{i}", batched[f"c{i}"], p[7:], 7, len(p), sampling=LOGITS)
@@ -250,14 +252,27 @@ def test_reserve_release_complete_are_exact_and_idempotent(client: ExecutorClien
     assert list(reserved.new_blocks) == [3]  # 9 tokens / block size 4
     assert reserved.free_blocks_before - reserved.free_blocks_after == 3
     cache_id = reserved.cache_ids[0]
+    # Nothing is committed yet: a completion claiming a 9-token prompt is refused, and changes
+    # nothing.
+    with pytest.raises(InvalidArgumentError):
+        client.complete_cache(
+            pb.CompleteCacheRequest(request_id="r", cache_id=cache_id, input_tokens=9)
+        )
+    builder = BatchBuilder()
+    builder.add_prefill_chunk("r", cache_id, _prompt(70, 9), 0, 9)
+    ran = item_views(client.unified_batch(pb.UnifiedBatchRequest(items=builder.build())).results)
+    assert ran[0].committed_tokens == 9
     done = client.complete_cache(
-        pb.CompleteCacheRequest(request_id="r", cache_id=cache_id, input_tokens=9)
+        pb.CompleteCacheRequest(request_id="r", cache_id=cache_id, input_tokens=9, output_tokens=1)
     )
     assert done.released and done.blocks_freed == 3
+    assert done.outcome == pb.COMPLETION_OUTCOME_COMPLETED
     again = client.complete_cache(pb.CompleteCacheRequest(request_id="r", cache_id=cache_id))
     assert not again.released
+    assert again.outcome == pb.COMPLETION_OUTCOME_ALREADY_COMPLETED
     assert not client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id)).released
-    assert client.get_kv_slot_capacity().snapshot.free_blocks == capacity.free_blocks
+    after = client.get_kv_slot_capacity().snapshot  # the full blocks stay as prefix cache
+    assert after.free_blocks + after.cached_blocks == capacity.free_blocks + capacity.cached_blocks
 
 
 def test_capacity_deferral_is_typed_and_runs_nothing(small_pool_server: object) -> None:

@@ -390,7 +390,10 @@ def test_complete_and_cancel_answer_the_work_left_behind(
     before = _metric(live_server.metrics_url, name, call="complete", work="none")
     done = client.complete_cache(
         pb.CompleteCacheRequest(
-            request_id="obs", cache_id=first.completed.kv_cache.cache_id, output_tokens=1
+            request_id="obs",
+            cache_id=first.completed.kv_cache.cache_id,
+            input_tokens=3,
+            output_tokens=1,
         )
     )
     assert done.released and done.work.kind == pb.COMPLETION_WORK_KIND_NO_ADDITIONAL_WORK
@@ -436,7 +439,12 @@ def test_a_device_fault_reports_error_poisons_capacity_and_refuses_work(
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
         assert "faulted" in str(refused.value)
         done = client.complete_cache(
-            pb.CompleteCacheRequest(request_id="held", cache_id=held.completed.kv_cache.cache_id)
+            pb.CompleteCacheRequest(
+                request_id="held",
+                cache_id=held.completed.kv_cache.cache_id,
+                input_tokens=3,
+                output_tokens=1,
+            )
         )
         assert done.work.kind == pb.COMPLETION_WORK_KIND_ADDITIONAL_OR_UNPROVEN
         assert done.work.submission_indeterminate

@@ -250,7 +250,7 @@ def run_call(engine: Engine, kind: str, payload: Any) -> None:
         engine.execute(convert.step_from_pb(items, mode, instance, only.get(kind)))
         OUTCOMES["steps"] += 1
     elif kind == "prefill":
-        engine.execute(convert.prefill_step_from_pb(payload))
+        engine.execute(convert.prefill_step_from_pb(payload, engine.kv.block_size))
     elif kind == "decode":
         engine.execute(convert.decode_step_from_pb(payload))
     elif kind == "verify":

@@ -79,10 +79,12 @@ def test_step_id_zero_is_never_deduplicated(
     server: InProcessServer, client: ExecutorClient
 ) -> None:
     request = pb.PrefillRequest(request_id="nodup", input_tokens=[3, 4, 5])
-    first, second = client.prefill(request), client.prefill(request)
+    first = client.prefill(request)
+    # A request holds one cache at a time: release the first before the identical call.
+    client.release_cache(pb.ReleaseCacheRequest(cache_id=first.completed.kv_cache.cache_id))
+    second = client.prefill(request)
     assert first.completed.kv_cache.cache_id != second.completed.kv_cache.cache_id
-    for answer in (first, second):
-        client.release_cache(pb.ReleaseCacheRequest(cache_id=answer.completed.kv_cache.cache_id))
+    client.release_cache(pb.ReleaseCacheRequest(cache_id=second.completed.kv_cache.cache_id))
 
 
 def test_refusals_are_forgotten_so_a_corrected_retry_runs(client: ExecutorClient) -> None:
@@ -262,14 +264,20 @@ def _two_callers_one_step_id(
     tally: Tally,
     label: str = "",
 ) -> None:
-    """Both callers send the same request under step id 1: each gets its own result; a retry
-    still deduplicates per caller; the first caller's next decode works."""
-    request = pb.PrefillRequest(request_id="shared", input_tokens=[3, 4, 5], step_id=1)
+    """Both callers send a prefill under step id 1: each gets its own result (were step ids
+    shared, the second payload would be ALREADY_EXISTS under the used id); a retry still
+    deduplicates per caller; the first caller's next decode works. Each caller names its own
+    request (a request id holds one live cache, whoever opens it)."""
+    requests = {
+        name: pb.PrefillRequest(request_id=f"shared-{name}", input_tokens=[3, 4, 5], step_id=1)
+        for name in ("first", "second")
+    }
+    request = requests["first"]
     steps = _steps(server)
     answers = {}
     for name, client in (("first", first), ("second", second)):
         tally.send(f"{label}{name}#prefill")
-        answers[name] = client.prefill(request).completed
+        answers[name] = client.prefill(requests[name]).completed
         tally.resolve(f"{label}{name}#prefill")
     assert _steps(server) == steps + 2
     caches = {name: answer.kv_cache.cache_id for name, answer in answers.items()}
@@ -282,7 +290,7 @@ def _two_callers_one_step_id(
         tally.send(f"{label}{name}#decode")
         decoded = client.decode(
             pb.DecodeRequest(
-                request_id="shared",
+                request_id=f"shared-{name}",
                 cache_id=caches[name],
                 input_token=answers[name].output.token.token_id,
                 position=3,
@@ -327,7 +335,9 @@ def test_two_callers_with_one_step_id_by_session(server: InProcessServer) -> Non
         """A unified step on a stream is scoped the same way, and shares the caller's ledger
         with its unary calls."""
         builder = BatchBuilder()
-        builder.add_prefill_chunk("streamed", "", [5, 6, 7], 0, 3)
+        # One payload for both callers: an anonymous cache (no request id), since a request id
+        # holds one live cache whoever opens it.
+        builder.add_prefill_chunk("", "", [5, 6, 7], 0, 3)
         step = pb.UnifiedBatchRequest(items=builder.build(), step_id=3)
         async with (
             AsyncExecutorClient(server.target, session_id="scheduler-a") as first,

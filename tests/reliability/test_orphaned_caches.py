@@ -140,7 +140,12 @@ def test_a_dying_client_s_caches_expire_and_a_new_request_is_admitted(
                 )
             )
             await client.complete_cache(
-                pb.CompleteCacheRequest(request_id=alive, cache_id=cache_id)
+                pb.CompleteCacheRequest(
+                    request_id=alive,
+                    cache_id=cache_id,
+                    input_tokens=len(tokens),
+                    output_tokens=1,
+                )
             )
             tally.resolve(alive)
         return admitted_after

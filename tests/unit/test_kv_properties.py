@@ -2,16 +2,24 @@
 
 Random sequences of admit / prefill chunk / decode / verify+truncate / preempt / complete /
 release / cancel; after every step: no block is both free and used, reference counts equal the
-number of holders, free + cached + used = total; at quiescence no block is used.
+number of holders, free + cached + used = total; at quiescence no block is used. Interleaved
+with them, calls that break the request-authority rules (a chunk of another prompt, a second
+cache for a request, a preemption or completion naming the wrong request or counts) must be
+refused and change nothing.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
-from ferrum_server.capacity import Admitted, CapacityManager, PreemptionMode
+from ferrum_server.capacity import Admitted, CapacityManager, PreemptionMode, SlotRequest
+from ferrum_server.domain import DeferralMode, ItemKind, Step, StepItem
+from ferrum_server.errors import AlreadyExists, InvalidArgument
 from ferrum_server.kv.manager import KvManager
 from ferrum_server.recorder import Recorder
-from ferrum_server.validate import Limits
+from ferrum_server.validate import Limits, validate_step
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -41,6 +49,7 @@ class KvMachine(RuleBasedStateMachine):
             max_num_logprobs=0,
             instance_id=1,
         )
+        self.limits = limits
         self.capacity = CapacityManager(
             self.kv, kv_cache, limits, swap_space_bytes=1 << 20 if swap else 0, recorder=Recorder()
         )
@@ -95,7 +104,119 @@ class KvMachine(RuleBasedStateMachine):
         size = data.draw(st.integers(1, len(context) - seq.num_tokens))
         # Admission reserved the whole context: a chunk never needs new blocks.
         assert self.kv.blocks_needed(seq, seq.num_tokens + size) == 0
-        self._commit(cache_id, context[seq.num_tokens : seq.num_tokens + size])
+        chunk = context[seq.num_tokens : seq.num_tokens + size]
+        item = StepItem(
+            ItemKind.PREFILL_CHUNK, seq.request_id, cache_id, chunk, seq.num_tokens, len(context)
+        )
+        assert not validate_step(Step([item]), self.kv, self.limits).refused
+        self._commit(cache_id, chunk)
+
+    # -- calls the authority rules refuse: each must change nothing ------------------------
+
+    def _snapshot(self) -> Any:
+        kv = self.kv
+        caches = tuple(
+            (
+                c.cache_id,
+                c.request_id,
+                tuple(c.token_ids),
+                tuple(c.block_ids),
+                tuple(c.block_hashes),
+                c.prompt_total,
+                c.prompt_digest,
+                bytes(c.context) if c.context is not None else None,
+                c.pending_admission,
+                tuple(c.pending_hashes),
+            )
+            for c in sorted(kv.caches.values(), key=lambda c: c.cache_id)
+        )
+        pool = (kv.pool.num_free, kv.pool.num_cached, kv.pool.num_used)
+        clock = (kv.clock.release_epoch, kv.clock.capacity_epoch)
+        return (
+            caches,
+            pool,
+            clock,
+            dict(kv.by_request),
+            kv.retired_memory,
+            list(self.capacity.swapped),
+        )
+
+    def _refused_step(self, item: StepItem, error: type[Exception]) -> None:
+        """Refused alone in a PER_ITEM step (reserving nothing for it), whole otherwise."""
+        before = self._snapshot()
+        step = Step([item])
+        validated = validate_step(step, self.kv, self.limits)
+        assert isinstance(validated.refused.get(0), error), validated.refused
+        reservation = self.capacity.reserve_step(step, validated.caches, skip=validated.refused)
+        assert not reservation.deferrals and not reservation.narrowed
+        with pytest.raises(error):
+            validate_step(Step([item], DeferralMode.ALL_OR_NOTHING), self.kv, self.limits)
+        assert self._snapshot() == before
+
+    @precondition(lambda self: any(c.prompt_in_progress for c in self.kv.caches.values()))
+    @rule(data=st.data(), how=st.sampled_from(["tokens", "total", "decode"]))
+    def wrong_prompt_chunk(self, data: st.DataObject, how: str) -> None:
+        pending = [c for c in self._live() if self.kv.caches[c].prompt_in_progress]
+        cache_id = pending[data.draw(st.integers(0, len(pending) - 1))]
+        seq = self.kv.caches[cache_id]
+        context = self.contexts.get(cache_id, [])
+        position, total = seq.num_tokens, seq.prompt_total
+        if how == "decode":
+            item = StepItem(ItemKind.DECODE, seq.request_id, cache_id, [0], position)
+        elif how == "total":
+            chunk = context[position : position + 1] or [0]
+            # Still a well-formed chunk (it lies inside its own prompt), of another length.
+            lengths = [t for t in range(position + len(chunk), 65) if t != total]
+            if not lengths:
+                return
+            other = data.draw(st.sampled_from(lengths))
+            item = StepItem(
+                ItemKind.PREFILL_CHUNK, seq.request_id, cache_id, chunk, position, other
+            )
+        else:
+            if seq.context is None:
+                return  # no admitted tokens to differ from
+            size = data.draw(st.integers(1, total - position))
+            chunk = list(context[position : position + size])
+            at = data.draw(st.integers(0, size - 1))
+            chunk[at] = (chunk[at] + data.draw(st.integers(1, VOCAB - 1))) % VOCAB
+            item = StepItem(
+                ItemKind.PREFILL_CHUNK, seq.request_id, cache_id, chunk, position, total
+            )
+        self._refused_step(item, InvalidArgument)
+
+    @precondition(lambda self: bool(self.kv.by_request))
+    @rule(data=st.data())
+    def second_open(self, data: st.DataObject) -> None:
+        live = [c for c in self._live() if self.kv.caches[c].request_id]
+        cache_id = live[data.draw(st.integers(0, len(live) - 1))]
+        request_id = self.kv.caches[cache_id].request_id
+        opener = StepItem(ItemKind.PREFILL_CHUNK, request_id, "", [1, 2], 0, 2)
+        self._refused_step(opener, AlreadyExists)
+        before = self._snapshot()
+        with pytest.raises(AlreadyExists):
+            self.capacity.reserve_slots([SlotRequest("", request_id, 2)])
+        with pytest.raises(AlreadyExists):
+            self.capacity.try_admit(request_id, [1, 2], 0, 2, 0)
+        with pytest.raises(InvalidArgument):
+            self.capacity.reserve_slots([SlotRequest("", "twice", 2), SlotRequest("", "twice", 2)])
+        assert self._snapshot() == before
+
+    @precondition(lambda self: bool(self.kv.caches))
+    @rule(data=st.data(), request_id=st.sampled_from(["", "someone-else"]))
+    def wrong_preempt_or_complete(self, data: st.DataObject, request_id: str) -> None:
+        live = self._live()
+        cache_id = live[data.draw(st.integers(0, len(live) - 1))]
+        seq = self.kv.caches[cache_id]
+        before = self._snapshot()
+        with pytest.raises(InvalidArgument):
+            self.capacity.preempt(request_id, cache_id, PreemptionMode.RECOMPUTE)
+        with pytest.raises(InvalidArgument):
+            self.kv.complete(request_id, cache_id, 1, seq.num_tokens)
+        # The owner, with counts that do not add up to the committed length.
+        with pytest.raises(InvalidArgument):
+            self.kv.complete(seq.request_id, cache_id, seq.num_tokens + 1, 1)
+        assert self._snapshot() == before
 
     @precondition(lambda self: bool(self.kv.caches))
     @rule(data=st.data(), count=st.integers(1, 3))
@@ -104,8 +225,8 @@ class KvMachine(RuleBasedStateMachine):
         cache_id = live[data.draw(st.integers(0, len(live) - 1))]
         seq = self.kv.caches[cache_id]
         target = seq.num_tokens + count
-        if target > seq.max_tokens:
-            return
+        if target > seq.max_tokens or seq.prompt_in_progress:
+            return  # the engine refuses decodes before the prompt is complete
         needed = self.kv.blocks_needed(seq, target)
         if needed > self.kv.pool.num_available:
             return  # the engine would defer this item: nothing changes
@@ -146,7 +267,16 @@ class KvMachine(RuleBasedStateMachine):
     def complete_or_release(self, data: st.DataObject) -> None:
         live = self._live()
         cache_id = live[data.draw(st.integers(0, len(live) - 1))]
-        assert self.kv.release(cache_id).released
+        seq = self.kv.caches[cache_id]
+        if seq.num_tokens and data.draw(st.booleans()):
+            # A completion whose counts describe the committed tokens (the last output unfed).
+            inputs = data.draw(st.integers(1, seq.num_tokens))
+            outputs = seq.num_tokens - inputs + data.draw(st.integers(0, 1))
+            assert self.kv.complete(seq.request_id, cache_id, inputs, outputs).released
+            repeat = self.kv.complete(seq.request_id, cache_id, inputs, outputs)
+            assert not repeat.released and repeat.previously == "completed"
+        else:
+            assert self.kv.release(cache_id).released
         assert not self.kv.release(cache_id).released  # idempotent for the same incarnation
         self.retired.append(cache_id)
 

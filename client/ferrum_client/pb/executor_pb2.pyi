@@ -397,6 +397,50 @@ ListReleaseSources) before going on.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
+class _CompletionOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CompletionOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CompletionOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COMPLETION_OUTCOME_UNSPECIFIED: _CompletionOutcome.ValueType  # 0
+    COMPLETION_OUTCOME_COMPLETED: _CompletionOutcome.ValueType  # 1
+    """This call completed the live cache (released = true)."""
+    COMPLETION_OUTCOME_ALREADY_COMPLETED: _CompletionOutcome.ValueType  # 2
+    """An earlier CompleteCache completed it (a repeat)."""
+    COMPLETION_OUTCOME_ALREADY_RELEASED: _CompletionOutcome.ValueType  # 3
+    """ReleaseCache released it earlier (cancel, failure, recompute), or a broken StepStream's
+    release-on-disconnect, or a drain.
+    """
+    COMPLETION_OUTCOME_CANCELLED: _CompletionOutcome.ValueType  # 4
+    """CancelPrefillAdmission released it before its first chunk ran."""
+    COMPLETION_OUTCOME_PREEMPTED: _CompletionOutcome.ValueType  # 5
+    """PreemptExecutionCapacity retired it."""
+    COMPLETION_OUTCOME_EXPIRED: _CompletionOutcome.ValueType  # 6
+    """Its cache lease expired (no call named it for --cache-lease-s)."""
+
+class CompletionOutcome(_CompletionOutcome, metaclass=_CompletionOutcomeEnumTypeWrapper):
+    """What a CompleteCache call found: it completed the live incarnation, or how the incarnation
+    had already ended (an idempotent repeat, or a completion that came after another release).
+    """
+
+COMPLETION_OUTCOME_UNSPECIFIED: CompletionOutcome.ValueType  # 0
+COMPLETION_OUTCOME_COMPLETED: CompletionOutcome.ValueType  # 1
+"""This call completed the live cache (released = true)."""
+COMPLETION_OUTCOME_ALREADY_COMPLETED: CompletionOutcome.ValueType  # 2
+"""An earlier CompleteCache completed it (a repeat)."""
+COMPLETION_OUTCOME_ALREADY_RELEASED: CompletionOutcome.ValueType  # 3
+"""ReleaseCache released it earlier (cancel, failure, recompute), or a broken StepStream's
+release-on-disconnect, or a drain.
+"""
+COMPLETION_OUTCOME_CANCELLED: CompletionOutcome.ValueType  # 4
+"""CancelPrefillAdmission released it before its first chunk ran."""
+COMPLETION_OUTCOME_PREEMPTED: CompletionOutcome.ValueType  # 5
+"""PreemptExecutionCapacity retired it."""
+COMPLETION_OUTCOME_EXPIRED: CompletionOutcome.ValueType  # 6
+"""Its cache lease expired (no call named it for --cache-lease-s)."""
+Global___CompletionOutcome: _TypeAlias = CompletionOutcome  # noqa: Y015
+
 class _CompletionWorkKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1965,11 +2009,19 @@ class BatchItems(_message.Message):
     ALLOW_NARROWING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Per-item request id (the scheduler's identity; bound to the cache when it opens)."""
+        """Per-item request id (the scheduler's identity; bound to the cache when it opens, so an
+        opening item needs one; checked against the cache when set on other items). A request holds
+        at most one live cache: opening a second is ALREADY_EXISTS, two opening items with one
+        request id in a batch INVALID_ARGUMENT.
+        """
 
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Per-item cache id. Empty opens a new cache: only for a prefill chunk at position 0."""
+        """Per-item cache id. Empty opens a new cache: only for a prefill chunk at position 0. While a
+        cache's prompt is incomplete, its chunks must carry that prompt: the same
+        total_prompt_tokens and, on an admitted cache, the admitted tokens (INVALID_ARGUMENT
+        otherwise; in a UnifiedBatch only that item fails).
+        """
 
     @_builtins.property
     def kinds(self) -> _containers.RepeatedScalarFieldContainer[Global___ItemKind.ValueType]:
@@ -2382,7 +2434,10 @@ class PrefillRequest(_message.Message):
     """
     @_builtins.property
     def input_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The whole prompt (execution context), unchanged across chunks."""
+        """The whole prompt (execution context), unchanged across chunks: a later chunk whose prompt
+        differs from the one the cache was admitted or opened with, or whose tokens before the
+        chunk differ from the committed ones, is INVALID_ARGUMENT.
+        """
 
     @_builtins.property
     def chunk(self) -> Global___PrefillChunk:
@@ -3161,7 +3216,9 @@ class ReserveKvSlotsRequest(_message.Message):
     """
     @_builtins.property
     def cache_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Per-item cache id; empty opens a new cache for the item's request id."""
+        """Per-item cache id; empty opens a new cache for the item's request id (which must be set and
+        hold no live cache: ALREADY_EXISTS otherwise).
+        """
 
     @_builtins.property
     def target_lens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -3445,11 +3502,14 @@ class CompleteCacheRequest(_message.Message):
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Request id."""
+    """Request id (required): must be the request the cache was opened or admitted for."""
     cache_id: _builtins.str
     """Cache id."""
     input_tokens: _builtins.int
-    """Input tokens counted in usage."""
+    """Input (prompt) tokens counted in usage, >= 1. Checked against a live cache: 1 <=
+    input_tokens <= committed and committed <= input_tokens + output_tokens <= committed + 1
+    (the last output token may never have been fed back); otherwise INVALID_ARGUMENT.
+    """
     output_tokens: _builtins.int
     """Output tokens counted in usage."""
     executor_instance_id: _builtins.int
@@ -3488,10 +3548,13 @@ class CompleteCacheResponse(_message.Message):
     BLOCKS_FREED_FIELD_NUMBER: _builtins.int
     EPOCHS_FIELD_NUMBER: _builtins.int
     WORK_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
     released: _builtins.bool
     """False when the incarnation was already completed or released (idempotent repeat)."""
     blocks_freed: _builtins.int
     """Blocks returned."""
+    outcome: Global___CompletionOutcome.ValueType
+    """What the call found (COMPLETED when released is true; otherwise how the incarnation ended)."""
     @_builtins.property
     def epochs(self) -> Global___AdmissionEpochs:
         """Epochs after the release."""
@@ -3507,10 +3570,11 @@ class CompleteCacheResponse(_message.Message):
         blocks_freed: _builtins.int = ...,
         epochs: Global___AdmissionEpochs | None = ...,
         work: Global___CompletionWork | None = ...,
+        outcome: Global___CompletionOutcome.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["epochs", b"epochs", "work", b"work"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_freed", b"blocks_freed", "epochs", b"epochs", "released", b"released", "work", b"work"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_freed", b"blocks_freed", "epochs", b"epochs", "outcome", b"outcome", "released", b"released", "work", b"work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -5212,7 +5276,9 @@ class PreemptExecutionCapacityRequest(_message.Message):
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Request id."""
+    """Request id (required): must be the request the cache belongs to (INVALID_ARGUMENT when
+    empty or another request's; nothing is released).
+    """
     cache_id: _builtins.str
     """Cache id (incarnation), non-empty."""
     mode: Global___PreemptionMode.ValueType

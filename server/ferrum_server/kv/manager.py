@@ -8,29 +8,96 @@ request changes nothing.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import secrets
+import struct
 import time
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ferrum_server import logs
-from ferrum_server.errors import CapacityExhausted, NotFound
+from ferrum_server.errors import CapacityExhausted, InvalidArgument, NotFound
 from ferrum_server.kv.block_pool import BlockPool
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, EpochClock, SourceKey
 
 _LOG = logs.get(__name__)
-# Retired cache ids remembered so that a repeated release is recognised as a repeat.
-_RETIRED_MEMORY = 65536
+# Retired cache ids are remembered (with their request id and how they ended) so that a repeated
+# release or completion is answered as a repeat, with a typed outcome, rather than NOT_FOUND.
+# The memory holds at most RETIRED_MAX_IDS ids and RETIRED_MAX_BYTES accounted bytes (each entry
+# counts its two ids plus RETIRED_ENTRY_OVERHEAD, the Python objects around them, measured by
+# tests/unit/test_kv_authority.py); the oldest are forgotten first (documented in docs/capacity.md).
+RETIRED_MAX_IDS = 65536
+RETIRED_MAX_BYTES = 16 * 1024**2
+RETIRED_ENTRY_OVERHEAD = 256
 _ROOT_HASH = b"ferrum-prefix-root"
 
 
-def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """Content key of a full block: its tokens and (through `parent`) every token before it."""
     digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    digest.update(struct.pack(f"<{len(tokens)}I", *tokens))
     return digest.digest()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained content hash of every full block of `tokens`, in order (block i's hash
+    covers tokens [0, (i + 1) * block_size)); the keys prefix caching uses."""
+    hashes: list[bytes] = []
+    parent = _ROOT_HASH
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def prefix_hash(hashes: Sequence[bytes], num_blocks: int) -> bytes:
+    """The chained hash covering the first num_blocks full blocks (the root for none)."""
+    return hashes[num_blocks - 1] if num_blocks else _ROOT_HASH
+
+
+def context_digest(
+    tokens: Sequence[int], block_size: int, hashes: Sequence[bytes] | None = None
+) -> bytes:
+    """One digest of a whole execution context: the block chain (`hashes` when already
+    computed), closed by the partial tail block and the length, so two contexts share it only
+    if they are the same tokens."""
+    if hashes is None:
+        hashes = chain_hashes(tokens, block_size)
+    tail = tokens[len(hashes) * block_size :]
+    return block_hash(prefix_hash(hashes, len(hashes)) + len(tokens).to_bytes(8, "little"), tail)
+
+
+def completion_counts_agree(committed: int, input_tokens: int, output_tokens: int) -> bool:
+    """Whether a completion's usage counts describe a sequence of `committed` KV tokens: every
+    committed token is a prompt or output token, the whole prompt (>= 1 token) is committed,
+    and at most the last output was never fed back."""
+    total = input_tokens + output_tokens
+    return 1 <= input_tokens <= committed <= total <= committed + 1
+
+
+class Retirement(enum.StrEnum):
+    """How a cache incarnation ended: what a later release, completion or lookup reports."""
+
+    RELEASED = "released"  # ReleaseCache, a broken stream's release, a drain
+    COMPLETED = "completed"  # CompleteCache
+    CANCELLED = "cancelled"  # CancelPrefillAdmission
+    PREEMPTED = "preempted"  # PreemptExecutionCapacity
+    EXPIRED = "expired"  # the cache lease
+    ABANDONED = "abandoned"  # its caller left before learning of it (an orphaned open)
+    FAILED = "failed"  # the step that opened it failed
+    DRAINED = "drained"  # the executor shut down
+
+
+@dataclass(frozen=True, slots=True)
+class Retired:
+    request_id: str
+    how: Retirement
+
+    def accounted_bytes(self, cache_id: str) -> int:
+        return len(cache_id.encode()) + len(self.request_id.encode()) + RETIRED_ENTRY_OVERHEAD
 
 
 @dataclass(slots=True)
@@ -52,6 +119,13 @@ class Cache:
     # Where the product prompt ends: TryAdmitPrefill's product_prompt_tokens, else the first
     # chunk's total_prompt_tokens (0 until known). Tokens past it are outputs (penalty scope).
     prompt_tokens: int = 0
+    # Token identity of the prompt being prefilled (declared by the admission, else by the
+    # chunk that opened the cache or extended a complete prompt): its length; its digest
+    # (context_digest) when a call carried the whole prompt; and, while an admitted prompt is
+    # incomplete, its tokens (4 bytes each), so every chunk can be checked against them.
+    prompt_total: int = 0
+    prompt_digest: bytes = b""
+    context: array[int] | None = None
     # Hashes of full context blocks this cache will compute that others may wait for.
     pending_hashes: list[bytes] = field(default_factory=list)
     # Monotonic times for time-to-first-token and inter-token metrics.
@@ -64,11 +138,18 @@ class Cache:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def prompt_in_progress(self) -> bool:
+        """Whether the declared prompt is not fully committed yet (its chunks must match it)."""
+        return self.num_tokens < self.prompt_total
+
 
 @dataclass(frozen=True, slots=True)
 class ReleaseResult:
     released: bool
     blocks_freed: int
+    # How the incarnation had ended already (a repeat); None when this call released it.
+    previously: Retirement | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +195,12 @@ class KvManager:
         self.prefix_caching = prefix_caching
         self.clock = EpochClock(coordinator_id)
         self.caches: dict[str, Cache] = {}
-        # Retired cache id -> how it ended ("released" or "expired"), for NOT_FOUND messages.
-        self._retired: OrderedDict[str, str] = OrderedDict()
+        # Request id -> its live cache id: a request holds at most one live cache (the one KV
+        # authority per request), enforced where caches open. Empty request ids are not indexed.
+        self.by_request: dict[str, str] = {}
+        # Retired cache id -> whose it was and how it ended (bounded: see RETIRED_MAX_*).
+        self._retired: OrderedDict[str, Retired] = OrderedDict()
+        self._retired_bytes = 0
         # Content hash -> cache id of the admitted cache that will compute that block.
         self._pending: dict[bytes, str] = {}
         # Called after every release with (cache, reason, blocks freed) (execution events).
@@ -134,13 +219,15 @@ class KvManager:
         """The live cache named by a call; naming it renews its lease."""
         cache = self.caches.get(cache_id)
         if cache is None:
-            state = self._retired.get(cache_id, "unknown")
-            if state == "expired":
+            retired = self._retired.get(cache_id)
+            if retired is None:
+                raise NotFound(f"cache {cache_id!r} is unknown")
+            if retired.how == Retirement.EXPIRED:
                 raise NotFound(
                     f"cache {cache_id!r} expired: no call named it for longer than the cache "
                     "lease (see RenewCacheLease)"
                 )
-            raise NotFound(f"cache {cache_id!r} is {state}")
+            raise NotFound(f"cache {cache_id!r} is {retired.how} (released)")
         cache.touched_s = time.monotonic()
         return cache
 
@@ -215,6 +302,20 @@ class KvManager:
             parent = content
         return PrefixMatch(block_ids, hashes, num_cached, num_pending)
 
+    def live_cache_of(self, request_id: str) -> Cache | None:
+        """The live cache of a request id, if it holds one."""
+        cache_id = self.by_request.get(request_id) if request_id else None
+        return self.caches[cache_id] if cache_id is not None else None
+
+    def retired(self, cache_id: str) -> Retired | None:
+        """How a retired cache ended, while it is remembered."""
+        return self._retired.get(cache_id)
+
+    @property
+    def retired_memory(self) -> tuple[int, int]:
+        """(ids remembered, accounted bytes) of the retired-id memory."""
+        return len(self._retired), self._retired_bytes
+
     def releasable_blocks(self, cache: Cache) -> int:
         """Blocks that would leave the used state if `cache` were released now."""
         return sum(1 for b in cache.block_ids if self.pool.ref_count(b) == 1)
@@ -224,9 +325,13 @@ class KvManager:
     def open(self, request_id: str, max_tokens: int) -> Cache:
         if len(self.caches) >= self.max_sequences:
             raise RuntimeError("open() past the sequence ceiling")
+        if request_id in self.by_request:
+            raise RuntimeError("open() for a request that holds a live cache")
         cache_id = secrets.token_hex(12)
         cache = Cache(cache_id=cache_id, request_id=request_id, max_tokens=max_tokens)
         self.caches[cache_id] = cache
+        if request_id:
+            self.by_request[request_id] = cache_id
         _LOG.debug("cache_opened", request_id=request_id, cache_id=cache_id)
         return cache
 
@@ -247,7 +352,7 @@ class KvManager:
         cache.block_hashes.extend(match.hashes)
         cache.token_ids.extend(tokens[: match.num_blocks * self.block_size])
         cache.pending_admission = True
-        cache.context_tokens = len(tokens)
+        self.declare_context(cache, tokens)
         self.grow(cache, claim_tokens or len(tokens))
         if self.prefix_caching:
             bs = self.block_size
@@ -258,6 +363,18 @@ class KvManager:
                     self._pending[parent] = cache.cache_id
                     cache.pending_hashes.append(parent)
         return cache
+
+    def declare_context(self, cache: Cache, tokens: Sequence[int]) -> None:
+        """Record an admitted execution context: its chunks must carry exactly these tokens."""
+        cache.context_tokens = cache.prompt_total = len(tokens)
+        cache.prompt_digest = context_digest(tokens, self.block_size)
+        cache.context = array("I", tokens)
+
+    def declare_prompt(self, cache: Cache, total: int, digest: bytes) -> None:
+        """A chunk that opens a cache, or extends one whose prompt is complete, declares the
+        prompt its later chunks must carry (its length, and its digest when it had it)."""
+        if not cache.prompt_in_progress:
+            cache.prompt_total, cache.prompt_digest, cache.context = total, digest, None
 
     def grow(self, cache: Cache, target_len: int) -> int:
         """Make positions [0, target_len) writable; return the number of new blocks."""
@@ -287,19 +404,25 @@ class KvManager:
         cache.touched_s = time.monotonic()
         first_chunk = cache.pending_admission
         cache.pending_admission = False
-        if not self.prefix_caching:
-            return
+        if not cache.prompt_in_progress:
+            cache.context = None  # the admitted tokens were all committed: nothing to check
+        # Committed blocks are hashed even without prefix caching: the hashes are the cache's
+        # token identity (a later prefill chunk's prompt is compared with them).
         bs = self.block_size
         parent = cache.block_hashes[-1] if cache.block_hashes else _ROOT_HASH
         published = False
         for index in range(len(cache.block_hashes), cache.num_tokens // bs):
             content = block_hash(parent, cache.token_ids[index * bs : (index + 1) * bs])
             cache.block_hashes.append(content)
+            parent = content
+            if not self.prefix_caching:
+                continue
             self.pool.register(cache.block_ids[index], content)
             if self._pending.get(content) == cache.cache_id:
                 del self._pending[content]
                 published = True
-            parent = content
+        if not self.prefix_caching:
+            return
         # Others waited one step for this prefix: what the first chunk did not publish (a
         # shorter chunk, or other tokens than admitted) is not promised any longer.
         if first_chunk and self._drop_pending(cache):
@@ -348,6 +471,10 @@ class KvManager:
             elif self.pool.is_registered(block):
                 self.pool.unregister(block)
         unmarked = self._drop_pending(cache)
+        if new_len < cache.prompt_total:
+            # An explicit rollback into the prompt by the cache's owner: the next chunk
+            # declares the prompt anew.
+            cache.prompt_total, cache.prompt_digest, cache.context = 0, b"", None
         dropped = cache.block_ids[keep:]
         del cache.block_ids[keep:]
         del cache.token_ids[new_len:]
@@ -356,22 +483,51 @@ class KvManager:
         self.clock.bump({KV_BLOCKS} if released or unmarked else set())
         return released, copies
 
-    def release(self, cache_id: str, *, reason: str = "released") -> ReleaseResult:
-        """Release a cache; a repeat for a retired id is not an error (released = False).
-        `reason` (released, expired, completed, preempted, cancelled, abandoned, failed,
-        drained) is what a later lookup of the id reports."""
+    def complete(
+        self, request_id: str, cache_id: str, input_tokens: int, output_tokens: int
+    ) -> ReleaseResult:
+        """Record a successful completion: release the live cache if the request and the token
+        counts agree with it (else INVALID_ARGUMENT, nothing changes); for a retired cache of
+        the same request, answer how it ended (a repeat is not an error)."""
+        if not request_id:
+            raise InvalidArgument("request_id is required")
+        if not cache_id:
+            raise InvalidArgument("cache_id is required")
+        cache = self.caches.get(cache_id)
+        owner = cache.request_id if cache is not None else None
+        if cache is None:
+            retired = self._retired.get(cache_id)
+            if retired is None:
+                raise NotFound(f"cache {cache_id!r} is unknown")
+            owner = retired.request_id
+        if owner != request_id:
+            raise InvalidArgument(f"cache {cache_id!r} belongs to another request")
+        if cache is not None:
+            committed = cache.num_tokens
+            if not completion_counts_agree(committed, input_tokens, output_tokens):
+                raise InvalidArgument(
+                    f"input_tokens {input_tokens} + output_tokens {output_tokens} do not match "
+                    f"the cache's {committed} committed tokens (need 1 <= input <= committed <= "
+                    "input + output <= committed + 1)"
+                )
+        return self.release(cache_id, reason=Retirement.COMPLETED)
+
+    def release(self, cache_id: str, *, reason: str = Retirement.RELEASED) -> ReleaseResult:
+        """Release a cache; a repeat for a retired id is not an error (released = False, and
+        `previously` says how it ended). `reason` (a Retirement) is what later calls report."""
         cache = self.caches.pop(cache_id, None)
         if cache is None:
-            if cache_id in self._retired:
-                return ReleaseResult(released=False, blocks_freed=0)
+            retired = self._retired.get(cache_id)
+            if retired is not None:
+                return ReleaseResult(released=False, blocks_freed=0, previously=retired.how)
             raise NotFound(f"cache {cache_id!r} is unknown")
+        if self.by_request.get(cache.request_id) == cache_id:
+            del self.by_request[cache.request_id]
         # Only whole, committed blocks keep their hash; the rest return to the free list.
         unmarked = self._drop_pending(cache)
         freed = self.pool.free(cache.block_ids)
         cache.block_ids.clear()
-        self._retired[cache_id] = reason
-        if len(self._retired) > _RETIRED_MEMORY:
-            self._retired.popitem(last=False)
+        self._remember(cache_id, Retired(cache.request_id, Retirement(reason)))
         sources: set[SourceKey] = {SEQUENCE_SLOTS}
         if freed or unmarked:
             # Requests deferred behind its prefix marks wait on the KV source too.
@@ -388,6 +544,15 @@ class KvManager:
         for listener in self.release_listeners:
             listener(cache, reason, freed)
         return ReleaseResult(released=True, blocks_freed=freed)
+
+    def _remember(self, cache_id: str, retired: Retired) -> None:
+        """Remember a retired id, forgetting the oldest past RETIRED_MAX_IDS ids or
+        RETIRED_MAX_BYTES accounted bytes."""
+        self._retired[cache_id] = retired
+        self._retired_bytes += retired.accounted_bytes(cache_id)
+        while len(self._retired) > RETIRED_MAX_IDS or self._retired_bytes > RETIRED_MAX_BYTES:
+            oldest, entry = self._retired.popitem(last=False)
+            self._retired_bytes -= entry.accounted_bytes(oldest)
 
     def _drop_pending(self, cache: Cache) -> bool:
         """Forget the cache's prefix marks; True if any was still marked."""
@@ -412,10 +577,12 @@ class KvManager:
                 holders[block] = holders.get(block, 0) + 1
             if self.blocks_for(cache.num_tokens) > len(cache.block_ids):
                 raise AssertionError(f"cache {cache.cache_id} has tokens past its blocks")
-            if len(cache.block_hashes) != (
-                cache.num_tokens // self.block_size if self.prefix_caching else 0
-            ):
+            if len(cache.block_hashes) != cache.num_tokens // self.block_size:
                 raise AssertionError(f"cache {cache.cache_id} has stale block hashes")
+            if cache.request_id and self.by_request.get(cache.request_id) != cache.cache_id:
+                raise AssertionError(f"request {cache.request_id} holds an unindexed cache")
+        if len(self.by_request) != sum(1 for c in self.caches.values() if c.request_id):
+            raise AssertionError("the request index names caches that are not live")
         for content, owner in self._pending.items():
             if owner not in self.caches or content not in self.caches[owner].pending_hashes:
                 raise AssertionError("a pending prefix block has no live owner")

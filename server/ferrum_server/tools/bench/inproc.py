@@ -140,7 +140,9 @@ class InProcessBackend:
     async def complete(
         self, request_id: str, cache_id: str, input_tokens: int, output_tokens: int
     ) -> None:
-        await self.engine.call(self.engine.complete, request_id, cache_id)
+        await self.engine.call(
+            self.engine.complete, request_id, cache_id, input_tokens, output_tokens
+        )
 
     async def release(self, cache_id: str) -> None:
         await self.engine.call(self.engine.release, cache_id)
