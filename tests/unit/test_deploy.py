@@ -657,10 +657,12 @@ def _scratch(tmp_path: Path, variant: str) -> tuple[dict[str, str], Any]:
         "/tmp/": str(tmp_path / "tmp") + "/",
     }
 
+    # One pass: a path already mapped is never mapped again (a checkout under /tmp put the
+    # venv's own path under the "/tmp/" rule).
+    pattern = re.compile("|".join(re.escape(image_path) for image_path in mapping))
+
     def mapped(text: str) -> str:
-        for image_path, here in mapping.items():
-            text = text.replace(image_path, here)
-        return text
+        return pattern.sub(lambda match: mapping[match.group(0)], text)
 
     env = {key: mapped(value) for key, value in _image_env(lines).items()}
     # The base image's own directories hold no compiler: only the stage's tools stand in.
