@@ -20,6 +20,11 @@ the same math up to float rounding), but cheaper in the ways that matter on a CP
   gather at all); scores are two batched GEMMs with a float32 softmax between them
   (transformers' "eager" numerics), queries in blocks so the causal upper triangle is mostly
   skipped (about 3x ahead of ``scaled_dot_product_attention``'s CPU flash kernel).
+
+Sliding-window layers (``window > 0``) are not served by these paths yet: the native kernels
+attend over every position from 0, so ``CpuAttention`` routes a windowed layer to the torch
+reference (``attention.paged_attention`` with the window), which is exact but gathers each
+item's whole history. Global layers of the same model keep the fast paths.
 """
 
 from __future__ import annotations
@@ -459,10 +464,13 @@ class CpuAttention:
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         # Written before attending so each new token sees its own K/V.
         write_kv(kv_layer, key, value, meta.slot_mapping)
-        if kv_layer.device.type != "cpu":  # a pool elsewhere: the reference serves it
-            return paged_attention(query, kv_layer, meta, scale)
+        # A pool elsewhere, or a sliding-window layer (the native kernels and the torch fast
+        # paths here attend from position 0): the reference serves it, exactly.
+        if kv_layer.device.type != "cpu" or window:
+            return paged_attention(query, kv_layer, meta, scale, window)
         plan = self.plan(meta, kv_layer.shape[2])
         return cpu_paged_attention(query, key, value, kv_layer, plan, scale, self.workspace)

@@ -77,6 +77,29 @@ def test_attention_writes_this_steps_kv_then_attends(
     torch.testing.assert_close(out.double(), batch.reference, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("make", [torch_backend, cpu_backend], ids=["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_layers_between_global_ones(
+    make: Callable[[], KernelBackend], dtype: torch.dtype
+) -> None:
+    # One forward's metadata serves a windowed layer and a global one (as in Gemma's alternating
+    # layers): each gets its own mask, and the CPU plan built by the first is still right for
+    # the second. Chunks cross the window edge; decodes sit far past it.
+    items = [(0, 11), (5, 6), (30, 1), (9, 1), (2, 1), (17, 9)]
+    kwargs = dict(block_size=4, num_kv_heads=2, group=2, head_dim=64, dtype=dtype, seed=6)
+    windowed = random_paged_batch(items, **kwargs, window=5)  # type: ignore[arg-type]
+    full = random_paged_batch(items, **kwargs)  # type: ignore[arg-type]
+    backend = make()
+    query = torch.cat(windowed.queries)  # [T, H, D]
+    meta, scale = windowed.meta, windowed.scale
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    for window, want in ((5, windowed.reference), (0, full.reference), (5, windowed.reference)):
+        pool = _pool_without_this_step(windowed.kv_layer, meta)
+        out = backend.attention(query, windowed.key, windowed.value, pool, meta, scale, window)
+        assert torch.equal(pool, windowed.kv_layer)
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=0)
+
+
 def test_cpu_and_torch_backends_agree_on_a_forward() -> None:
     config = tiny_config()
     runners = []

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from ferrum_kernels.backend import select_backend
 from ferrum_server.models import ModelConfig, build_tiny, load_model, save_hf_folder, tiny_config
 from transformers import (
     AutoModelForCausalLM,
@@ -74,6 +75,29 @@ def _mistral() -> PretrainedConfig:
     )
 
 
+# Windows well inside the 20-token prompt and the 32 decodes after it.
+MISTRAL_WINDOW = 6
+QWEN2_WINDOW = 5
+
+
+def _mistral_sliding() -> PretrainedConfig:
+    return MistralConfig(
+        **_SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=MISTRAL_WINDOW
+    )
+
+
+def _qwen2_sliding() -> PretrainedConfig:
+    # Layer 0 global, layer 1 windowed (transformers: layers i >= max_window_layers slide).
+    return Qwen2Config(
+        **_SMALL,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=QWEN2_WINDOW,
+        max_window_layers=1,
+    )
+
+
 @torch.no_grad()
 def _randomise_norms_and_biases(hf: torch.nn.Module) -> None:
     # HF initialises norms to 1 and biases to 0, which would hide mistakes in loading them.
@@ -103,6 +127,8 @@ CASES: dict[str, Callable[[Path], torch.nn.Module]] = {
     "llama3_rope_gqa": lambda p: _hf_from_config(_llama3(), p),
     "qwen3_qk_norm": lambda p: _hf_from_config(_qwen3(), p),
     "mistral": lambda p: _hf_from_config(_mistral(), p),
+    "mistral_sliding_window": lambda p: _hf_from_config(_mistral_sliding(), p),
+    "qwen2_sliding_layers": lambda p: _hf_from_config(_qwen2_sliding(), p),
 }
 
 
@@ -143,6 +169,10 @@ def _check_config_flags(case: str, config: ModelConfig) -> None:
         assert config.o_proj_bias
     elif case == "qwen3_qk_norm":
         assert config.qk_norm
+    elif case == "mistral_sliding_window":
+        assert config.sliding_windows == (MISTRAL_WINDOW, MISTRAL_WINDOW)
+    elif case == "qwen2_sliding_layers":
+        assert config.sliding_windows == (0, QWEN2_WINDOW)
 
 
 def _tiny_runner(shuffle: bool = True, seed: int = 0) -> PagedRunner:
@@ -200,6 +230,50 @@ def test_tiny_is_deterministic_and_seeded() -> None:
     w = a.embed_tokens.weight
     assert 0.015 < w.std().item() < 0.025 and abs(w.mean().item()) < 1e-3
     assert tiny_config().num_parameters == sum(p.numel() for p in a.parameters())
+
+
+def _sliding_runner(
+    folder: Path, backend: str, *, shuffle: bool = True, seed: int = 0
+) -> PagedRunner:
+    model, config = load_model(str(folder), dtype=torch.float32, device=torch.device("cpu"))
+    model.bind_backend(select_backend("cpu", backend))
+    return PagedRunner(
+        model, config, num_blocks=64, block_size=BLOCK_SIZE, shuffle=shuffle, seed=seed
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("case", ["mistral_sliding_window", "qwen2_sliding_layers"])
+@torch.no_grad()
+def test_sliding_window_chunking_and_batching_invariance(
+    case: str, backend: str, tmp_path: Path
+) -> None:
+    """Chunked prefill across the window edge equals one piece, and a mixed batch (chunks on
+    history, decodes far past the window) equals each item alone, for both CPU backends."""
+    CASES[case](tmp_path)
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 256, (23,)).tolist()
+    whole = _sliding_runner(tmp_path, backend, shuffle=False).step([(0, prompt)])[0]
+    for chunks in ([12, 11], [5, 5, 5, 5, 3], [1, 7, 15]):
+        runner = _sliding_runner(tmp_path, backend, seed=5)
+        start, rows = 0, []
+        for n in chunks:
+            rows.append(runner.step([(0, prompt[start : start + n])])[0])
+            start += n
+        torch.testing.assert_close(torch.cat(rows), whole, atol=1e-4, rtol=0)
+
+    runner = _sliding_runner(tmp_path, backend)
+    plan = [(10, 1, 1), (11, 0, 9), (12, 4, 1), (13, 5, 8), (14, 30, 1), (15, 17, 3)]
+    for seq_id, hist, _ in plan:
+        if hist:
+            runner.step([(seq_id, torch.randint(0, 256, (hist,)).tolist())])
+    new = {seq_id: torch.randint(0, 256, (n,)).tolist() for seq_id, _, n in plan}
+    snap = runner.snapshot()
+    batched = runner.step([(seq_id, new[seq_id]) for seq_id, _, _ in plan])
+    for (seq_id, _, _), got in zip(plan, batched, strict=True):
+        runner.restore(snap)
+        alone = runner.step([(seq_id, new[seq_id])])[0]
+        torch.testing.assert_close(got, alone, atol=1e-4, rtol=0)
 
 
 @pytest.mark.gpu
