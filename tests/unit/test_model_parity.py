@@ -21,7 +21,7 @@ from transformers import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_models import PagedRunner
+from helpers_models import PagedRunner, check_greedy_against_transformers
 
 PARITY_ATOL = 1e-3
 BLOCK_SIZE = 4
@@ -81,8 +81,14 @@ QWEN2_WINDOW = 5
 
 
 def _mistral_sliding() -> PretrainedConfig:
+    # head_dim 32: a size the native CPU decode kernel takes, so the CPU backend's windowed
+    # decode path runs in the tests below.
     return MistralConfig(
-        **_SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=MISTRAL_WINDOW
+        **_SMALL,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=MISTRAL_WINDOW,
     )
 
 
@@ -90,8 +96,8 @@ def _qwen2_sliding() -> PretrainedConfig:
     # Layer 0 global, layer 1 windowed (transformers: layers i >= max_window_layers slide).
     return Qwen2Config(
         **_SMALL,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head_dim 32, as above
+        num_key_value_heads=1,
         use_sliding_window=True,
         sliding_window=QWEN2_WINDOW,
         max_window_layers=1,
@@ -230,6 +236,24 @@ def test_tiny_is_deterministic_and_seeded() -> None:
     w = a.embed_tokens.weight
     assert 0.015 < w.std().item() < 0.025 and abs(w.mean().item()) < 1e-3
     assert tiny_config().num_parameters == sum(p.numel() for p in a.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_sliding_window_parity_on_the_cpu_fast_paths(tmp_path: Path) -> None:
+    """The windowed Mistral on the CPU backend (native decode over the window's slots, windowed
+    chunk path) against transformers: a 20-token prompt in chunks that cross the window edge,
+    then 32 greedy steps."""
+    torch.manual_seed(3)
+    config = check_greedy_against_transformers(
+        tmp_path,
+        _mistral_sliding(),
+        prompt_len=PROMPT_LEN,
+        chunk_ends=[4, 11, PROMPT_LEN],
+        steps=DECODE_STEPS,
+        num_blocks=32,
+        block_size=BLOCK_SIZE,
+    )
+    assert config.sliding_windows == (MISTRAL_WINDOW, MISTRAL_WINDOW)
 
 
 def _sliding_runner(
