@@ -527,8 +527,9 @@ def _native_prefill(
 
 
 class CpuAttention:
-    """The CPU backend's attention, ``(query, key, value, kv_layer, meta, scale) -> [T, H, D]``:
-    writes this step's K/V into the pool, then runs ``cpu_paged_attention``.
+    """The CPU backend's attention, ``(query, key, value, kv_layer, meta, scale, window=0) ->
+    [T, H, D]``: writes this step's K/V into the pool, then runs ``cpu_paged_attention``
+    (``cpu_windowed_attention`` for a sliding-window layer).
 
     It owns what that needs beyond its arguments: a ``Workspace`` (grown once, reused by every
     layer and step) and the current forward's ``CpuAttentionPlan``. Every layer of a forward
