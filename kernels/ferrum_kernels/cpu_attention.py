@@ -286,16 +286,17 @@ def _chunk(
 
 def _chunk_windowed(
     q: torch.Tensor,  # [n, Hkv, G, D]
-    k: torch.Tensor,  # [ctx, Hkv, D]
-    v: torch.Tensor,  # [ctx, Hkv, D]
+    k: torch.Tensor,  # [ctx - base, Hkv, D]: the keys at positions [base, ctx)
+    v: torch.Tensor,  # [ctx - base, Hkv, D]
     scale: float,
     window: int,
+    base: int,  # absolute position of k[0]; no query's window may start before it
     out: torch.Tensor,  # [n, H, D] written in place
 ) -> None:
     """``_chunk`` for a sliding-window layer: query p sees keys in (p - window, p]. Each block
     of queries is scored over the keys from its first row's window start to its last row."""
     n, num_kv_heads, group, head_dim = q.shape
-    offset = k.shape[0] - n  # absolute position of query 0
+    offset = base + k.shape[0] - n  # absolute position of query 0
     kt = k.permute(1, 2, 0)  # [Hkv, D, ctx]
     vt = v.transpose(0, 1)  # [Hkv, ctx, D]
     qh = q.new_empty((num_kv_heads, group, n, head_dim))  # [Hkv, G, n, D]
@@ -303,15 +304,17 @@ def _chunk_windowed(
     oh = torch.empty_like(qh)
     for s0 in range(0, n, Q_BLOCK):
         s1 = min(n, s0 + Q_BLOCK)
-        m, hi = s1 - s0, offset + s1
-        lo = max(0, offset + s0 - window + 1)
+        m, hi = s1 - s0, offset + s1  # absolute positions from here on
+        lo = max(base, offset + s0 - window + 1)
         qb = qh[:, :, s0:s1].reshape(num_kv_heads, group * m, head_dim)
-        scores = torch.bmm(qb, kt[:, :, lo:hi]).view(num_kv_heads, group, m, hi - lo).float()
+        keys = kt[:, :, lo - base : hi - base]  # [Hkv, D, hi - lo]
+        scores = torch.bmm(qb, keys).view(num_kv_heads, group, m, hi - lo).float()
         q_pos = torch.arange(offset + s0, hi)[:, None]  # [m, 1]
         k_pos = torch.arange(lo, hi)[None, :]  # [1, hi - lo]
         scores.masked_fill_((k_pos > q_pos) | (k_pos <= q_pos - window), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * m, hi - lo)
-        oh[:, :, s0:s1] = torch.bmm(probs, vt[:, lo:hi]).view(num_kv_heads, group, m, -1)
+        values = vt[:, lo - base : hi - base]  # [Hkv, hi - lo, D]
+        oh[:, :, s0:s1] = torch.bmm(probs, values).view(num_kv_heads, group, m, -1)
     out.copy_(oh.permute(2, 0, 1, 3).reshape(n, num_kv_heads * group, head_dim))
 
 
@@ -436,18 +439,23 @@ def _torch_chunks(
     pv = _PoolView.of(query, kv_layer)
     for c in plan.chunks:
         ctx = c.context_len
+        # A windowed chunk needs no block before the one holding its first query's first key.
+        skip = 0
+        if window and c.block_ids is not None:
+            skip = max(0, ctx - (c.end - c.start) - window + 1) // pv.block_size
+        base = skip * pv.block_size  # absolute position of the first key gathered
         if c.block_ids is None:
             k = key[c.start : c.end]  # [n, Hkv, D]: the chunk is the whole context
             v = value[c.start : c.end]
         else:
-            kb, vb = pv.gather(c.block_ids, workspace)  # [m, BS*Hkv*D] each
-            k = kb.view(-1, pv.num_kv_heads, pv.head_dim)[:ctx]  # [ctx, Hkv, D]
-            v = vb.view(-1, pv.num_kv_heads, pv.head_dim)[:ctx]
+            kb, vb = pv.gather(c.block_ids[skip:], workspace)  # [m, BS*Hkv*D] each
+            k = kb.view(-1, pv.num_kv_heads, pv.head_dim)[: ctx - base]  # [ctx - base, Hkv, D]
+            v = vb.view(-1, pv.num_kv_heads, pv.head_dim)[: ctx - base]
         q = query[c.start : c.end].view(
             -1, pv.num_kv_heads, pv.group, pv.head_dim
         )  # [n, Hkv, G, D]
         if window:
-            _chunk_windowed(q, k, v, scale, window, out[c.start : c.end])
+            _chunk_windowed(q, k, v, scale, window, base, out[c.start : c.end])
         else:
             _chunk(q, k, v, scale, out[c.start : c.end])
 

@@ -91,7 +91,7 @@ def test_sliding_window_layers_between_global_ones(
     # layers): each gets its own mask, and the CPU plan built by the first is still right for
     # the second. Chunks cross the window edge (one spans two query blocks of the CPU chunk
     # path); decodes sit far past it, and a window may start mid-block.
-    items = [(0, 11), (5, 6), (30, 1), (9, 1), (2, 1), (17, 9), (3, 70), (0, 1)]
+    items = [(0, 11), (5, 6), (30, 1), (9, 1), (2, 1), (17, 9), (3, 70), (0, 1), (41, 66)]
     kwargs = dict(block_size=4, num_kv_heads=2, group=2, head_dim=64, dtype=dtype, seed=6)
     windowed = random_paged_batch(items, **kwargs, window=window)  # type: ignore[arg-type]
     full = random_paged_batch(items, **kwargs)  # type: ignore[arg-type]
