@@ -134,9 +134,10 @@ class PagedRunner:
 
 
 def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0
 ) -> torch.Tensor:
-    """q [n, H, D] (the last n of ctx positions), k/v [ctx, Hkv, D] -> [n, H, D], in float64."""
+    """q [n, H, D] (the last n of ctx positions), k/v [ctx, Hkv, D] -> [n, H, D], in float64.
+    window > 0: a query at position p sees only keys in (p - window, p]."""
     n, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -145,6 +146,8 @@ def dense_reference(
     scores = torch.einsum("nhd,chd->hnc", q.double(), k) * scale  # [H, n, ctx]
     q_pos = torch.arange(ctx - n, ctx)[:, None]  # [n, 1]
     allowed = torch.arange(ctx)[None, :] <= q_pos  # [n, ctx]
+    if window:
+        allowed &= torch.arange(ctx)[None, :] > q_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)  # [n, H, D]
 
@@ -218,10 +221,12 @@ def random_paged_batch(
     spare_blocks: int = 3,
     spare_fill: float | None = None,
     device: torch.device | str = "cpu",
+    window: int = 0,
 ) -> PagedBatch:
     """Items' histories go straight into a pool of shuffled blocks, then this step's K/V are
     written as the model would; `spare_blocks` unowned blocks hold random values, or
-    `spare_fill` (e.g. NaN, so that any read of them shows)."""
+    `spare_fill` (e.g. NaN, so that any read of them shows). `window` > 0: the dense answer
+    is sliding-window attention."""
     from ferrum_kernels.attention import write_kv
 
     torch.manual_seed(seed)
@@ -255,6 +260,9 @@ def random_paged_batch(
     write_kv(kv_layer, key, value, meta.slot_mapping)
     scale = head_dim**-0.5
     reference = torch.cat(
-        [dense_reference(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v, strict=True)]
+        [
+            dense_reference(q, k, v, scale, window)
+            for q, k, v in zip(queries, full_k, full_v, strict=True)
+        ]
     )
     return PagedBatch(kv_layer, meta, queries, key, value, reference, scale)

@@ -7,13 +7,19 @@ index 0 holding K and 1 holding V. Token position ``p`` of an item lives in bloc
 A unified batch flattens every item's query rows into one token dimension ``T``. Single-token
 items (decodes) are gathered and attended in one batched call; multi-token items (prefill chunks,
 possibly on top of cached history) are attended one at a time with an offset causal mask.
+
+Sliding-window layers pass ``window`` (0 = global): a query at absolute position ``p`` then sees
+only the keys at positions ``(p - window, p]``, i.e. the last ``window`` keys with its own
+included (transformers' ``kv_idx > q_idx - sliding_window``). The window is a per-call argument
+rather than a field of the metadata, because every layer of a forward shares one metadata
+object while the window is a property of the layer (Gemma alternates local and global layers).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +28,7 @@ __all__ = [
     "AttentionMetadata",
     "DecodeAttentionFn",
     "DecodeBatch",
+    "check_window",
     "decode_attention_reference",
     "paged_attention",
     "reference_decode_attention",
@@ -161,18 +168,27 @@ def _gather_blocks(
     return flat.to(dtype)
 
 
+def check_window(window: int) -> None:
+    """Raise for a window no layer can have (0 means global attention)."""
+    if window < 0:
+        raise ValueError(f"sliding window must be >= 0 (0 = global attention), got {window}")
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each item's query rows over its own paged KV history.
 
     query:    [T, num_heads, head_dim]
     kv_layer: [2, num_blocks, block_size, num_kv_heads, head_dim], already holding this step's K/V
+    window:   0 for global attention, else a query at position p sees keys in (p - window, p]
     returns   [T, num_heads, head_dim] in query's dtype
     """
+    check_window(window)
     num_tokens, num_heads = query.shape[0], query.shape[1]
     block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     if num_heads % num_kv_heads != 0:
@@ -188,11 +204,17 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     if meta.decode_items:
-        out[meta.decode_rows] = _decode_attention(query, kv_layer, meta, scale, group)
+        out[meta.decode_rows] = _decode_attention(query, kv_layer, meta, scale, group, window)
     for i in meta.prefill_items:
         start, end = meta.query_start[i], meta.query_start[i + 1]
         out[start:end] = _chunk_attention(
-            query[start:end], kv_layer, meta.block_tables[i], meta.context_lens[i], scale, group
+            query[start:end],
+            kv_layer,
+            meta.block_tables[i],
+            meta.context_lens[i],
+            scale,
+            group,
+            window,
         )
     return out
 
@@ -203,6 +225,7 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
     group: int,
+    window: int,
 ) -> torch.Tensor:
     """All single-token items in one padded, masked SDPA call -> [D, num_heads, head_dim]."""
     block_size, num_kv_heads, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
@@ -218,6 +241,9 @@ def _decode_attention(
     q = q.reshape(num_decodes, num_kv_heads, group, head_dim)  # [D, Hkv, G, Dh]
     positions = torch.arange(k.shape[2], device=kv.device)  # [S]
     mask = positions[None, :] < meta.decode_context_lens[:, None]  # [D, S]
+    if window:
+        # The query sits at position context_len - 1 and sees (context_len - 1 - window, ...].
+        mask &= positions[None, :] >= meta.decode_context_lens[:, None] - window
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return o.reshape(num_decodes, num_kv_heads * group, head_dim)  # [D, H, Dh]
 
@@ -229,6 +255,7 @@ def _chunk_attention(
     context_len: int,
     scale: float,
     group: int,
+    window: int,
 ) -> torch.Tensor:
     """One item's n query rows over its first context_len cached positions -> [n, H, Dh]."""
     n, num_heads, head_dim = query.shape
@@ -245,6 +272,8 @@ def _chunk_attention(
     last_visible = torch.arange(context_len - n, context_len, device=kv.device)  # [n]
     positions = torch.arange(context_len, device=kv.device)  # [ctx]
     mask = positions[None, :] <= last_visible[:, None]  # [n, ctx]
+    if window:
+        mask &= positions[None, :] > last_visible[:, None] - window
     mask = mask.repeat_interleave(group, dim=0)  # [n*G, ctx]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [Hkv, n*G, Dh]
     o = o.view(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3)  # [n, Hkv, G, Dh]
@@ -285,12 +314,21 @@ class DecodeBatch:
         return int(self.block_tables.shape[1]) * self.block_size
 
 
-# (query [B, H, D], kv_layer [2, NB, BS, Hkv, D], scale) -> [B, H, D]
-DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+class DecodeAttentionFn(Protocol):
+    """(query [B, H, D], kv_layer [2, NB, BS, Hkv, D], scale, window=0) -> [B, H, D]; window as
+    in ``paged_attention`` (0 = global)."""
+
+    def __call__(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, scale: float, window: int = 0
+    ) -> torch.Tensor: ...
 
 
 def decode_attention_reference(
-    query: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch, scale: float
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Torch reference of graph-safe decode attention: every item over its whole table width.
 
@@ -299,8 +337,10 @@ def decode_attention_reference(
     tests and tiny models, too slow for production graphs (the Triton path reads in place).
 
     query:   [B, num_heads, head_dim], one row per item
+    window:  as in ``paged_attention`` (0 = global)
     returns  [B, num_heads, head_dim] in query's dtype
     """
+    check_window(window)
     num_items, num_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
     group = num_heads // num_kv_heads
@@ -311,6 +351,8 @@ def decode_attention_reference(
     positions = torch.arange(k.shape[2], device=kv_layer.device)  # [S]
     # A tensor comparison, not a Python branch on lengths: no host sync inside a graph.
     mask = positions[None, :] < batch.context_lens[:, None]  # [B, S]
+    if window:
+        mask &= positions[None, :] >= batch.context_lens[:, None] - window
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return o.reshape(num_items, num_heads, head_dim)  # [B, H, Dh]
 
@@ -322,7 +364,9 @@ def reference_decode_attention(
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
 
-    def attend(query: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
-        return decode_attention_reference(query, kv_layer, batch, scale)
+    def attend(
+        query: torch.Tensor, kv_layer: torch.Tensor, scale: float, window: int = 0
+    ) -> torch.Tensor:
+        return decode_attention_reference(query, kv_layer, batch, scale, window)
 
     return attend

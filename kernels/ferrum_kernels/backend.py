@@ -22,11 +22,13 @@ running something else). The choice is the caller's alone: nothing here reads th
 Every implementation has the torch reference's semantics, so the model code calls the same
 functions whatever was selected:
 
-    attention(query [T,H,D], key [T,Hkv,D], value [T,Hkv,D], kv_layer, meta, scale) -> [T,H,D]
+    attention(query [T,H,D], key [T,Hkv,D], value [T,Hkv,D], kv_layer, meta, scale,
+              window=0) -> [T,H,D]
         writes this step's key/value into kv_layer [2,NB,BS,Hkv,D] at meta.slot_mapping, then
         attends every item's query rows over its paged history (its new tokens included), so
         the model never writes K/V itself; a backend may keep per-forward state keyed on the
-        identity of ``meta``, which every layer of a forward shares
+        identity of ``meta``, which every layer of a forward shares. ``window`` is the layer's
+        sliding window (0 = global): a query at position p sees keys in (p - window, p]
     write_kv(kv_layer, key, value, slot_mapping [T]) -> None (in place): the write alone, the
         one ``attention`` starts with (the CUDA-graph decode path pairs it with
         ``decode_attention``)
@@ -66,6 +68,7 @@ import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -102,13 +105,37 @@ __all__ = [
     "triton_available",
 ]
 
-# (query, key, value, kv_layer, meta, scale) -> output; writes key/value into kv_layer first.
-AttentionFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
-    torch.Tensor,
-]
-# (query, kv_layer, meta, scale) -> output, over a pool that already holds this step's K/V.
-PagedAttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+class AttentionFn(Protocol):
+    """(query, key, value, kv_layer, meta, scale, window=0) -> output; writes key/value into
+    kv_layer first. window: the layer's sliding window, 0 = global."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+    ) -> torch.Tensor: ...
+
+
+class PagedAttentionFn(Protocol):
+    """(query, kv_layer, meta, scale, window=0) -> output, over a pool that already holds this
+    step's K/V."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+    ) -> torch.Tensor: ...
+
+
 WriteKvFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 RmsNormResidualFn = Callable[
     [torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
@@ -155,10 +182,11 @@ class WriteThenAttend:
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         # Written before attending so each new token sees its own K/V.
         self.write_kv(kv_layer, key, value, meta.slot_mapping)
-        return self.paged_attention(query, kv_layer, meta, scale)
+        return self.paged_attention(query, kv_layer, meta, scale, window)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,10 +20,20 @@ the same math up to float rounding), but cheaper in the ways that matter on a CP
   gather at all); scores are two batched GEMMs with a float32 softmax between them
   (transformers' "eager" numerics), queries in blocks so the causal upper triangle is mostly
   skipped (about 3x ahead of ``scaled_dot_product_attention``'s CPU flash kernel).
+
+Sliding-window layers (``window > 0``: a query at p sees keys in (p - window, p]):
+* decodes still go to the native decode kernel, over a per-position slot table of each item's
+  last ``window`` positions (the pool viewed as blocks of one token, so the window may start
+  mid-block), built once per forward and window;
+* prefill chunks take the torch chunk path, each block of queries scored over only the keys
+  its rows can see, with a float32 softmax (the native prefill kernel attends from position 0).
+Without the native decode kernel, a windowed layer runs the torch reference
+(``attention.paged_attention`` with the window).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -31,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrum_kernels import native
-from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv
+from ferrum_kernels.attention import AttentionMetadata, check_window, paged_attention, write_kv
 from ferrum_kernels.cpu_decode import decode_attention
 
 __all__ = [
@@ -40,6 +50,7 @@ __all__ = [
     "CpuAttentionPlan",
     "Workspace",
     "cpu_paged_attention",
+    "cpu_windowed_attention",
 ]
 
 # Decodes per group: small enough that a group's gathered K/V stays in cache, large enough that
@@ -109,6 +120,11 @@ class CpuAttentionPlan:
     chunk_info: torch.Tensor  # [C, 3] int64 rows (start, end, context_len)
     chunk_tables: torch.Tensor  # [C, W] int64 block tables of the chunks' items
     chunk_key_slots: int  # sum of the context lengths rounded up to _KEY_TILE
+    # Per sliding window: the decodes' (slot table [N, W], lengths [N]) over their last
+    # `window` positions, built by the first windowed layer of the forward.
+    window_decodes: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=dict, compare=False
+    )
 
     @classmethod
     def build(
@@ -142,6 +158,25 @@ class CpuAttentionPlan:
             tables[prefills.to(tables.device)].contiguous(),
             sum(-(-c.context_len // _KEY_TILE) * _KEY_TILE for c in chunks),
         )
+
+    def windowed_decodes(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [N, W] int64, lens [N] int64): each decode's last ``window`` positions as flat
+        pool slots, in order, for the decode kernel over a pool of one-token blocks."""
+        cached = self.window_decodes.get(window)
+        if cached is None:
+            lens = self.decode_lens  # [N] int64, this step's token included
+            first = (lens - window).clamp_(min=0)  # [N] first visible position
+            width = max(1, min(window, self.meta.max_decode_context))
+            # Positions past an item's length repeat its last one: in range, never read.
+            pos = torch.minimum(
+                first[:, None] + torch.arange(width, device=lens.device)[None, :],
+                (lens - 1)[:, None],
+            )  # [N, W]
+            blocks = torch.gather(self.decode_tables, 1, pos // self.block_size)
+            slots = (blocks * self.block_size + pos % self.block_size).contiguous()
+            cached = (slots, (lens - first).contiguous())
+            self.window_decodes[window] = cached
+        return cached
 
     @functools.cached_property
     def decode_groups(self) -> tuple[_DecodeGroup, ...]:
@@ -246,6 +281,40 @@ def _chunk(
             wide[..., visible - m :].masked_fill_(_upper(m), float("-inf"))
             probs = torch.softmax(wide, dim=-1).to(q.dtype).view(num_kv_heads, group * m, visible)
         oh[:, :, s0:s1] = torch.bmm(probs, vt[:, :visible]).view(num_kv_heads, group, m, -1)
+    out.copy_(oh.permute(2, 0, 1, 3).reshape(n, num_kv_heads * group, head_dim))
+
+
+def _chunk_windowed(
+    q: torch.Tensor,  # [n, Hkv, G, D]
+    k: torch.Tensor,  # [ctx - base, Hkv, D]: the keys at positions [base, ctx)
+    v: torch.Tensor,  # [ctx - base, Hkv, D]
+    scale: float,
+    window: int,
+    base: int,  # absolute position of k[0]; no query's window may start before it
+    out: torch.Tensor,  # [n, H, D] written in place
+) -> None:
+    """``_chunk`` for a sliding-window layer: query p sees keys in (p - window, p]. Each block
+    of queries is scored over the keys from its first row's window start to its last row."""
+    n, num_kv_heads, group, head_dim = q.shape
+    offset = base + k.shape[0] - n  # absolute position of query 0
+    kt = k.permute(1, 2, 0)  # [Hkv, D, ctx]
+    vt = v.transpose(0, 1)  # [Hkv, ctx, D]
+    qh = q.new_empty((num_kv_heads, group, n, head_dim))  # [Hkv, G, n, D]
+    torch.mul(q.permute(1, 2, 0, 3), scale, out=qh)
+    oh = torch.empty_like(qh)
+    for s0 in range(0, n, Q_BLOCK):
+        s1 = min(n, s0 + Q_BLOCK)
+        m, hi = s1 - s0, offset + s1  # absolute positions from here on
+        lo = max(base, offset + s0 - window + 1)
+        qb = qh[:, :, s0:s1].reshape(num_kv_heads, group * m, head_dim)
+        keys = kt[:, :, lo - base : hi - base]  # [Hkv, D, hi - lo]
+        scores = torch.bmm(qb, keys).view(num_kv_heads, group, m, hi - lo).float()
+        q_pos = torch.arange(offset + s0, hi)[:, None]  # [m, 1]
+        k_pos = torch.arange(lo, hi)[None, :]  # [1, hi - lo]
+        scores.masked_fill_((k_pos > q_pos) | (k_pos <= q_pos - window), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * m, hi - lo)
+        values = vt[:, lo - base : hi - base]  # [Hkv, hi - lo, D]
+        oh[:, :, s0:s1] = torch.bmm(probs, values).view(num_kv_heads, group, m, -1)
     out.copy_(oh.permute(2, 0, 1, 3).reshape(n, num_kv_heads * group, head_dim))
 
 
@@ -363,22 +432,61 @@ def _torch_chunks(
     scale: float,
     workspace: Workspace,
     out: torch.Tensor,  # [T, H, D], the chunk rows written in place
+    window: int = 0,
 ) -> None:
-    """The prefill chunks with torch ops (when the native prefill kernel cannot take them)."""
+    """The prefill chunks with torch ops (when the native prefill kernel cannot take them, or
+    the layer has a sliding window)."""
     pv = _PoolView.of(query, kv_layer)
     for c in plan.chunks:
         ctx = c.context_len
+        # A windowed chunk needs no block before the one holding its first query's first key.
+        skip = 0
+        if window and c.block_ids is not None:
+            skip = max(0, ctx - (c.end - c.start) - window + 1) // pv.block_size
+        base = skip * pv.block_size  # absolute position of the first key gathered
         if c.block_ids is None:
             k = key[c.start : c.end]  # [n, Hkv, D]: the chunk is the whole context
             v = value[c.start : c.end]
         else:
-            kb, vb = pv.gather(c.block_ids, workspace)  # [m, BS*Hkv*D] each
-            k = kb.view(-1, pv.num_kv_heads, pv.head_dim)[:ctx]  # [ctx, Hkv, D]
-            v = vb.view(-1, pv.num_kv_heads, pv.head_dim)[:ctx]
+            kb, vb = pv.gather(c.block_ids[skip:], workspace)  # [m, BS*Hkv*D] each
+            k = kb.view(-1, pv.num_kv_heads, pv.head_dim)[: ctx - base]  # [ctx - base, Hkv, D]
+            v = vb.view(-1, pv.num_kv_heads, pv.head_dim)[: ctx - base]
         q = query[c.start : c.end].view(
             -1, pv.num_kv_heads, pv.group, pv.head_dim
         )  # [n, Hkv, G, D]
-        _chunk(q, k, v, scale, out[c.start : c.end])
+        if window:
+            _chunk_windowed(q, k, v, scale, window, base, out[c.start : c.end])
+        else:
+            _chunk(q, k, v, scale, out[c.start : c.end])
+
+
+def cpu_windowed_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, Hkv, D] this step's keys (already written to the pool)
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+    plan: CpuAttentionPlan,
+    scale: float,
+    window: int,
+    workspace: Workspace,
+) -> torch.Tensor | None:
+    """Sliding-window attention (query p sees keys in (p - window, p]) -> [T, H, D], or None
+    when the native decode kernel cannot take the step's decodes (the caller then runs the
+    reference)."""
+    out = query.new_empty(query.shape)  # [T, H, D]
+    if plan.decode_rows.numel():
+        slots, lens = plan.windowed_decodes(window)
+        # The pool as blocks of one token: the slot table then starts each item's window at
+        # any position, not only at a block edge.
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+        tokens = kv_layer.view(2, num_blocks * block_size, 1, num_kv_heads, head_dim)
+        decoded = decode_attention(query, tokens, slots, lens, plan.decode_rows, scale)
+        if decoded is None:
+            return None
+        out.index_copy_(0, plan.decode_rows, decoded)
+    if plan.chunks:
+        _torch_chunks(query, key, value, kv_layer, plan, scale, workspace, out, window)
+    return out
 
 
 def _native_prefill(
@@ -427,8 +535,9 @@ def _native_prefill(
 
 
 class CpuAttention:
-    """The CPU backend's attention, ``(query, key, value, kv_layer, meta, scale) -> [T, H, D]``:
-    writes this step's K/V into the pool, then runs ``cpu_paged_attention``.
+    """The CPU backend's attention, ``(query, key, value, kv_layer, meta, scale, window=0) ->
+    [T, H, D]``: writes this step's K/V into the pool, then runs ``cpu_paged_attention``
+    (``cpu_windowed_attention`` for a sliding-window layer).
 
     It owns what that needs beyond its arguments: a ``Workspace`` (grown once, reused by every
     layer and step) and the current forward's ``CpuAttentionPlan``. Every layer of a forward
@@ -459,10 +568,18 @@ class CpuAttention:
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         # Written before attending so each new token sees its own K/V.
         write_kv(kv_layer, key, value, meta.slot_mapping)
         if kv_layer.device.type != "cpu":  # a pool elsewhere: the reference serves it
-            return paged_attention(query, kv_layer, meta, scale)
+            return paged_attention(query, kv_layer, meta, scale, window)
         plan = self.plan(meta, kv_layer.shape[2])
+        if window:
+            check_window(window)
+            out = cpu_windowed_attention(
+                query, key, value, kv_layer, plan, scale, window, self.workspace
+            )
+            # Without the native decode kernel the reference serves the windowed layer.
+            return out if out is not None else paged_attention(query, kv_layer, meta, scale, window)
         return cpu_paged_attention(query, key, value, kv_layer, plan, scale, self.workspace)

@@ -25,6 +25,11 @@ count is fixed when it is prepared (sized for the longest context the block tabl
 the kernel cuts each item's *actual* context into that many spans itself, so one captured graph
 serves every mix of context lengths.
 
+Sliding window: ``window > 0`` (a runtime argument, so local and global layers share one
+compiled kernel per WINDOWED flag) limits a query at position p to keys in (p - window, p]. Each
+tile starts its KV loop at the first position its earliest query can see, so a decode far past
+the window reads only ``window`` positions, and splits share that shorter range.
+
 Constraints (checked by the wrappers):
   * any pool block size >= 1 (positions are mapped to blocks per KV position, so block sizes need
     not be powers of two or match the kernel's KV tile);
@@ -44,7 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum_kernels.attention import AttentionMetadata, DecodeAttentionFn, DecodeBatch
+from ferrum_kernels.attention import (
+    AttentionMetadata,
+    DecodeAttentionFn,
+    DecodeBatch,
+    check_window,
+)
 
 __all__ = [
     "TritonAttentionMetadata",
@@ -232,6 +242,7 @@ def _unified_attention_kernel(
     stride_ls,
     stride_lt,
     kv_span,  # KV positions per split (multiple of BLOCK_N); huge when not splitting
+    window,  # sliding window (keys in (p - window, p]); ignored unless WINDOWED
     BLOCK_SIZE: tl.constexpr,  # pool block size
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
@@ -241,6 +252,7 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,  # KV positions per inner step
     SPLIT: tl.constexpr,
     SPAN_FROM_CONTEXT: tl.constexpr,  # derive each tile's split span from its context (graphs)
+    WINDOWED: tl.constexpr,  # a sliding-window layer
     DOT_F32: tl.constexpr,  # upcast dot operands (fp32 inputs, or the CPU interpreter)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -276,15 +288,20 @@ def _unified_attention_kernel(
     q_pos = ctx - n_q + tl.minimum(tok, n_q - 1)  # [M]
     # Exclusive end of the positions any row of this tile can see.
     tile_end = ctx - n_q + tl.minimum(q_lo + BLOCK_Q, n_q)
+    # First position any row of this tile can see: the window of its earliest query.
+    if WINDOWED:  # noqa: SIM108 (a compile-time branch)
+        tile_lo = tl.maximum(ctx - n_q + q_lo - window + 1, 0)
+    else:
+        tile_lo = 0
     if SPAN_FROM_CONTEXT:
         # Graph launches fix the split count whatever the contexts are, so each tile shares
         # its own range evenly (same alignment rule as the host-side span).
         num_splits = tl.num_programs(2)
-        span = (tile_end + num_splits - 1) // num_splits
+        span = (tile_end - tile_lo + num_splits - 1) // num_splits
         span = tl.where(span > BLOCK_N, (span + BLOCK_N - 1) // BLOCK_N * BLOCK_N, span)
     else:
         span = kv_span
-    lo = split * span
+    lo = tile_lo + split * span
     hi = tl.minimum(tile_end, lo + span)
 
     if DOT_F32:
@@ -318,6 +335,8 @@ def _unified_attention_kernel(
             v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N]
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]  # [M, N]
+        if WINDOWED:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [M]
         # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -381,7 +400,8 @@ def _split_reduce_kernel(
     lse = tl.load(
         part_lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf")
     )  # [S]
-    # Split 0 always holds position 0, so the max is finite.
+    # Some split holds each row's own position (the splits cover the tile's whole range), so
+    # the max is finite.
     w = tl.exp2(lse - tl.max(lse, 0))  # [S]
     parts = tl.load(
         part_out_ptr
@@ -497,6 +517,7 @@ def paged_attention_triton(
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -504,9 +525,11 @@ def paged_attention_triton(
 
     query:      [T, num_heads, head_dim]
     kv_layer:   [2, num_blocks, block_size, num_kv_heads, head_dim], already holding this step's K/V
+    window:     0 for global attention, else a query at position p sees keys in (p - window, p]
     num_splits: force the KV partition count (1 = never split); None = heuristic
     returns     [T, num_heads, head_dim] in query's dtype
     """
+    check_window(window)
     num_tokens, num_heads, _ = query.shape
     block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     _check_shapes(query, kv_layer)
@@ -522,21 +545,28 @@ def paged_attention_triton(
         return torch.empty_like(query)
     derived = triton_attention_metadata(meta, num_heads, num_kv_heads)
     block_n = _block_n(query.shape[2])
+    # The longest KV range one tile reads: its window plus the tile's own extra queries
+    # (bounded by the context), or the whole context for a global layer.
+    reach = meta.max_context
+    if window:
+        reach = min(reach, window + derived.block_q - 1)
     if num_splits is None:
         num_splits = choose_num_splits(
-            derived.num_tiles * num_kv_heads, meta.max_context, _num_sms(query.device)
+            derived.num_tiles * num_kv_heads, reach, _num_sms(query.device)
         )
-    num_splits = max(1, min(num_splits, meta.max_context))
+    num_splits = max(1, min(num_splits, reach))
     if num_splits > 1:
-        kv_span = triton.cdiv(meta.max_context, num_splits)
+        kv_span = triton.cdiv(reach, num_splits)
         if kv_span > block_n:
             # Aligned partitions keep every inner step but the last one full. (Alignment is not
             # needed for correctness, so tiny test contexts can still split.)
             kv_span = triton.cdiv(kv_span, block_n) * block_n
-        num_splits = triton.cdiv(meta.max_context, kv_span)  # drop partitions nobody reaches
+        num_splits = triton.cdiv(reach, kv_span)  # drop partitions nobody reaches
     else:
         kv_span = _NO_SPLIT_SPAN
-    return _launch(query, kv_layer, derived, scale, num_splits, kv_span, span_from_context=False)
+    return _launch(
+        query, kv_layer, derived, scale, num_splits, kv_span, window, span_from_context=False
+    )
 
 
 def prepare_decode_triton(
@@ -546,9 +576,9 @@ def prepare_decode_triton(
 
     The per-item index tensors are built once (not per call) and the split count is chosen for
     the longest context the tables allow; the kernel then divides each item's actual context
-    among the splits itself. The returned ``attend(query [B, H, D], kv_layer, scale)`` makes no
-    host->device copy and reads no device value on the host, so it can be captured in a CUDA
-    graph and replayed after new values are copied into ``batch``'s tensors.
+    among the splits itself. The returned ``attend(query [B, H, D], kv_layer, scale, window=0)``
+    makes no host->device copy and reads no device value on the host, so it can be captured in a
+    CUDA graph and replayed after new values are copied into ``batch``'s tensors.
     """
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -571,12 +601,15 @@ def prepare_decode_triton(
         num_splits = choose_num_splits(num_items * num_kv_heads, max_context, _num_sms(device))
     splits = max(1, min(num_splits, max_context))
 
-    def attend(query: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        query: torch.Tensor, kv_layer: torch.Tensor, scale: float, window: int = 0
+    ) -> torch.Tensor:
+        check_window(window)
         _check_shapes(query, kv_layer)
         if query.shape[0] != num_items:
             raise ValueError(f"query has {query.shape[0]} rows but the batch has {num_items}")
         return _launch(
-            query, kv_layer, derived, scale, splits, _NO_SPLIT_SPAN, span_from_context=True
+            query, kv_layer, derived, scale, splits, _NO_SPLIT_SPAN, window, span_from_context=True
         )
 
     return attend
@@ -608,6 +641,7 @@ def _launch(
     scale: float,
     num_splits: int,
     kv_span: int,
+    window: int,
     *,
     span_from_context: bool,
 ) -> torch.Tensor:
@@ -662,6 +696,7 @@ def _launch(
         part_lse.stride(0) if split else 0,
         part_lse.stride(1) if split else 0,
         kv_span,
+        window,
         BLOCK_SIZE=block_size,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -671,6 +706,7 @@ def _launch(
         BLOCK_N=_block_n(head_dim),
         SPLIT=split,
         SPAN_FROM_CONTEXT=span_from_context and split,
+        WINDOWED=window > 0,
         # The interpreter's dot is wrong for bf16 operands, so it always computes in fp32.
         DOT_F32=fp32 or interpret,
         # fp32 models (tests, CPU parity) must not silently drop to TF32 on Ampere+.

@@ -160,10 +160,11 @@ class _BoundAttention:
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         # Written before attending so each new token sees its own K/V.
         self._write_kv(kv_layer, key, value, meta.slot_mapping)
-        return self._attend(query, kv_layer, scale)
+        return self._attend(query, kv_layer, scale, window)
 
 
 class DecodeGraphs:

@@ -150,6 +150,8 @@ def executor_config(engine: Engine) -> pb.ExecutorConfig:
             attention_type=pb.ATTENTION_TYPE_PAGED,
             enable_paged_attention=True,
             block_size=cfg.block_size,
+            # One field for the model: its windowed layers share one window (0 = none).
+            sliding_window_size=max(engine.model_config.sliding_windows, default=0),
         ),
         memory_config=pb.ExecutorMemoryConfig(
             enable_memory_pooling=True,

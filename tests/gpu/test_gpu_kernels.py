@@ -93,6 +93,20 @@ def test_attention_long_context_split_heuristic() -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [256, 4096])
+def test_sliding_window_attention_llama_shapes(dtype: torch.dtype, window: int) -> None:
+    # Chunks crossing the window edge, decodes far past it (Mistral's 4096 and a short one).
+    items = [(5000, 300), (0, 257), (9000, 1), (15, 1), (4100, 1), (200, 64)]
+    kv, meta = _pool(items, 16, 8, 128, dtype)
+    q = torch.randn(meta.num_tokens, 32, 128, device=DEV).to(dtype)
+    want = paged_attention(q, kv, meta, 128**-0.5, window)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for splits in (1, None, 7):
+        got = paged_attention_triton(q, kv, meta, 128**-0.5, window, num_splits=splits)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_write_kv_exact() -> None:
     kv = torch.zeros(2, 64, 16, 8, 128, device=DEV, dtype=torch.bfloat16)
     qkv = torch.randn(300, 48 * 128, device=DEV, dtype=torch.bfloat16)

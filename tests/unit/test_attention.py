@@ -24,6 +24,7 @@ def run_case(
     seed: int,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (paged output, float64 dense reference), both [T, H, D]."""
     batch = random_paged_batch(
@@ -36,9 +37,10 @@ def run_case(
         seed=seed,
         shuffle=shuffle,
         device=device,
+        window=window,
     )
     query = torch.cat(batch.queries).to(device)  # [T, H, D]
-    out = paged_attention(query, batch.kv_layer, batch.meta, batch.scale).cpu()
+    out = paged_attention(query, batch.kv_layer, batch.meta, batch.scale, window).cpu()
     return out, batch.reference
 
 
@@ -78,6 +80,50 @@ def test_random_shapes(seed: int) -> None:
         seed=seed,
     )
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# (history, new rows) per item against a window of 6: chunks that start before the window edge
+# and cross it, a chunk far past it, decodes far past it, and items shorter than the window.
+_WINDOWED = [(0, 13), (3, 9), (21, 5), (40, 1), (7, 1), (2, 1), (0, 1), (30, 12)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 6])
+def test_sliding_window_matches_dense(block_size: int, window: int) -> None:
+    out, ref = run_case(
+        block_size=block_size,
+        num_kv_heads=2,
+        group=2,
+        items=_WINDOWED,
+        shuffle=True,
+        seed=13,
+        window=window,
+    )
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # The window matters here: global attention gives other answers.
+    glob, _ = run_case(
+        block_size=block_size, num_kv_heads=2, group=2, items=_WINDOWED, shuffle=True, seed=13
+    )
+    assert (glob - out).abs().max().item() > 1e-2
+
+
+def test_window_covering_every_context_is_global() -> None:
+    out, _ = run_case(
+        block_size=4, num_kv_heads=2, group=2, items=_WINDOWED, shuffle=True, seed=2, window=42
+    )
+    glob, ref = run_case(
+        block_size=4, num_kv_heads=2, group=2, items=_WINDOWED, shuffle=True, seed=2
+    )
+    torch.testing.assert_close(out, glob, atol=0, rtol=0)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_negative_window_is_rejected() -> None:
+    batch = random_paged_batch(
+        [(3, 2)], block_size=4, num_kv_heads=1, group=1, head_dim=16, dtype=torch.float32, seed=0
+    )
+    with pytest.raises(ValueError, match="sliding window"):
+        paged_attention(torch.cat(batch.queries), batch.kv_layer, batch.meta, 1.0, -1)
 
 
 def test_only_decodes_and_only_prefills() -> None:

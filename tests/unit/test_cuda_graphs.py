@@ -86,9 +86,13 @@ def test_no_real_graphs_off_cuda() -> None:
 class _Pool:
     """The tiny model, a KV pool whose last block is the scratch block, and live sequences."""
 
-    def __init__(self, num_blocks: int = 320, max_batch: int = 8) -> None:
-        self.config = tiny_config()
+    def __init__(
+        self, num_blocks: int = 320, max_batch: int = 8, windows: tuple[int, ...] = ()
+    ) -> None:
+        self.config = replace(tiny_config(), sliding_windows=windows)
         self.model = build_tiny(torch.float32, "cpu")
+        for layer, window in zip(self.model.layers, windows, strict=False):
+            layer.window = window
         c = self.config
         self.num_blocks = num_blocks
         self.kv = torch.zeros(
@@ -233,6 +237,23 @@ def test_replay_result_is_independent_of_stale_buffer_contents(pool: _Pool) -> N
     finally:
         pool.runner.graphs = None
     torch.testing.assert_close(_logits(graphed), _logits(eager), atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_layers_replay_like_the_eager_forward() -> None:
+    """A model with a windowed layer (window 5) beside a global one: the captured decode passes
+    each layer's window to the graph-safe attention, with contexts well past the window."""
+    p = _Pool(num_blocks=64, max_batch=4, windows=(5, 0))
+    p.graphs.capture()
+    seqs = [p.open(prompt_len=n, seed=1400 + n) for n in (3, 17, 30)]
+    for step in range(2):
+        items = p.decode_items(seqs, step)
+        p.runner.graphs = p.graphs
+        graphed = p.runner.run(items, seqs)
+        p.runner.graphs = None
+        eager = p.runner.run(items, seqs)
+        assert graphed.graphed
+        torch.testing.assert_close(_logits(graphed), _logits(eager), atol=1e-5, rtol=1e-5)
+        p.commit(seqs, items)
 
 
 def test_graphs_need_graph_safe_attention_and_a_scratch_block() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from ferrum_kernels import cpu_attention, native
 from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.backend import KernelBackend, cpu_backend, select_backend, torch_backend
 from ferrum_kernels.cpu_attention import CpuAttention, CpuAttentionPlan
@@ -75,6 +76,41 @@ def test_attention_writes_this_steps_kv_then_attends(
     assert torch.equal(pool, batch.kv_layer)  # the step's K/V landed in their slots
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double(), batch.reference, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("make", [torch_backend, cpu_backend], ids=["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5])
+def test_sliding_window_layers_between_global_ones(
+    make: Callable[[], KernelBackend],
+    dtype: torch.dtype,
+    window: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One forward's metadata serves a windowed layer and a global one (as in Gemma's alternating
+    # layers): each gets its own mask, and the CPU plan built by the first is still right for
+    # the second. Chunks cross the window edge (one spans two query blocks of the CPU chunk
+    # path); decodes sit far past it, and a window may start mid-block.
+    items = [(0, 11), (5, 6), (30, 1), (9, 1), (2, 1), (17, 9), (3, 70), (0, 1), (41, 66)]
+    kwargs = dict(block_size=4, num_kv_heads=2, group=2, head_dim=64, dtype=dtype, seed=6)
+    windowed = random_paged_batch(items, **kwargs, window=window)  # type: ignore[arg-type]
+    full = random_paged_batch(items, **kwargs)  # type: ignore[arg-type]
+    backend = make()
+    if backend.name == "cpu" and native.load() is not None:
+        # With the native decode kernel the CPU backend serves windowed layers itself.
+        def no_reference(*args: object) -> torch.Tensor:
+            raise AssertionError("the windowed CPU path fell back to the reference")
+
+        monkeypatch.setattr(cpu_attention, "paged_attention", no_reference)
+    query = torch.cat(windowed.queries)  # [T, H, D]
+    meta, scale = windowed.meta, windowed.scale
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    runs = ((window, windowed.reference), (0, full.reference), (window, windowed.reference))
+    for window, want in runs:
+        pool = _pool_without_this_step(windowed.kv_layer, meta)
+        out = backend.attention(query, windowed.key, windowed.value, pool, meta, scale, window)
+        assert torch.equal(pool, windowed.kv_layer)
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=0)
 
 
 def test_cpu_and_torch_backends_agree_on_a_forward() -> None:

@@ -137,6 +137,14 @@ def test_config_reflects_prefix_caching_and_capabilities_carry_kv_capacity(
     capabilities = descriptions.capabilities(engine)
     assert capabilities.kv_capacity == min(engine.max_sequence_length, pool_tokens)
     assert config.executor_options["kernel_backend"] == f'"{engine.runner.kernels.name}"'
+    assert config.attention_config.sliding_window_size == 0  # the tiny model is all global
+    windowed = dataclasses.replace(engine.model_config, sliding_windows=(0, 7))
+    real = engine.model_config
+    engine.model_config = windowed
+    try:
+        assert descriptions.executor_config(engine).attention_config.sliding_window_size == 7
+    finally:
+        engine.model_config = real
 
 
 # -- request origin ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -188,11 +189,16 @@ def test_family_flags() -> None:
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "unsupported rope scaling"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing the 'low_freq"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 512}, "sliding_window"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
         (
             {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
-             "sliding_window": 128},
-            "sliding-window",
+             "sliding_window": 128, "layer_types": ["sliding_attention"]},
+            "layer_types",
+        ),
+        (
+            {"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
+             "sliding_window": 128, "layer_types": ["sliding_attention", "chunked_attention"]},
+            "layer_types",
         ),
         ({"architectures": None, "model_type": "phi3"}, "unsupported model_type 'phi3'"),
         ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
@@ -206,7 +212,66 @@ def test_config_rejections(over: dict[str, Any], message: str) -> None:
 def test_mistral_window_covering_context_is_accepted() -> None:
     d = _base(architectures=["MistralForCausalLM"], sliding_window=4096)
     assert ModelConfig.from_hf(d).model_type == "mistral"
+    assert ModelConfig.from_hf(d).sliding_windows == ()  # hides nothing: global kernels
     assert ModelConfig.from_hf(_base(architectures=["MistralForCausalLM"], sliding_window=None))
+
+
+def _layers(n: int, **over: Any) -> dict[str, Any]:
+    return _base(num_hidden_layers=n, max_position_embeddings=8192, **over)
+
+
+def test_sliding_windows_follow_transformers() -> None:
+    """Which layers slide, as transformers' Mistral/Qwen2/Qwen3 configs decide it."""
+    mistral = {"architectures": ["MistralForCausalLM"]}
+    assert ModelConfig.from_hf(_layers(3, **mistral, sliding_window=512)).sliding_windows == (
+        512,
+        512,
+        512,
+    )
+    # MistralConfig's default window when config.json has none.
+    no_field = _layers(2, **mistral)
+    no_field.pop("sliding_window", None)
+    assert ModelConfig.from_hf(no_field).sliding_windows == (4096, 4096)
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64}
+    # Without use_sliding_window the window is dropped, whatever the other fields say.
+    assert ModelConfig.from_hf(_layers(4, **qwen2, max_window_layers=0)).sliding_windows == ()
+    on = {**qwen2, "use_sliding_window": True}
+    got = ModelConfig.from_hf(_layers(4, **on, max_window_layers=2))
+    assert got.sliding_windows == (0, 0, 64, 64)
+    assert [got.layer_window(i) for i in range(4)] == [0, 0, 64, 64]
+    # max_window_layers defaults to 28: a 4-layer model has no windowed layer then.
+    assert ModelConfig.from_hf(_layers(4, **on)).sliding_windows == ()
+    kinds = ["sliding_attention", "full_attention", "sliding_attention"]
+    explicit = _layers(3, **on, max_window_layers=0, layer_types=kinds)
+    assert ModelConfig.from_hf(explicit).sliding_windows == (64, 0, 64)
+    qwen3 = {**on, "architectures": ["Qwen3ForCausalLM"], "max_window_layers": 1}
+    assert ModelConfig.from_hf(_layers(2, **qwen3)).sliding_windows == (0, 64)
+    # Llama has no sliding window, whatever stray fields a config carries.
+    assert ModelConfig.from_hf(_layers(2, sliding_window=16)).sliding_windows == ()
+
+
+def test_sliding_window_config_round_trip() -> None:
+    for d in (
+        _layers(3, architectures=["MistralForCausalLM"], sliding_window=512),
+        _layers(
+            4,
+            architectures=["Qwen2ForCausalLM"],
+            use_sliding_window=True,
+            sliding_window=64,
+            max_window_layers=1,
+        ),
+        _layers(
+            3,
+            architectures=["Qwen3ForCausalLM"],
+            use_sliding_window=True,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ):
+        config = ModelConfig.from_hf(d)
+        assert config.sliding_windows and ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ValueError, match="sliding_windows has 1 entries for 2 layers"):
+        dataclasses.replace(tiny_config(), sliding_windows=(4,))
 
 
 def test_sizes() -> None:

@@ -161,6 +161,40 @@ def test_attention_split_k_matches_reference(num_splits: int, group: int) -> Non
     torch.testing.assert_close(got, paged_attention(q, kv, meta, 0.25), **_TOL[torch.float32])
 
 
+# (history, new rows) per item for the sliding-window tests: chunks crossing the window edge
+# (one longer than a query tile), a chunk far past it, decodes far past it and inside it.
+_WINDOWED = [(3, 9), (0, 21), (40, 1), (2, 1), (33, 6), (0, 1), (58, 1)]
+
+
+@pytest.mark.parametrize(
+    ("window", "num_splits", "group", "dtype"),
+    [
+        (5, 1, 2, torch.float32),
+        (1, 1, 1, torch.float32),  # each query sees only itself
+        (7, 3, 2, torch.float32),  # split-K over the windowed range
+        (16, None, 4, torch.float32),
+        (6, 2, 2, torch.bfloat16),
+    ],
+)
+def test_sliding_window_attention_matches_reference(
+    window: int, num_splits: int | None, group: int, dtype: torch.dtype
+) -> None:
+    q, kv, meta = _paged_case(
+        block_size=4,
+        num_kv_heads=2,
+        group=group,
+        head_dim=16,
+        items=_WINDOWED,
+        dtype=dtype,
+        seed=window,
+    )
+    got = paged_attention_triton(q, kv, meta, 0.3, window, num_splits=num_splits)
+    want = paged_attention(q, kv, meta, 0.3, window)
+    torch.testing.assert_close(got.float(), want.float(), **_TOL[dtype])
+    # The window changes the answer here, so a kernel that ignored it would fail above.
+    assert (paged_attention(q, kv, meta, 0.3) - want).abs().max().item() > 0.05
+
+
 def _decode_batch(
     contexts: list[int], width: int, block_size: int, num_blocks: int, seed: int
 ) -> tuple[DecodeBatch, list[list[int]]]:
@@ -219,6 +253,32 @@ def test_graph_decode_entry_matches_reference(num_splits: int | None, group: int
         decode_attention_reference(q2, kv, batch, 0.25),
         **_TOL[torch.float32],
     )
+
+
+@pytest.mark.parametrize(("num_splits", "window"), [(1, 6), (3, 9), (4, 1)])
+def test_graph_decode_entry_with_sliding_window(num_splits: int, window: int) -> None:
+    """The graph-safe decode entry with a window: each split covers only the window's span
+    of the item's own context, contexts shorter than the window included."""
+    block_size, num_kv_heads, group, head_dim = 4, 2, 2, 16
+    contexts = [1, 37, 70, 4, 9]
+    width = 20
+    num_blocks = sum(math.ceil(c / block_size) for c in contexts) + 3
+    gen = torch.Generator().manual_seed(window)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    batch, rows = _decode_batch(contexts, width, block_size, num_blocks, seed=window)
+    q = torch.randn(len(contexts), num_kv_heads * group, head_dim, generator=gen)
+    attend = prepare_decode_triton(batch, num_kv_heads * group, num_kv_heads, num_splits=num_splits)
+    got = attend(q, kv, 0.25, window)
+    want = decode_attention_reference(q, kv, batch, 0.25, window)
+    torch.testing.assert_close(got, want, **_TOL[torch.float32])
+    meta = build_meta(
+        [r[: math.ceil(c / block_size)] for r, c in zip(rows, contexts, strict=True)],
+        [1] * len(contexts),
+        contexts,
+        block_size,
+    )
+    torch.testing.assert_close(want, paged_attention(q, kv, meta, 0.25, window), atol=1e-6, rtol=0)
+    assert (decode_attention_reference(q, kv, batch, 0.25) - want).abs().max().item() > 0.05
 
 
 def test_graph_decode_entry_checks_its_inputs() -> None:

@@ -1,8 +1,15 @@
 """Model hyper-parameters parsed from (and written back to) a Hugging Face ``config.json``.
 
-Only the dense Llama family is supported: Llama (1-3.x), Mistral without sliding window, Qwen2
-(q/k/v bias) and Qwen3 (per-head q/k RMSNorm). Anything else is rejected up front with a
-message naming the offending field, rather than producing silently wrong logits later.
+Only the dense Llama family is supported: Llama (1-3.x), Mistral, Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm). Anything else is rejected up front with a message naming the offending
+field, rather than producing silently wrong logits later.
+
+Sliding-window attention is read exactly as transformers reads it: Mistral windows every layer
+with ``sliding_window`` (4096 when the field is absent, as in ``MistralConfig``); Qwen2/Qwen3
+window only when ``use_sliding_window`` is true and ``sliding_window`` is set, and then only the
+layers ``layer_types`` names ``"sliding_attention"`` (by default layers ``i >=
+max_window_layers``, 28 when absent). A window of at least ``max_position_embeddings`` hides
+nothing any sequence can reach, so it is kept as global attention (the faster kernels).
 """
 
 from __future__ import annotations
@@ -84,6 +91,9 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer: the sliding window (a query at p sees keys in (p - w, p]), 0 for global
+    # attention. Empty means every layer is global.
+    sliding_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in _ARCH_TO_MODEL_TYPE:
@@ -98,6 +108,17 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ValueError(
+                f"sliding_windows has {len(self.sliding_windows)} entries for "
+                f"{self.num_layers} layers"
+            )
+        if any(w < 0 for w in self.sliding_windows):
+            raise ValueError(f"sliding windows must be >= 0, got {self.sliding_windows}")
+
+    def layer_window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window, 0 for global attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @property
     def model_type(self) -> str:
@@ -132,7 +153,8 @@ class ModelConfig:
         max_pos = int(req("max_position_embeddings"))
 
         rope_theta, rope_scaling = _parse_rope(d)
-        _check_sliding_window(d, model_type, max_pos)
+        num_layers = int(req("num_hidden_layers"))
+        windows = _sliding_windows(d, model_type, num_layers, max_pos)
 
         eos = d.get("eos_token_id")
         eos_ids: tuple[int, ...]
@@ -149,7 +171,7 @@ class ModelConfig:
             vocab_size=int(req("vocab_size")),
             hidden_size=hidden_size,
             intermediate_size=int(req("intermediate_size")),
-            num_layers=int(req("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -163,6 +185,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
+            sliding_windows=windows,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -189,11 +212,34 @@ class ModelConfig:
         }
         if self.model_type in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
-        if self.model_type in ("qwen2", "qwen3"):
-            d["use_sliding_window"] = False
-        if self.model_type == "mistral":
-            d["sliding_window"] = None
+        d.update(self._sliding_window_to_hf())
         return d
+
+    def _sliding_window_to_hf(self) -> dict[str, Any]:
+        windows = {w for w in self.sliding_windows if w}
+        if len(windows) > 1:
+            raise ValueError(
+                f"{self.architecture} config.json has one sliding_window; layers use {windows}"
+            )
+        window = windows.pop() if windows else None
+        if self.model_type == "mistral":
+            if window is not None and set(self.sliding_windows) != {window}:
+                raise ValueError("Mistral windows every layer or none")
+            return {"sliding_window": window}
+        if self.model_type in ("qwen2", "qwen3"):
+            if window is None:
+                return {"use_sliding_window": False}
+            kinds = ["sliding_attention" if w else "full_attention" for w in self.sliding_windows]
+            return {
+                "use_sliding_window": True,
+                "sliding_window": window,
+                # transformers 4.x reads max_window_layers, 5.x layer_types; write both.
+                "max_window_layers": kinds.index("sliding_attention"),
+                "layer_types": kinds,
+            }
+        if window is not None:
+            raise ValueError(f"{self.architecture} has no sliding-window config fields")
+        return {}
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of KV cache one token occupies across all layers (K and V)."""
@@ -262,23 +308,45 @@ def _check_partial_rotary(d: Mapping[str, Any]) -> None:
         raise ValueError(f"partial_rotary_factor={factor} is not supported (only 1.0)")
 
 
-def _check_sliding_window(d: Mapping[str, Any], model_type: str, max_pos: int) -> None:
-    window = d.get("sliding_window")
+# transformers' defaults when config.json omits the field (MistralConfig, Qwen2/3Config).
+_DEFAULT_SLIDING_WINDOW = 4096
+_DEFAULT_MAX_WINDOW_LAYERS = 28
+_LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def _sliding_windows(
+    d: Mapping[str, Any], model_type: str, num_layers: int, max_pos: int
+) -> tuple[int, ...]:
+    """Per-layer windows (0 = global) as transformers applies them; () when all are global."""
+    raw = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
     if model_type == "mistral":
-        if window is not None and int(window) < max_pos:
+        # MistralModel windows every layer with config.sliding_window (layer_types is ignored).
+        windowed = [True] * num_layers
+    elif model_type in ("qwen2", "qwen3"):
+        # Qwen2/3Config drop the window unless use_sliding_window; layer_types (or the
+        # max_window_layers rule) then picks the windowed layers.
+        if not d.get("use_sliding_window", False):
+            return ()
+        kinds = d.get("layer_types")
+        if kinds is None:
+            first = int(d.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
+            kinds = [_LAYER_KINDS[int(i >= first)] for i in range(num_layers)]
+        if len(kinds) != num_layers or any(k not in _LAYER_KINDS for k in kinds):
             raise ValueError(
-                f"Mistral sliding_window={window} < max_position_embeddings={max_pos}: "
-                "sliding-window attention is not supported yet"
+                f"layer_types must list {num_layers} entries from {list(_LAYER_KINDS)}, "
+                f"got {kinds!r}"
             )
-    elif (
-        model_type in ("qwen2", "qwen3")
-        and d.get("use_sliding_window", False)
-        and (window is None or int(window) < max_pos)
-    ):
-        raise ValueError(
-            f"{model_type} use_sliding_window=true with sliding_window={window} < "
-            f"max_position_embeddings={max_pos}: sliding-window attention is not supported yet"
-        )
+        windowed = [k == "sliding_attention" for k in kinds]
+    else:
+        return ()
+    if raw is None:
+        return ()
+    window = int(raw)
+    if window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (or null), got {raw!r}")
+    if window >= max_pos or not any(windowed):
+        return ()  # hides no position a sequence can reach
+    return tuple(window if w else 0 for w in windowed)
 
 
 def _eos_to_hf(eos: tuple[int, ...]) -> int | list[int] | None:

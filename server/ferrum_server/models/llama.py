@@ -144,13 +144,20 @@ class DecoderLayer(nn.Module):
     backend: KernelBackend
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | None
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | None,
+        window: int = 0,
     ) -> None:
         super().__init__()
         self.backend = _REFERENCE
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.scale = d**-0.5
+        # This layer's sliding window (0 = global), handed to every attention call.
+        self.window = window
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
         self.qkv_proj = nn.Linear(
             h,
@@ -216,7 +223,8 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = kernels.rotary(q, k, cos, sin)  # may rotate in place (q, k are views of qkv)
-        o = kernels.attention(q, k, v, kv_layer, meta, self.scale)  # [T, H, D]; writes K/V
+        # [T, H, D]; writes K/V
+        o = kernels.attention(q, k, v, kv_layer, meta, self.scale, window=self.window)
         out: torch.Tensor = self.o_proj(o.reshape(t, h * d))  # [T, hidden]
         return out
 
@@ -235,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype=dtype, device=device) for _ in range(config.num_layers)
+            DecoderLayer(config, dtype=dtype, device=device, window=config.layer_window(i))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head: nn.Linear | None = None

@@ -1,0 +1,94 @@
+"""A sliding-window model (Mistral, window 6) served over gRPC and driven by the reference
+scheduler: chunked prefills crossing the window edge share steps with decodes far past it, and
+every request's greedy tokens equal transformers' on the same weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from ferrum_client import AsyncExecutorClient
+from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
+from helpers_server import LiveServer, start_live_server
+from transformers import AutoModelForCausalLM, MistralConfig
+
+WINDOW = 6
+VOCAB = 256
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    folder = tmp_path_factory.mktemp("mistral_window_grpc")
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        sliding_window=WINDOW,
+        initializer_range=0.08,
+    )
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, folder
+
+
+@pytest.fixture(scope="module")
+def server(hf_model: tuple[torch.nn.Module, Path]) -> Iterator[LiveServer]:
+    yield from start_live_server(
+        model=str(hf_model[1]),
+        block_size=4,
+        kv_cache_bytes=4 * 1024**2,
+        max_batch_tokens=64,
+        max_batch_size=16,
+    )
+
+
+@torch.no_grad()
+def _hf_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    out = hf(input_ids=torch.tensor([prompt]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(steps - 1):
+        out = hf(
+            input_ids=torch.tensor([[tokens[-1]]]),
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_scheduler_over_grpc_matches_transformers(
+    server: LiveServer, hf_model: tuple[torch.nn.Module, Path]
+) -> None:
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 23, 4, 31, 14, 17)
+    ]
+    # Small steps: prompts arrive in chunks beside other requests' decodes.
+    config = SchedulerConfig(max_step_tokens=16, pipeline_depth=2, align_first_tokens=False)
+
+    async def scenario() -> tuple[list[list[int]], Scheduler]:
+        async with AsyncExecutorClient(server.target) as client:
+            scheduler = Scheduler(client, config)
+            results = await scheduler.generate(prompts, GenerationParams(max_new_tokens=NEW_TOKENS))
+        return [r.output_ids for r in results], scheduler
+
+    outputs, scheduler = server.run(scenario())  # type: ignore[misc]
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got == _hf_greedy(hf_model[0], prompt, NEW_TOKENS)
+    assert any(r.num_decodes and r.num_prefill_tokens for r in scheduler.stats.records)
+    engine = server.engine
+    assert engine.model_config.sliding_windows == (WINDOW, WINDOW)  # type: ignore[attr-defined]
+    # Windowed layers hold every block as a global model would: all of them come back.
+    kv = engine.kv  # type: ignore[attr-defined]
+    kv.check()
+    assert not kv.caches and kv.pool.num_available == kv.pool.num_blocks
