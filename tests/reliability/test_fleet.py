@@ -8,6 +8,7 @@ sees UNAVAILABLE on that executor's step stream, exactly as when the executor di
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -136,3 +137,61 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_executor(
     # Every prompt went where the prefix was placed: the other two computed none of it.
     assert prefilled[0] == prefilled[1] == 0, metrics
     assert prefilled[2] >= 256, metrics
+
+
+def test_a_draining_executor_gets_no_new_requests_and_nothing_is_lost(
+    servers: list[InProcessServer],
+) -> None:
+    prompts = _prompts(12, seed=2)
+    params = GenerationParams(max_new_tokens=24)
+    with serve_in_process(ENGINE) as drained:
+
+        async def scenario() -> tuple[list[Any], list[GenerationResult], int, int, str]:
+            reference = await _single(servers[0].target, prompts, params)
+            targets = [servers[0].target, servers[1].target, drained.target]
+            async with ExecutorFleet(targets) as fleet:
+                async with asyncio.timeout(30):
+                    while len(fleet.serving()) < 3:
+                        await fleet.wait_for_change(fleet.generation, None)
+                member = fleet.get(drained.target)
+                scheduler = Scheduler(FleetBackend(fleet), CONFIG)
+                produced = 0
+                at_drain: list[int] = []
+                drain: list[concurrent.futures.Future[None]] = []
+
+                def on_token(index: int, token: int) -> None:
+                    nonlocal produced
+                    produced += 1
+                    if produced == 40:  # SIGTERM's drain, on the server's own loop
+                        drain.append(
+                            asyncio.run_coroutine_threadsafe(
+                                drained.running.drain(10.0), drained.loop
+                            )
+                        )
+
+                async def watch_drain() -> None:
+                    while member.state is ExecutorState.SERVING:
+                        await fleet.wait_for_change(fleet.generation, None)
+                    at_drain.append(member.counters.admitted)
+
+                watcher = asyncio.ensure_future(watch_drain())
+                scheduler.on_token = on_token
+                results = await scheduler.generate(prompts, params)
+                await asyncio.wait_for(watcher, 30)
+                await asyncio.wait_for(asyncio.wrap_future(drain[0]), 30)
+                return (
+                    reference,
+                    results,
+                    at_drain[0],
+                    member.counters.admitted,
+                    member.state.value,
+                )
+
+        reference, results, admitted_at_drain, admitted_end, state = run_scenario(scenario(), 240)
+    tally = _tally("fleet-drain", results, len(prompts))
+    tally.notes = f"failovers={sum(r.failovers for r in results)}"
+    report(tally)
+    assert [r.output_ids for r in results] == reference
+    assert admitted_at_drain > 0  # it had work when the drain began
+    assert admitted_end == admitted_at_drain, "a request landed on a draining executor"
+    assert state in ("draining", "lost")
