@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -195,3 +196,23 @@ def test_a_draining_executor_gets_no_new_requests_and_nothing_is_lost(
     assert admitted_at_drain > 0  # it had work when the drain began
     assert admitted_end == admitted_at_drain, "a request landed on a draining executor"
     assert state in ("draining", "lost")
+
+
+def test_generate_cli_drives_every_target_given(
+    servers: list[InProcessServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ferrum_server.tools.cli import build_parser
+
+    a, b, c = (s.target for s in servers)
+    args = build_parser().parse_args(
+        ["generate", "--target", a, "--target", f"{b},{c}", "--random", "6", "--max-new-tokens",
+         "3", "--target-step-ms", "0", "--json"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["executors"]) == {a, b, c}  # no flag silently dropped
+    assert {r["executor"] for r in report["results"]} == {a, b, c}  # least loaded: spread
+    assert all(r["failovers"] == 0 and len(r["output_ids"]) == 3 for r in report["results"])
+    bad = build_parser().parse_args(["generate", "--target", f"{a},", "--random", "1"])
+    assert bad.func(bad) == 2
+    assert "empty executor address" in capsys.readouterr().err
