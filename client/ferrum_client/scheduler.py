@@ -591,6 +591,10 @@ class Scheduler:
         self.backend: Backend = (
             GrpcBackend(client) if isinstance(client, AsyncExecutorClient) else client
         )
+        # A backend over several executors reports the caches lost with one of them.
+        self._failover: FailoverBackend | None = (
+            self.backend if isinstance(self.backend, FailoverBackend) else None
+        )
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
         self.cost = StepCostModel()  # step time vs tokens, for target_step_ms
@@ -693,9 +697,9 @@ class Scheduler:
     def _fail_over(self) -> None:
         """Requests whose executor was lost (not in a step: those come back in the step's
         ``lost``) go first in the queue, to be re-admitted elsewhere with outputs replayed."""
-        if not isinstance(self.backend, FailoverBackend):
+        if self._failover is None:
             return
-        lost = self.backend.take_lost()
+        lost = self._failover.take_lost()
         if not lost:
             return
         for request in [r for r in self._running if r.cache_id in lost and not r.in_flight]:
