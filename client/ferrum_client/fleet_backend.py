@@ -205,6 +205,7 @@ class FleetBackend:
     ) -> Admission:
         since = self.fleet.generation  # a change during the probes must wake the wait
         narrower = 0
+        deferred_somewhere = False
         rejected: Admission | None = None
         for member in self._ranked(tokens):
             incarnation = member.incarnation
@@ -260,10 +261,11 @@ class FleetBackend:
                         "deferred", wait=_MemberWait(member, incarnation, deferred.wait_condition)
                     )
                 narrower = max(narrower, deferred.narrower_prefill_tokens)
+                deferred_somewhere = True
             else:
                 raise ContractViolation(f"TryAdmitPrefill answered no decision for {request_id!r}")
-        if rejected is not None and narrower == 0 and self.fleet.serving():
-            return rejected
+        if rejected is not None and not deferred_somewhere:
+            return rejected  # no serving member could ever take it
         return Admission("deferred", wait=_FleetWait(since), narrower_prefill_tokens=narrower)
 
     async def _stream(self, member: Member) -> StepStream:

@@ -216,3 +216,34 @@ def test_generate_cli_drives_every_target_given(
     bad = build_parser().parse_args(["generate", "--target", f"{a},", "--random", "1"])
     assert bad.func(bad) == 2
     assert "empty executor address" in capsys.readouterr().err
+
+
+def test_requests_deferred_everywhere_wait_for_capacity_and_all_complete() -> None:
+    # Two executors of 24 blocks: a request needs 12, so at most two run on each at once and
+    # the rest are deferred by both until a completion frees room somewhere.
+    small = {**ENGINE, "kv_cache_bytes": 24 * 4 * 512}  # 24 blocks of 4 float32 tiny tokens
+    prompts = [prompt(9000 + k, 40) for k in range(8)]
+    params = GenerationParams(max_new_tokens=8)
+    with serve_in_process(small) as first, serve_in_process(small) as second:
+
+        async def scenario() -> tuple[list[Any], list[GenerationResult], Any]:
+            async with ExecutorFleet([first.target, second.target]) as fleet:
+                async with asyncio.timeout(30):
+                    while len(fleet.serving()) < 2:
+                        await fleet.wait_for_change(fleet.generation, None)
+                scheduler = Scheduler(FleetBackend(fleet), CONFIG)
+                results = await scheduler.generate(prompts, params)
+            async with AsyncExecutorClient(first.target) as client:
+                alone = [
+                    (await Scheduler(client, CONFIG).generate([p], params))[0].output_ids
+                    for p in prompts
+                ]
+            return alone, results, scheduler.stats
+
+        alone, results, stats = run_scenario(scenario(), 240)
+        tally = _tally("fleet-deferred-everywhere", results, len(prompts))
+        tally.blocks_leaked = first.blocks_leaked() + second.blocks_leaked()
+    report(tally)
+    assert [r.output_ids for r in results] == alone
+    assert stats.admissions_deferred > 0
+    assert {r.executor for r in results} == {first.target, second.target}
