@@ -198,6 +198,7 @@ class ExecutorFleet:
         self._changed = asyncio.Event()
         self._resolver_task: asyncio.Task[None] | None = None
         self._closed = False
+        self._started = False
         # Called with (member, old incarnation) when a member is lost.
         self.on_lost: list[Callable[[Member, int], None]] = []
 
@@ -209,6 +210,10 @@ class ExecutorFleet:
         await self.close()
 
     async def start(self) -> None:
+        """Join the static members and resolve the DNS names (idempotent)."""
+        if self._started:
+            return
+        self._started = True
         for address in self.spec.addresses:
             self.add(address)
         if self.spec.dns_names:
@@ -332,8 +337,8 @@ class ExecutorFleet:
                 await self._join_and_watch(member)
             except asyncio.CancelledError:
                 raise
-            except (ExecutorError, ConnectionError, TimeoutError):
-                pass
+            except (ExecutorError, OSError, StopAsyncIteration, RuntimeError):
+                pass  # unreachable, refused, or a watch that ended: lost, then retried
             self._mark_lost(member)
             await asyncio.sleep(delay)
             delay = min(RECONNECT_MAX_S, delay * 2)

@@ -98,8 +98,10 @@ class _MemberWait:
 class FleetBackend:
     """``Backend`` over every SERVING member of an ``ExecutorFleet``."""
 
-    def __init__(self, fleet: ExecutorFleet) -> None:
+    def __init__(self, fleet: ExecutorFleet, *, own_fleet: bool = False) -> None:
+        # With own_fleet, open() starts the fleet and close() closes it (a one-shot run).
         self.fleet = fleet
+        self._own_fleet = own_fleet
         self._by_request: dict[str, _Placed] = {}
         self._by_cache: dict[str, _Placed] = {}
         self._streams: dict[str, tuple[int, StepStream]] = {}
@@ -111,6 +113,8 @@ class FleetBackend:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def open(self) -> StepLimits:
+        if self._own_fleet:
+            await self.fleet.start()
         await self.fleet.wait_serving(OPEN_TIMEOUT_S)
         limits = [m.capabilities for m in self.fleet.serving() if m.capabilities is not None]
         tokens = [c.admission_limits.maximum_scheduled_tokens for c in limits]
@@ -130,6 +134,8 @@ class FleetBackend:
                 await stream.__aexit__(None, None, None)
         with contextlib.suppress(ValueError):
             self.fleet.on_lost.remove(self._on_lost)
+        if self._own_fleet:
+            await self.fleet.close()
 
     # -- loss -------------------------------------------------------------------------------
 
