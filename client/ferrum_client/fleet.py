@@ -305,6 +305,16 @@ class ExecutorFleet:
             while not self.serving():
                 await self.wait_for_change(self.generation, None)
 
+    async def wait_settled(self, timeout_s: float) -> bool:
+        """Wait until no member is still making its first connection (each has joined or
+        failed once), at most `timeout_s`; whether that happened in time."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while any(m.state is ExecutorState.CONNECTING for m in self._members.values()):
+                    await self.wait_for_change(self.generation, None)
+                return True
+        return False
+
     def report_failure(self, member: Member, incarnation: int, error: BaseException) -> None:
         """A call to `member` failed in a way that means it is gone (or restarted)."""
         if member.incarnation == incarnation and member.state is not ExecutorState.LOST:

@@ -68,8 +68,9 @@ LOSS_CODES = frozenset(
         grpc.StatusCode.UNKNOWN,
     }
 )
-# How long `open` waits for a first SERVING executor.
+# How long `open` waits for a first SERVING executor, then for the others' first connection.
 OPEN_TIMEOUT_S = 60.0
+JOIN_GRACE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -116,6 +117,8 @@ class FleetBackend:
         if self._own_fleet:
             await self.fleet.start()
         await self.fleet.wait_serving(OPEN_TIMEOUT_S)
+        # Let the members still connecting join first, so the first requests spread over them.
+        await self.fleet.wait_settled(JOIN_GRACE_S)
         limits = [m.capabilities for m in self.fleet.serving() if m.capabilities is not None]
         tokens = [c.admission_limits.maximum_scheduled_tokens for c in limits]
         items = [c.max_batch_size for c in limits]

@@ -1,6 +1,6 @@
 """The executor's prefix-cache keys, computed in the client (no torch): the chained content hash
 of every full block of a prompt. It must stay byte-for-byte the chain of
-``ferrum_server.kv.manager.chain_hashes`` (tests/unit/test_fleet.py checks both agree), so that
+``ferrum_server.kv.manager.chain_hashes`` (tests/unit/test_fleet_spec.py checks both agree), so that
 the fleet places a prompt where its prefix is cached."""
 
 from __future__ import annotations
