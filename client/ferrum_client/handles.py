@@ -483,6 +483,20 @@ class AsyncExecutorClient:
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
+    async def watch_health(self, service: str = "") -> AsyncIterator[int]:
+        """grpc.health.v1 Watch: the serving status (1 = SERVING, 2 = NOT_SERVING) now and on
+        every change. The watch holds a call slot until the iteration ends."""
+        try:
+            async with self._pool.slot(self.timeout_s, long_lived=True) as lane:
+                watch = lane.health.Watch(health_pb2.HealthCheckRequest(service=service))
+                async for response in watch:
+                    yield int(response.status)
+        except asyncio.CancelledError:
+            _raise_if_closed_under_us()
+            raise
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
     def step_stream(self) -> StepStream:
         """Open the hot-path stream; use `async with client.step_stream() as stream`."""
         return StepStream(self._pool, self._metadata, self.timeout_s)

@@ -150,6 +150,10 @@ class GenerationResult:
     first_token_s: float = 0.0  # time to first token, seconds after arrival
     token_times_s: list[float] = field(default_factory=list)  # perf_counter() per token
     finished_s: float = 0.0
+    # The executor that produced the last token (fleet backends; "" for one executor), and how
+    # many times the request moved to another executor after its own was lost.
+    executor: str = ""
+    failovers: int = 0
 
 
 # -- backend protocol ------------------------------------------------------------------------
@@ -198,6 +202,11 @@ class StepResult:
     # (DEFERRED items).
     blocked_sources: dict[int, frozenset[SourceKey]] = field(default_factory=dict)
     waits: dict[int, object] = field(default_factory=dict)
+    # Items whose executor was lost (a fleet backend): their requests are re-admitted elsewhere
+    # with their outputs replayed; the item produced nothing.
+    lost: frozenset[int] = frozenset()
+    # Per item, the executor that ran it (a fleet backend; empty otherwise).
+    executors: Sequence[str] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +304,14 @@ class Backend(Protocol):
     async def renew_leases(self, cache_ids: Sequence[str]) -> list[str]:
         """Renew the caches' leases; return the ids that were no longer live."""
         ...
+
+
+@runtime_checkable
+class FailoverBackend(Protocol):
+    """A backend over several executors (``ferrum_client.fleet_backend.FleetBackend``) that
+    reports the caches lost with an executor, for the scheduler to re-admit elsewhere."""
+
+    def take_lost(self) -> set[str]: ...
 
 
 class GrpcBackend:
@@ -551,6 +568,8 @@ class SchedulerStats:
     max_in_flight: int = 0
     # RenewCacheLease calls for caches held idle (see _renew_idle_leases).
     lease_renewals: int = 0
+    # Requests re-admitted elsewhere after their executor was lost (fleet backends).
+    failovers: int = 0
 
 
 @dataclass(slots=True)
@@ -571,6 +590,10 @@ class Scheduler:
     ) -> None:
         self.backend: Backend = (
             GrpcBackend(client) if isinstance(client, AsyncExecutorClient) else client
+        )
+        # A backend over several executors reports the caches lost with one of them.
+        self._failover: FailoverBackend | None = (
+            self.backend if isinstance(self.backend, FailoverBackend) else None
         )
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
@@ -641,6 +664,7 @@ class Scheduler:
                     request.result.arrival_s = start + (offsets[request.result.index] or 0.0)
                     self._waiting.append(request)
                 await self._drop_cancelled()
+                self._fail_over()
                 await self._admit()
                 await self._renew_idle_leases()
                 while len(in_flight) < self.config.pipeline_depth:
@@ -667,6 +691,25 @@ class Scheduler:
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
             await self.backend.close()
+
+    # -- failover ---------------------------------------------------------------------------
+
+    def _fail_over(self) -> None:
+        """Requests whose executor was lost (not in a step: those come back in the step's
+        ``lost``) go first in the queue, to be re-admitted elsewhere with outputs replayed."""
+        if self._failover is None:
+            return
+        lost = self._failover.take_lost()
+        if not lost:
+            return
+        for request in [r for r in self._running if r.cache_id in lost and not r.in_flight]:
+            self._running.remove(request)
+            self._lose(request)
+
+    def _lose(self, request: _Request) -> None:
+        request.result.failovers += 1
+        self.stats.failovers += 1
+        self._requeue(request)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -973,6 +1016,11 @@ class Scheduler:
         statuses, committed, tokens = result.statuses, result.committed_tokens, result.token_ids
         for k, request in enumerate(step.members):
             request.in_flight = False
+            if k in result.lost:
+                if request in self._running and not request.result.finish_reason:
+                    self._running.remove(request)
+                    self._lose(request)
+                continue
             status = statuses[k]
             request.blocked = status == ItemStatus.DEFERRED
             if status == ItemStatus.DEFERRED:
@@ -990,6 +1038,8 @@ class Scheduler:
             request.computed = committed[k]
             if status == ItemStatus.TOKEN and not request.result.finish_reason:
                 token = tokens[k]
+                if result.executors:
+                    request.result.executor = result.executors[k]
                 self._record(request, token, now)
                 events.append((request.result.index, token))
                 if self.on_token is not None:
@@ -1115,6 +1165,7 @@ __all__ = [
     "Admission",
     "Backend",
     "ContractViolation",
+    "FailoverBackend",
     "GenerationParams",
     "GenerationResult",
     "GrpcBackend",

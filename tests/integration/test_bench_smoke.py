@@ -135,3 +135,26 @@ def test_repeated_rounds_interleave_systems_and_report_the_median_round(
     ratio = report["by_dtype"]["float32"]["derived"]["ratios_output_tok_s"]
     assert ratio["ferrum-grpc / ferrum-inproc"] == pytest.approx(2.0 / 3.0, abs=1e-3)
     assert "by round" in harness.format_table(report)
+
+
+def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = _cli(
+        "bench",
+        "--workload", "smoke",
+        "--dtype", "float32",
+        "--compare", "inproc",
+        "--executors", "2",
+        "--no-progress",
+        "--cache-dir", str(tmp_path / "models"),
+        "--output", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    section = json.loads(out.read_text())["by_dtype"]["float32"]
+    fleet = section["results"]["ferrum-grpc"]
+    assert fleet["notes"]["executors"] == 2
+    assert fleet["output_tokens"] == 12 * 8
+    # Two executors, one policy: the same greedy tokens as one in-process engine.
+    assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-inproc"] == 1.0
+    bad = _cli("bench", "--workload", "smoke", "--executors", "0")
+    assert bad.returncode == 2 and "--executors" in bad.stderr

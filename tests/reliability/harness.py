@@ -167,7 +167,8 @@ def serve_in_process(
     try:
         yield InProcessServer(running, loop)
     finally:
-        asyncio.run_coroutine_threadsafe(running.drain(1.0), loop).result(timeout=60)
+        if not running.servicer.draining:  # a test may have drained it already (and waited)
+            asyncio.run_coroutine_threadsafe(running.drain(1.0), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
 

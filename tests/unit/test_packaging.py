@@ -21,6 +21,7 @@ def test_client_imports_without_torch() -> None:
     code = (
         "import sys\n"
         "import ferrum_client, ferrum_client.handles, ferrum_client.batch\n"
+        "import ferrum_client.fleet, ferrum_client.fleet_backend, ferrum_client.prefix\n"
         "heavy = [m for m in ('torch', 'numpy', 'ferrum_server') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -1,5 +1,9 @@
 """`ferrum-executor generate`: run the reference scheduler against a server from the shell.
 
+One --target is one executor; several (comma-separated or repeated flags) or a dns:/// name
+drive a fleet (``ferrum_client.fleet``), and each --json result then names the executor that
+produced its last token and how often it failed over.
+
 Prompts are token ids: a JSON file holding a list of lists (or {"prompts": [...]}) or random
 prompts from a seed. Tokens stream to stdout as they are produced ("index<TAB>token"), or, with
 --json, one JSON document with every result is printed at the end.
@@ -16,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ferrum_client.scheduler import DEFAULT_TARGET_STEP_MS
+from ferrum_client import AsyncExecutorClient, pb
+from ferrum_client.fleet import FleetSpec, parse_fleet_spec
+from ferrum_client.scheduler import DEFAULT_TARGET_STEP_MS, Backend
 
 from ferrum_server.config import DTYPES
 from ferrum_server.server_process import start_server_process
@@ -24,7 +30,13 @@ from ferrum_server.server_process import start_server_process
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--target", help="HOST:PORT of a running executor")
+    where.add_argument(
+        "--target",
+        action="append",
+        help="executors: HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT (re-resolved every "
+        "30 s); repeated flags add up. More than one executor runs as a fleet (placement "
+        "and failover: docs/scheduler.md)",
+    )
     where.add_argument(
         "--local", action="store_true", help="start a server subprocess for this run"
     )
@@ -85,31 +97,51 @@ def load_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     ]
 
 
-async def _generate(target: str, args: argparse.Namespace) -> dict[str, Any]:
-    from ferrum_client import AsyncExecutorClient
+async def _generate(spec: FleetSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """One executor: the plain gRPC backend. Several (or a DNS name): the fleet."""
+    if len(spec.addresses) == 1 and not spec.dns_names:
+        target = spec.addresses[0]
+        async with AsyncExecutorClient(target, timeout_s=600) as client:
+            info = await client.get_info()
+            return await _run(client, info, args, target)
+    from ferrum_client.fleet import ExecutorFleet
+    from ferrum_client.fleet_backend import OPEN_TIMEOUT_S, FleetBackend
+
+    async with ExecutorFleet(spec) as fleet:
+        await fleet.wait_serving(OPEN_TIMEOUT_S)
+        info = await fleet.serving()[0].client.get_info()
+        report = await _run(FleetBackend(fleet), info, args, "")
+        report["executors"] = fleet.metrics()
+        return report
+
+
+async def _run(
+    backend: AsyncExecutorClient | Backend,
+    info: pb.GetInfoResponse,
+    args: argparse.Namespace,
+    target: str,
+) -> dict[str, Any]:
     from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
 
     stops = tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip())
-    async with AsyncExecutorClient(target, timeout_s=600) as client:
-        info = await client.get_info()
-        prompts = load_prompts(args, info.model_info.vocab_size)
-        scheduler = Scheduler(
-            client,
-            SchedulerConfig(
-                max_step_tokens=args.max_step_tokens,
-                pipeline_depth=args.pipeline_depth,
-                target_step_ms=args.target_step_ms,
-                align_first_tokens=args.align_first_tokens,
-            ),
-        )
-        params = GenerationParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
-        results = []
-        if args.json:
-            results = await scheduler.generate(prompts, params)
-        else:
-            async for index, token in scheduler.stream(prompts, params):
-                sys.stdout.write(f"{index}\t{token}\n")
-            sys.stdout.flush()
+    prompts = load_prompts(args, info.model_info.vocab_size)
+    scheduler = Scheduler(
+        backend,
+        SchedulerConfig(
+            max_step_tokens=args.max_step_tokens,
+            pipeline_depth=args.pipeline_depth,
+            target_step_ms=args.target_step_ms,
+            align_first_tokens=args.align_first_tokens,
+        ),
+    )
+    params = GenerationParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
+    results = []
+    if args.json:
+        results = await scheduler.generate(prompts, params)
+    else:
+        async for index, token in scheduler.stream(prompts, params):
+            sys.stdout.write(f"{index}\t{token}\n")
+        sys.stdout.flush()
     return {
         "model": info.model_info.model_id,
         "results": [
@@ -120,6 +152,9 @@ async def _generate(target: str, args: argparse.Namespace) -> dict[str, Any]:
                 "finish_reason": r.finish_reason,
                 "error": r.error,
                 "ttft_ms": round(r.first_token_s * 1e3, 1),
+                # The executor that produced the last token, and moves after a lost executor.
+                "executor": r.executor or (target if r.output_ids else ""),
+                "failovers": r.failovers,
             }
             for r in results
         ],
@@ -129,8 +164,8 @@ async def _generate(target: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     process = None
-    target = args.target
     try:
+        spec = parse_fleet_spec(args.target) if args.target else FleetSpec()
         if args.prompts is not None:
             read_prompt_file(args.prompts)  # fail before starting anything
         if args.local:
@@ -144,8 +179,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 ],
                 timeout_s=600,
             )  # fmt: skip
-            target = f"127.0.0.1:{port}"
-        report = asyncio.run(_generate(target, args))
+            spec = FleetSpec((f"127.0.0.1:{port}",))
+        report = asyncio.run(_generate(spec, args))
     except (ValueError, OSError, RuntimeError) as exc:
         sys.stderr.write(f"ferrum-executor generate: {exc}\n")
         return 2

@@ -11,6 +11,9 @@ from ferrum_client.scheduler import DEFAULT_TARGET_STEP_MS
 
 from ferrum_server.config import DTYPES
 
+# Local executors one bench run may start (each is a full server process with its own KV pool).
+MAX_LOCAL_EXECUTORS = 16
+
 
 def _csv_ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
@@ -58,6 +61,13 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         default=1,
         help="rounds of every system, interleaved; each row is the median round",
     )
+    bench.add_argument(
+        "--executors",
+        type=int,
+        default=1,
+        help="ferrum-grpc: start this many local executors and drive them as one fleet "
+        "(they share this machine's cores: on 2 cores two executors are not twice as fast)",
+    )
     bench.add_argument("--hf-batch-size", type=int, default=16)
     bench.add_argument("--torch-threads", type=int, default=0)
     bench.add_argument("--vllm-venv", default=None, help="vLLM CPU venv (see scripts/)")
@@ -76,6 +86,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [d for d in dtypes if d not in DTYPES] + [c for c in compare if c not in COMPARE_CHOICES]
     if args.repeat < 1:
         sys.stderr.write("ferrum-executor bench: --repeat must be >= 1\n")
+        return 2
+    if not 1 <= args.executors <= MAX_LOCAL_EXECUTORS:
+        sys.stderr.write(
+            f"ferrum-executor bench: --executors must be in 1..{MAX_LOCAL_EXECUTORS}\n"
+        )
         return 2
     if bad or not dtypes:
         sys.stderr.write(f"ferrum-executor bench: unknown choice(s): {', '.join(bad)}\n")
@@ -98,6 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         vllm_venv=args.vllm_venv,
         cache_dir=args.cache_dir,
         progress=not args.no_progress,
+        executors=args.executors,
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")

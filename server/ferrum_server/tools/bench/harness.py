@@ -185,6 +185,7 @@ def run_bench(
     cache_dir: Path | None = None,
     progress: bool = True,
     log: Any = sys.stderr,
+    executors: int = 1,
 ) -> dict[str, Any]:
     if repeat < 1:
         raise ValueError("repeat must be >= 1")
@@ -226,6 +227,7 @@ def run_bench(
             hf_batch_size=hf_batch_size,
             vllm_python=str(vllm_python or ""),
             progress=progress,
+            executors=executors,
         )
         section: dict[str, Any] = {}
         skipped: dict[str, str] = {}

@@ -59,6 +59,8 @@ class RunSpec:
     hf_batch_size: int = 16
     vllm_python: str = ""
     progress: bool = True
+    # ferrum-grpc: executors started locally and driven as one fleet (they share the cores).
+    executors: int = 1
 
 
 def peak_rss(pid: int | None = None) -> int:
@@ -187,28 +189,38 @@ def _engine_args(spec: RunSpec) -> list[str]:
 
 def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
     from ferrum_client import AsyncExecutorClient
-    from ferrum_client.scheduler import GrpcBackend
+    from ferrum_client.fleet import ExecutorFleet
+    from ferrum_client.fleet_backend import FleetBackend
+    from ferrum_client.scheduler import Backend, GrpcBackend
 
     from ferrum_server.server_process import start_server_process
 
-    process, port = start_server_process(_engine_args(spec), timeout_s=600)
-    target = f"127.0.0.1:{port}"
+    processes: list[subprocess.Popen[bytes]] = []
+    targets: list[str] = []
+    try:
+        for _ in range(spec.executors):
+            process, port = start_server_process(_engine_args(spec), timeout_s=600)
+            processes.append(process)
+            targets.append(f"127.0.0.1:{port}")
+    except BaseException:
+        _stop(processes)
+        raise
     clients: list[AsyncExecutorClient] = []
 
-    def backend() -> GrpcBackend:
-        client = AsyncExecutorClient(target, timeout_s=600)
+    def backend() -> Backend:
+        if len(targets) > 1:
+            # The fleet starts when the scheduler opens the backend, and closes with it.
+            return FleetBackend(ExecutorFleet(targets), own_fleet=True)
+        client = AsyncExecutorClient(targets[0], timeout_s=600)
         clients.append(client)
         return GrpcBackend(client)
 
     try:
         wall, traces, steps, notes = _scheduler_run(backend, spec, "ferrum-grpc")
-        server_peak = peak_rss(process.pid)
+        server_peak = max(peak_rss(p.pid) for p in processes)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        _stop(processes)
+    notes["executors"] = spec.executors
     return RunOutput(
         "ferrum-grpc",
         wall,
@@ -217,6 +229,16 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
         steps,
         notes,
     )
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def run_ferrum_inproc(spec: RunSpec) -> RunOutput:

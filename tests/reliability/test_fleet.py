@@ -1,0 +1,249 @@
+"""The reference scheduler over a fleet of in-process executors: failover, affinity, drain.
+
+Three executors on 127.0.0.1 (in-process; the SIGKILL scenario is in test_fleet_process.py),
+each behind a loopback TCP proxy so a test can cut one's connections mid-step: the scheduler
+sees UNAVAILABLE on that executor's step stream, exactly as when the executor dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from ferrum_client import AsyncExecutorClient
+from ferrum_client.fleet import ExecutorFleet, ExecutorState
+from ferrum_client.fleet_backend import FleetBackend
+from ferrum_client.scheduler import GenerationParams, GenerationResult, Scheduler, SchedulerConfig
+from reliability.harness import (
+    InProcessServer,
+    Tally,
+    prompt,
+    report,
+    run_scenario,
+    serve_in_process,
+)
+from reliability.proxy import TcpProxy
+
+CONFIG = SchedulerConfig(max_step_tokens=64, target_step_ms=0)
+ENGINE = {"kv_cache_bytes": 4 * 1024**2, "max_batch_tokens": 512}
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[list[InProcessServer]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(serve_in_process(ENGINE)) for _ in range(3)]
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    return [prompt(seed * 1000 + k, 20 + 7 * (k % 5)) for k in range(count)]
+
+
+def _tally(name: str, results: Sequence[GenerationResult], count: int) -> Tally:
+    tally = Tally(name)
+    for k in range(count):
+        tally.send(f"p{k}")
+    for result in results:
+        done = result.finish_reason in ("length", "stop")
+        tally.resolve(f"p{result.index}", "OK" if done else result.finish_reason or "NONE")
+    return tally
+
+
+async def _single(target: str, prompts: list[list[int]], params: GenerationParams) -> list[Any]:
+    async with AsyncExecutorClient(target) as client:
+        results = await Scheduler(client, CONFIG).generate(prompts, params)
+    return [r.output_ids for r in results]
+
+
+def test_a_cut_link_mid_step_fails_over_and_the_executor_rejoins(
+    servers: list[InProcessServer],
+) -> None:
+    prompts = _prompts(12)
+    params = GenerationParams(max_new_tokens=24)
+
+    async def scenario() -> tuple[list[Any], list[GenerationResult], dict[str, Any], int]:
+        reference = await _single(servers[0].target, prompts, params)
+        proxies = [TcpProxy(s.running.port) for s in servers]
+        for proxy in proxies:
+            await proxy.start()
+        cut: list[int] = []
+        try:
+            async with ExecutorFleet([p.target for p in proxies]) as fleet:
+                backend = FleetBackend(fleet)
+                scheduler = Scheduler(backend, CONFIG)
+                produced = 0
+
+                def on_token(index: int, token: int) -> None:
+                    nonlocal produced
+                    produced += 1
+                    if produced == 60:  # mid-run: every request is running somewhere
+                        cut.append(proxies[1].reset())
+
+                scheduler.on_token = on_token
+                results = await scheduler.generate(prompts, params)
+                # The cut executor reconnects, rejoins as a new incarnation and gets work.
+                member = fleet.get(proxies[1].target)
+                await fleet.wait_serving(30)
+                async with asyncio.timeout(30):
+                    while member.state is not ExecutorState.SERVING:
+                        await fleet.wait_for_change(fleet.generation, None)
+                before = member.counters.admitted
+                again = await Scheduler(FleetBackend(fleet), CONFIG).generate(
+                    _prompts(6, seed=1), GenerationParams(max_new_tokens=4)
+                )
+                assert all(r.finish_reason == "length" for r in again)
+                return reference, results, fleet.metrics(), member.counters.admitted - before
+        finally:
+            for proxy in proxies:
+                await proxy.close()
+
+    reference, results, metrics, admitted_after = run_scenario(scenario(), 240)
+    tally = _tally("fleet-cut-link", results, len(prompts))
+    failovers = sum(r.failovers for r in results)
+    tally.notes = f"failovers={failovers}"
+    tally.blocks_leaked = sum(s.blocks_leaked() for s in servers)
+    report(tally)
+    assert [r.output_ids for r in results] == reference
+    assert failovers > 0, metrics
+    cut_member = [m for m in metrics.values() if m["lost"]]
+    assert len(cut_member) == 1 and cut_member[0]["joined"] == 2, metrics
+    assert admitted_after > 0, metrics
+    assert all(r.executor for r in results)
+
+
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_executor(
+    servers: list[InProcessServer],
+) -> None:
+    shared = prompt(4242, 256)
+    prompts = [shared + prompt(5000 + k, 8) for k in range(16)]
+
+    async def scenario() -> dict[str, Any]:
+        async with ExecutorFleet([s.target for s in servers]) as fleet:
+            await fleet.wait_serving(30)
+            async with asyncio.timeout(30):
+                while len(fleet.serving()) < 3:
+                    await fleet.wait_for_change(fleet.generation, None)
+            results = await Scheduler(FleetBackend(fleet), CONFIG).generate(
+                prompts, GenerationParams(max_new_tokens=4)
+            )
+            assert all(r.finish_reason == "length" for r in results)
+            return fleet.metrics()
+
+    metrics = run_scenario(scenario(), 240)
+    prefilled = sorted(int(m["prefill_tokens"]) for m in metrics.values())
+    # Every prompt went where the prefix was placed: the other two computed none of it.
+    assert prefilled[0] == prefilled[1] == 0, metrics
+    assert prefilled[2] >= 256, metrics
+
+
+def test_a_draining_executor_gets_no_new_requests_and_nothing_is_lost(
+    servers: list[InProcessServer],
+) -> None:
+    prompts = _prompts(12, seed=2)
+    params = GenerationParams(max_new_tokens=24)
+    with serve_in_process(ENGINE) as drained:
+
+        async def scenario() -> tuple[list[Any], list[GenerationResult], int, int, str]:
+            reference = await _single(servers[0].target, prompts, params)
+            targets = [servers[0].target, servers[1].target, drained.target]
+            async with ExecutorFleet(targets) as fleet:
+                async with asyncio.timeout(30):
+                    while len(fleet.serving()) < 3:
+                        await fleet.wait_for_change(fleet.generation, None)
+                member = fleet.get(drained.target)
+                scheduler = Scheduler(FleetBackend(fleet), CONFIG)
+                produced = 0
+                at_drain: list[int] = []
+                drain: list[concurrent.futures.Future[None]] = []
+
+                def on_token(index: int, token: int) -> None:
+                    nonlocal produced
+                    produced += 1
+                    if produced == 40:  # SIGTERM's drain, on the server's own loop
+                        drain.append(
+                            asyncio.run_coroutine_threadsafe(
+                                drained.running.drain(10.0), drained.loop
+                            )
+                        )
+
+                async def watch_drain() -> None:
+                    while member.state is ExecutorState.SERVING:
+                        await fleet.wait_for_change(fleet.generation, None)
+                    at_drain.append(member.counters.admitted)
+
+                watcher = asyncio.ensure_future(watch_drain())
+                scheduler.on_token = on_token
+                results = await scheduler.generate(prompts, params)
+                await asyncio.wait_for(watcher, 30)
+                await asyncio.wait_for(asyncio.wrap_future(drain[0]), 30)
+                return (
+                    reference,
+                    results,
+                    at_drain[0],
+                    member.counters.admitted,
+                    member.state.value,
+                )
+
+        reference, results, admitted_at_drain, admitted_end, state = run_scenario(scenario(), 240)
+    tally = _tally("fleet-drain", results, len(prompts))
+    tally.notes = f"failovers={sum(r.failovers for r in results)}"
+    report(tally)
+    assert [r.output_ids for r in results] == reference
+    assert admitted_at_drain > 0  # it had work when the drain began
+    assert admitted_end == admitted_at_drain, "a request landed on a draining executor"
+    assert state in ("draining", "lost")
+
+
+def test_generate_cli_drives_every_target_given(
+    servers: list[InProcessServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ferrum_server.tools.cli import build_parser
+
+    a, b, c = (s.target for s in servers)
+    args = build_parser().parse_args(
+        ["generate", "--target", a, "--target", f"{b},{c}", "--random", "6", "--max-new-tokens",
+         "3", "--target-step-ms", "0", "--json"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["executors"]) == {a, b, c}  # no flag silently dropped
+    assert {r["executor"] for r in report["results"]} == {a, b, c}  # least loaded: spread
+    assert all(r["failovers"] == 0 and len(r["output_ids"]) == 3 for r in report["results"])
+    bad = build_parser().parse_args(["generate", "--target", f"{a},", "--random", "1"])
+    assert bad.func(bad) == 2
+    assert "empty executor address" in capsys.readouterr().err
+
+
+def test_requests_deferred_everywhere_wait_for_capacity_and_all_complete() -> None:
+    # Two executors of 24 blocks: a request needs 12, so at most two run on each at once and
+    # the rest are deferred by both until a completion frees room somewhere.
+    small = {**ENGINE, "kv_cache_bytes": 24 * 4 * 512}  # 24 blocks of 4 float32 tiny tokens
+    prompts = [prompt(9000 + k, 40) for k in range(8)]
+    params = GenerationParams(max_new_tokens=8)
+    with serve_in_process(small) as first, serve_in_process(small) as second:
+
+        async def scenario() -> tuple[list[Any], list[GenerationResult], Any]:
+            async with ExecutorFleet([first.target, second.target]) as fleet:
+                async with asyncio.timeout(30):
+                    while len(fleet.serving()) < 2:
+                        await fleet.wait_for_change(fleet.generation, None)
+                scheduler = Scheduler(FleetBackend(fleet), CONFIG)
+                results = await scheduler.generate(prompts, params)
+            async with AsyncExecutorClient(first.target) as client:
+                alone = [
+                    (await Scheduler(client, CONFIG).generate([p], params))[0].output_ids
+                    for p in prompts
+                ]
+            return alone, results, scheduler.stats
+
+        alone, results, stats = run_scenario(scenario(), 240)
+        tally = _tally("fleet-deferred-everywhere", results, len(prompts))
+        tally.blocks_leaked = first.blocks_leaked() + second.blocks_leaked()
+    report(tally)
+    assert [r.output_ids for r in results] == alone
+    assert stats.admissions_deferred > 0
+    assert {r.executor for r in results} == {first.target, second.target}
