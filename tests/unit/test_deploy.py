@@ -568,6 +568,15 @@ def test_example_scheduler_job_drives_the_fleet_through_the_headless_service(
         assert int(match["port"]) in service_ports
         dialed.append(int(match["port"]))
     assert sorted(dialed) == sorted(_grpc_ports(deployment).values()), "every executor, once"
+    # The other flags against the real `generate` parser; the --target value stands in as one
+    # plain HOST:PORT, so this holds whichever target forms that parser knows.
+    from ferrum_server.tools.generate import add_generate_args
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_generate_args(parser)
+    plain = list(args)
+    plain[plain.index("--target") + 1] = "127.0.0.1:50051"
+    assert parser.parse_args(plain[1:]).random >= 1
 
 
 # -- Dockerfile and health check ----------------------------------------------------------
