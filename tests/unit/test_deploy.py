@@ -37,7 +37,9 @@ from structlog.testing import capture_logs
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("gpu", "cpu", "gpu-2x")
-EXAMPLES = ("generate-job",)  # deploy/examples/*: workloads applied beside an overlay
+EXAMPLES = ("generate-job", "generate-job-2x")  # deploy/examples/*: applied beside an overlay
+# The example scheduler Job that drives each overlay's executors as a fleet.
+FLEET_JOB = {"gpu": "generate-job", "cpu": "generate-job", "gpu-2x": "generate-job-2x"}
 RENDERS = ("base", *OVERLAYS, *EXAMPLES)
 from ferrum_server.app import LIVENESS_SERVICE, SERVICE_NAME  # noqa: E402
 
@@ -189,6 +191,24 @@ def _one(docs: list[Doc], kind: str) -> Doc:
     return found[0]
 
 
+def _services(docs: list[Doc], *, headless: bool) -> list[Doc]:
+    return [
+        d for d in _by_kind(docs)["Service"] if (d["spec"].get("clusterIP") == "None") is headless
+    ]
+
+
+def _cluster_service(docs: list[Doc]) -> Doc:
+    """The ClusterIP Service: one virtual address, kube-proxy picks a pod per connection."""
+    (service,) = _services(docs, headless=False)
+    return service
+
+
+def _headless_service(docs: list[Doc]) -> Doc:
+    """The headless Service: its DNS name answers one address per Ready executor pod."""
+    (service,) = _services(docs, headless=True)
+    return service
+
+
 def _executors(deployment: Doc) -> list[Doc]:
     containers = deployment["spec"]["template"]["spec"]["containers"]
     return [c for c in containers if c["name"].startswith("executor")]
@@ -316,7 +336,7 @@ def test_podmonitor(name: str) -> None:
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_probes_ports_and_grace(name: str) -> None:
     docs = render(name)
-    deployment, service = _one(docs, "Deployment"), _one(docs, "Service")
+    deployment, service = _one(docs, "Deployment"), _cluster_service(docs)
     pod = deployment["spec"]["template"]["spec"]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -451,39 +471,112 @@ def test_every_pod_settles(name: str) -> None:
             assert any(p["containerPort"] == port for p in container["ports"])
 
 
-def _generate_args(container: Doc) -> argparse.Namespace:
-    from ferrum_server.tools.generate import add_generate_args
+# -- the fleet: headless Service and the scheduler Job ------------------------------------------
 
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_generate_args(parser)
-    return parser.parse_args([str(a) for a in container["args"][1:]])
+
+def _grpc_ports(deployment: Doc) -> dict[str, int]:
+    """Each executor's gRPC containerPort, by port name."""
+    out: dict[str, int] = {}
+    for container in _executors(deployment):
+        (port,) = [p for p in container["ports"] if p["name"].startswith("grpc")]
+        out[port["name"]] = port["containerPort"]
+    return out
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_headless_service_selects_exactly_the_executor_pods(name: str) -> None:
+    """The fleet's DNS name: a headless Service beside the ClusterIP one that publishes Ready
+    executor pods only, exposing every executor's gRPC port by name at its containerPort (the
+    name leads straight to pod IPs, so the port a client dials is the container's), and whose
+    membership follows each executor's readiness probe on that same port."""
+    docs = render(name)
+    deployment, headless = _one(docs, "Deployment"), _headless_service(docs)
+    assert headless["metadata"]["name"] != _cluster_service(docs)["metadata"]["name"]
+    spec = headless["spec"]
+    assert spec.get("type", "ClusterIP") == "ClusterIP" and spec["clusterIP"] == "None"
+    assert spec["publishNotReadyAddresses"] is False, "warming-up and draining pods stay out"
+    selector = spec["selector"]
+    assert selector == deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    for example in EXAMPLES:  # the scheduler's pods share the name label, not the component
+        for workload, _ in _workloads(render(example)):
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            assert not selector.items() <= labels.items(), (example, labels)
+
+    grpc_ports = _grpc_ports(deployment)
+    ports = {p["name"]: p for p in spec["ports"]}
+    assert set(ports) == set(grpc_ports), "every executor's gRPC port, and nothing else"
+    for port_name, container_port in grpc_ports.items():
+        port = ports[port_name]
+        assert port["targetPort"] == port_name and port["port"] == container_port
+        assert port["protocol"] == "TCP" and port["appProtocol"] == "kubernetes.io/h2c"
+    for container in _executors(deployment):
+        (port_name,) = [p["name"] for p in container["ports"] if p["name"] in grpc_ports]
+        readiness = container["readinessProbe"]["grpc"]
+        assert readiness["port"] == grpc_ports[port_name] == _serve_args(container).port
+        assert readiness["service"] == SERVICE_NAME
+
+
+# dns:///NAME.NAMESPACE.svc.cluster.local:PORT, the fully qualified name of a Service.
+_FLEET_TARGET = re.compile(
+    r"dns:///(?P<name>[a-z0-9]([-a-z0-9]*[a-z0-9])?)\.(?P<namespace>[^.:/]+)"
+    r"\.svc\.cluster\.local:(?P<port>[0-9]+)"
+)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_example_scheduler_job_targets_one_executor_through_the_service(overlay: str) -> None:
-    """One --target per scheduler (a repeated flag kept only the last one), naming the
-    Service's `grpc` port, which leads to an executor's gRPC port and its readiness probe."""
-    job = _one(render("generate-job"), "Job")
+def test_example_scheduler_job_drives_the_fleet_through_the_headless_service(
+    overlay: str,
+) -> None:
+    """The overlay's scheduler Job has one --target (a repeated flag kept only the last one):
+    dns:/// names of the headless Service, fully qualified with the Job's own namespace (the
+    downward API; Kubernetes expands $(POD_NAMESPACE) in args), one per executor gRPC port of
+    the overlay's pods, so the fleet reaches every executor of every Ready pod, once. It used
+    to name the ClusterIP Service, which pins a gRPC channel to one pod."""
+    job = _one(render(FLEET_JOB[overlay]), "Job")
     assert job["spec"]["backoffLimit"] >= 1 and job["spec"]["activeDeadlineSeconds"] > 0
     pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] in ("Never", "OnFailure")
     assert pod["securityContext"]["runAsNonRoot"] is True
     (scheduler,) = pod["containers"]
     assert _subcommand(scheduler) == "generate"
-    assert [str(a) for a in scheduler["args"]].count("--target") == 1
     assert scheduler["image"].endswith(":0.1.0-cpu")
     assert "nvidia.com/gpu" not in json.dumps(pod)
     assert scheduler["securityContext"]["readOnlyRootFilesystem"] is True
     mounts = {m["mountPath"]: m["name"] for m in scheduler["volumeMounts"]}
     assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}[mounts["/tmp"]]
-    host, _, port = _generate_args(scheduler).target.rpartition(":")
+
+    args = [str(a) for a in scheduler["args"]]
+    assert args.count("--target") == 1
+    env = {e["name"]: e for e in scheduler["env"]}
+    for reference in re.findall(r"\$\((\w+)\)", " ".join(args)):
+        # An undefined $(VAR) is passed on verbatim: a name that never resolves.
+        assert reference in env, f"$({reference}) is not in the scheduler's env"
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+
     docs = render(overlay)
-    service, deployment = _one(docs, "Service"), _one(docs, "Deployment")
-    assert host == service["metadata"]["name"]
-    by_port = {p["port"]: p["targetPort"] for p in service["spec"]["ports"]}
-    assert by_port[int(port)] == "grpc"
-    executor = next(c for c in _executors(deployment) if c["name"] == "executor")
-    grpc_port = next(p["containerPort"] for p in executor["ports"] if p["name"] == "grpc")
-    assert executor["readinessProbe"]["grpc"]["port"] == grpc_port == _serve_args(executor).port
+    headless, deployment = _headless_service(docs), _one(docs, "Deployment")
+    # Neither sets a namespace: both land in the one they are applied to, the Job's own.
+    assert headless["metadata"].get("namespace") == job["metadata"].get("namespace") is None
+    service_ports = {p["port"] for p in headless["spec"]["ports"]}
+    dialed = []
+    for entry in args[args.index("--target") + 1].split(","):
+        match = _FLEET_TARGET.fullmatch(entry)
+        assert match, f"{entry!r} is not dns:///NAME.NAMESPACE.svc.cluster.local:PORT"
+        assert match["name"] == headless["metadata"]["name"]
+        assert match["namespace"] == "$(POD_NAMESPACE)"
+        assert int(match["port"]) in service_ports
+        dialed.append(int(match["port"]))
+    assert sorted(dialed) == sorted(_grpc_ports(deployment).values()), "every executor, once"
+    # The other flags against the real `generate` parser; the --target value stands in as one
+    # plain HOST:PORT, so this holds whichever target forms that parser knows.
+    from ferrum_server.tools.generate import add_generate_args
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_generate_args(parser)
+    plain = list(args)
+    plain[plain.index("--target") + 1] = "127.0.0.1:50051"
+    assert parser.parse_args(plain[1:]).random >= 1
 
 
 # -- Dockerfile and health check ----------------------------------------------------------
