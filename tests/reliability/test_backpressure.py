@@ -348,8 +348,10 @@ def test_oversized_batch_is_refused_at_once_while_health_answers(
         prober.join()
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "exceed the batch limit" in (refused.value.details() or "")
-    assert took < 1.0, took
-    assert max(probes) < 0.5, max(probes)
+    assert took < 2.0, took  # 13 s before
+    # Before, every call stalled for the whole refusal (4 to 13 s); 1.5 s leaves room for a
+    # loaded 2-core machine (0.55 s seen with other test runs beside this one).
+    assert max(probes) < 1.5, max(probes)
 
 
 def test_requests_are_converted_off_the_event_loop(

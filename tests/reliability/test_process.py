@@ -43,7 +43,7 @@ def _start(tmp_path: pathlib.Path, *args: str, slow_s: float = 0.0) -> tuple[obj
 
 
 def test_sigterm_mid_batch_finishes_in_flight_work_and_exits_zero(tmp_path: pathlib.Path) -> None:
-    process, port = _start(tmp_path, "--grace-s", "10", slow_s=0.3)
+    process, port = _start(tmp_path, "--grace-s", "10", slow_s=0.5)
     target = f"127.0.0.1:{port}"
     tally = Tally("sigterm-mid-batch")
 
@@ -61,8 +61,11 @@ def test_sigterm_mid_batch_finishes_in_flight_work_and_exits_zero(tmp_path: path
                 except ExecutorError as exc:
                     tally.resolve(name, code_name(exc))
 
+            # The connection is open before the four calls go out, so that on a loaded machine
+            # they still reach the server at once, before the SIGTERM.
+            await client.get_info()
             calls = [asyncio.ensure_future(one(k)) for k in range(4)]
-            await asyncio.sleep(0.2)  # one step running, three queued behind it
+            await asyncio.sleep(0.3)  # one step running, three queued behind it
             sent = time.monotonic()
             process.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
             await asyncio.sleep(0.1)
