@@ -266,3 +266,39 @@ def random_paged_batch(
         ]
     )
     return PagedBatch(kv_layer, meta, queries, key, value, reference, scale)
+
+
+def save_windowed_mistral(folder: Path, window: int, vocab: int, **extra: Any) -> torch.nn.Module:
+    """A small random Mistral whose sliding window is `window`, saved to `folder` (seed 0)."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=window,
+        initializer_range=0.08,
+        **extra,
+    )
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    """transformers' greedy continuation (steps tokens), one cached step at a time."""
+    out = hf(input_ids=torch.tensor([prompt]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(steps - 1):
+        out = hf(
+            input_ids=torch.tensor([[tokens[-1]]]),
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens

@@ -52,6 +52,7 @@ from ferrum_client.scheduler import (
     StepLimits,
     StepResult,
     StepTiming,
+    admission_request,
     decode_results,
     encode_items,
 )
@@ -220,15 +221,13 @@ class FleetBackend:
             incarnation = member.incarnation
             try:
                 decision = await member.client.try_admit_prefill(
-                    pb.TryAdmitPrefillRequest(
-                        request_id=request_id,
-                        input_tokens=tokens,
-                        maximum_sequence_tokens=maximum_tokens,
-                        product_prompt_tokens=prompt_tokens,
-                        replayed_output_tokens=len(tokens) - prompt_tokens,
-                        request_origin=pb.REQUEST_ORIGIN_PRODUCT,
-                        first_chunk_tokens=first_chunk_tokens,
-                        executor_instance_id=member.instance_id,
+                    admission_request(
+                        request_id,
+                        tokens,
+                        maximum_tokens,
+                        prompt_tokens,
+                        first_chunk_tokens,
+                        member.instance_id,
                     )
                 )
                 kind = decision.WhichOneof("decision")

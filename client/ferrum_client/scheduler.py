@@ -314,6 +314,28 @@ class FailoverBackend(Protocol):
     def take_lost(self) -> set[str]: ...
 
 
+def admission_request(
+    request_id: str,
+    tokens: Sequence[int],
+    maximum_tokens: int,
+    prompt_tokens: int,
+    first_chunk_tokens: int = 0,
+    instance_id: int = 0,
+) -> pb.TryAdmitPrefillRequest:
+    """The scheduler's admission probe: `tokens` is the prompt then any outputs being replayed
+    (after a preemption or a failover), `prompt_tokens` of them the prompt."""
+    return pb.TryAdmitPrefillRequest(
+        request_id=request_id,
+        input_tokens=tokens,
+        maximum_sequence_tokens=maximum_tokens,
+        product_prompt_tokens=prompt_tokens,
+        replayed_output_tokens=len(tokens) - prompt_tokens,
+        request_origin=pb.REQUEST_ORIGIN_PRODUCT,
+        first_chunk_tokens=first_chunk_tokens,
+        executor_instance_id=instance_id,
+    )
+
+
 class GrpcBackend:
     """``Backend`` over one executor's gRPC API: steps on the bidirectional step stream."""
 
@@ -345,15 +367,7 @@ class GrpcBackend:
         first_chunk_tokens: int = 0,
     ) -> Admission:
         decision = await self.client.try_admit_prefill(
-            pb.TryAdmitPrefillRequest(
-                request_id=request_id,
-                input_tokens=tokens,
-                maximum_sequence_tokens=maximum_tokens,
-                product_prompt_tokens=prompt_tokens,
-                replayed_output_tokens=len(tokens) - prompt_tokens,
-                request_origin=pb.REQUEST_ORIGIN_PRODUCT,
-                first_chunk_tokens=first_chunk_tokens,
-            )
+            admission_request(request_id, tokens, maximum_tokens, prompt_tokens, first_chunk_tokens)
         )
         kind = decision.WhichOneof("decision")
         if kind == "admitted":

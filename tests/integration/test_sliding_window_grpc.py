@@ -11,8 +11,8 @@ import pytest
 import torch
 from ferrum_client import AsyncExecutorClient
 from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
+from helpers_models import hf_greedy, save_windowed_mistral
 from helpers_server import LiveServer, start_live_server
-from transformers import AutoModelForCausalLM, MistralConfig
 
 WINDOW = 6
 VOCAB = 256
@@ -22,21 +22,7 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
     folder = tmp_path_factory.mktemp("mistral_window_grpc")
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        sliding_window=WINDOW,
-        initializer_range=0.08,
-    )
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    hf.save_pretrained(folder, safe_serialization=True)
+    hf = save_windowed_mistral(folder, WINDOW, VOCAB, head_dim=32)
     return hf, folder
 
 
@@ -52,19 +38,6 @@ def server(hf_model: tuple[torch.nn.Module, Path]) -> Iterator[LiveServer]:
 
 
 @torch.no_grad()
-def _hf_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
-    out = hf(input_ids=torch.tensor([prompt]), use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
-    for _ in range(steps - 1):
-        out = hf(
-            input_ids=torch.tensor([[tokens[-1]]]),
-            past_key_values=out.past_key_values,
-            use_cache=True,
-        )
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
-
-
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_scheduler_over_grpc_matches_transformers(
     server: LiveServer, hf_model: tuple[torch.nn.Module, Path]
@@ -84,7 +57,7 @@ def test_scheduler_over_grpc_matches_transformers(
 
     outputs, scheduler = server.run(scenario())  # type: ignore[misc]
     for prompt, got in zip(prompts, outputs, strict=True):
-        assert got == _hf_greedy(hf_model[0], prompt, NEW_TOKENS)
+        assert got == hf_greedy(hf_model[0], prompt, NEW_TOKENS)
     assert any(r.num_decodes and r.num_prefill_tokens for r in scheduler.stats.records)
     engine = server.engine
     assert engine.model_config.sliding_windows == (WINDOW, WINDOW)  # type: ignore[attr-defined]

@@ -15,10 +15,10 @@ from ferrum_server.capacity import Admitted
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import ItemKind, Step, StepItem
 from ferrum_server.engine import Engine
-from transformers import AutoModelForCausalLM, MistralConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers_engine import greedy_decode
+from helpers_models import hf_greedy, save_windowed_mistral
 
 WINDOW = 6
 VOCAB = 256
@@ -27,20 +27,7 @@ VOCAB = 256
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
     folder = tmp_path_factory.mktemp("mistral_window")
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=WINDOW,
-        initializer_range=0.08,
-    )
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    hf.save_pretrained(folder, safe_serialization=True)
+    hf = save_windowed_mistral(folder, WINDOW, VOCAB)
     return hf, folder
 
 
@@ -62,20 +49,6 @@ def engine(hf_folder: tuple[torch.nn.Module, Path]) -> Iterator[Engine]:
 
 
 @torch.no_grad()
-def _hf_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
-    """transformers' greedy continuation (steps tokens), one cached step at a time."""
-    out = hf(input_ids=torch.tensor([prompt]), use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
-    for _ in range(steps - 1):
-        out = hf(
-            input_ids=torch.tensor([[tokens[-1]]]),
-            past_key_values=out.past_key_values,
-            use_cache=True,
-        )
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
-
-
 def _decode(engine: Engine, request_id: str, cache_id: str, token: int, position: int) -> int:
     item = StepItem(ItemKind.DECODE, request_id, cache_id, [token], position)
     return engine.execute(Step([item])).results[0].token_ids[0]
@@ -87,7 +60,7 @@ def test_prefix_cache_hit_past_the_window(
 ) -> None:
     hf = hf_folder[0]
     prompt = torch.randint(0, VOCAB, (22,), generator=torch.Generator().manual_seed(1)).tolist()
-    assert greedy_decode(engine, [prompt], 9)[0] == _hf_greedy(hf, prompt, 10)
+    assert greedy_decode(engine, [prompt], 9)[0] == hf_greedy(hf, prompt, 10)
     # A second prompt sharing the first 20 tokens (5 full blocks, now cached).
     other = [*prompt[:20], 7, 9, 11]
     admitted = engine.try_admit("b", other, 0, len(other), 0)
@@ -97,7 +70,7 @@ def test_prefix_cache_hit_past_the_window(
     for k in range(7):
         tokens.append(_decode(engine, "b", admitted.cache_id, tokens[-1], len(other) + k))
     engine.release(admitted.cache_id)
-    assert tokens == _hf_greedy(hf, other, 8)
+    assert tokens == hf_greedy(hf, other, 8)
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -105,7 +78,7 @@ def test_forward_verify_then_truncate_past_the_window(
     engine: Engine, hf_folder: tuple[torch.nn.Module, Path]
 ) -> None:
     prompt = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(2)).tolist()
-    want = _hf_greedy(hf_folder[0], prompt, 10)  # t0 .. t9
+    want = hf_greedy(hf_folder[0], prompt, 10)  # t0 .. t9
     opened = StepItem(ItemKind.PREFILL_CHUNK, "v", "", prompt, 0, len(prompt))
     result = engine.execute(Step([opened])).results[0]
     cache_id, t0 = result.cache_id, result.token_ids[0]
