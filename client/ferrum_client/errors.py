@@ -82,6 +82,13 @@ class UnavailableError(ExecutorError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ExecutorDrainingError(UnavailableError):
+    """UNAVAILABLE with reason DRAINING: the executor takes no new request but still runs the
+    requests it holds to their end. Place new work elsewhere; keep stepping the running ones."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class ResourceExhaustedError(ExecutorError):
     """A size or concurrency limit was hit."""
 
@@ -135,7 +142,10 @@ _BY_CODE: dict[grpc.StatusCode, type[ExecutorError]] = {
 # Typed reasons (pb.ErrorReason names without the prefix), where the code alone is ambiguous.
 # Unary calls carry the name in this trailing metadata; stream steps in StepError.reason.
 REASON_METADATA = "ferrum-error-reason"
-_BY_REASON: dict[str, type[ExecutorError]] = {"STEP_RESULT_EVICTED": StepResultEvictedError}
+_BY_REASON: dict[str, type[ExecutorError]] = {
+    "STEP_RESULT_EVICTED": StepResultEvictedError,
+    "DRAINING": ExecutorDrainingError,
+}
 
 
 def from_status(code: grpc.StatusCode, message: str, reason: str = "") -> ExecutorError:

@@ -323,6 +323,13 @@ class ExecutorFleet:
                 member.task.cancel()  # the keeper restarts below
                 member.task = asyncio.ensure_future(self._keep(member, reconnect=True))
 
+    def report_draining(self, member: Member, incarnation: int) -> None:
+        """`member` refused new work as draining (reason DRAINING) before its health said so:
+        no new request goes there; what runs there stays."""
+        if member.incarnation == incarnation and member.state is ExecutorState.SERVING:
+            member.state = ExecutorState.DRAINING
+            self._bump()
+
     def _mark_lost(self, member: Member) -> None:
         if member.state is ExecutorState.LOST:
             return

@@ -14,6 +14,10 @@ instead of computing the prefix again elsewhere. Deferred everywhere: the reques
 change in the fleet (a capacity event from any member's ``WatchCapacity`` stream, a member
 joining or leaving), never a timer.
 
+Drain: a member whose health says NOT_SERVING, or that answers an admission with reason
+DRAINING (it may say so before its health does), gets no new request; its running requests
+keep stepping there and finish (the executor runs the requests it holds until they end).
+
 Failover: a call that fails the way a lost executor fails (UNAVAILABLE, a restarted instance,
 an ended stream, an internal fault) marks the member lost (``ExecutorFleet.report_failure``).
 Every request placed on that incarnation is reported lost: in a step's answer (``StepResult.lost``)
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from ferrum_client.errors import ExecutorError
+from ferrum_client.errors import ExecutorDrainingError, ExecutorError
 from ferrum_client.fleet import ExecutorFleet, ExecutorState, Member
 from ferrum_client.handles import StepStream
 from ferrum_client.pb import executor_pb2 as pb
@@ -233,6 +237,11 @@ class FleetBackend:
                 kind = decision.WhichOneof("decision")
                 if kind == "admitted":
                     await self._stream(member)
+            except ExecutorDrainingError:
+                # It began draining before its health said so: no new request there, but its
+                # running requests stay and finish where they are.
+                self.fleet.report_draining(member, incarnation)
+                continue
             except ExecutorError as error:
                 if self._failed(member, incarnation, error):
                     continue

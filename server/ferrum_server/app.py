@@ -31,6 +31,9 @@ SERVICE_NAME = "ferrum.executor.v1.ExecutorService"
 LIVENESS_SERVICE = "ferrum.executor.v1.Liveness"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# A drain's closing phase gives the calls in flight at least this long, even when the finishing
+# phase used the whole grace period (a step started just before the deadline still answers).
+CLOSE_GRACE_MIN_S = 2.0
 
 
 _GRPC_MAX_MESSAGE = 2**31 - 1
@@ -116,20 +119,31 @@ class RunningServer:
         await self.mark_serving()
 
     async def mark_serving(self) -> None:
-        self.servicer.accepting = True
+        self.servicer.mark_serving()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
         self.metrics.set_ready(True)
         _LOG.info("lifecycle", state="serving", port=self.port, metrics_port=self.metrics_port)
 
-    async def drain(self, grace_s: float) -> None:
-        """Flip health, refuse new work, end the calls that only wait, let in-flight calls
-        finish within grace_s, release."""
-        _LOG.info("lifecycle", state="draining", grace_s=grace_s)
-        self.servicer.begin_drain()
+    async def drain(self, grace_s: float) -> bool:
+        """Two phases within grace_s. Finishing: health NOT_SERVING and no new request, while
+        the requests held run to their end (steps, completion, capacity waits all answered),
+        until no cache is held. Closing: refuse all work, end the calls that only wait, let
+        the calls in flight finish (at least CLOSE_GRACE_MIN_S), release what is left. Returns
+        whether every held request ended before the closing phase (none was cut off)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        self.servicer.begin_finishing()
         self.metrics.set_ready(False)
+        for name in ("", SERVICE_NAME):  # liveness stays SERVING: the process is fine
+            await self.health.set(name, _NOT_SERVING)
+        held = await self.engine.call(lambda: len(self.engine.kv.caches))
+        _LOG.info("lifecycle", state="draining", grace_s=grace_s, caches_held=held)
+        finished = await self.finish_held(deadline)
+        _LOG.info("lifecycle", state="closing", caches_finished=finished)
+        self.servicer.begin_drain()
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        await self.server.stop(max(CLOSE_GRACE_MIN_S, deadline - loop.time()))
         await self.servicer.dispatch.settle()
         self.servicer.close()
         if self.health_server is not None:
@@ -142,6 +156,25 @@ class RunningServer:
         self.engine.shutdown()
         self.metrics.stop_http_server()
         _LOG.info("lifecycle", state="stopped", caches_released=released)
+        return finished
+
+    async def finish_held(self, deadline: float) -> bool:
+        """Wait (no polling: every release moves the capacity state) until the executor holds
+        no cache, or the loop's clock passes `deadline`; whether every cache was finished."""
+        engine, notifier = self.engine, self.servicer.notifier
+        watch = notifier.watch()  # subscribed before the first count: no release is missed
+        try:
+            while await engine.call(lambda: len(engine.kv.caches)):
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(watch.next(), remaining)
+                except TimeoutError:
+                    return False
+            return True
+        finally:
+            notifier.unwatch(watch)
 
     async def watch_engine(self, interval_s: float, timeout_s: float) -> None:
         """Liveness: the engine thread must answer a heartbeat within timeout_s, and the

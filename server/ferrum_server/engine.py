@@ -52,7 +52,9 @@ from ferrum_server.domain import (
     WarmupOutcome,
 )
 from ferrum_server.errors import (
+    DRAINING_NEW_WORK,
     DeviceOutOfMemory,
+    Draining,
     ExecutionFailed,
     ExecutorError,
     ExecutorFaulted,
@@ -122,6 +124,9 @@ class Engine:
         # Set once a forward failed after it may have been submitted (not an out-of-memory):
         # the error's type name. The executor then runs nothing more (see `_fault`).
         self.fault: str | None = None
+        # When a drain began (perf_counter_ns; 0 = not draining): from then on the requests held
+        # run to their end and nothing new opens a cache; a step submitted before it still may.
+        self.drain_began_ns = 0
         self.events = ExecutionEvents(
             self._event_stamp, on_drop=self.recorder.metrics.record_events_dropped
         )
@@ -189,6 +194,8 @@ class Engine:
         started = time.perf_counter_ns()
         self._check_healthy()
         validated = validate_step(step, self.kv, self.limits)
+        if self.drain_began_ns and not 0 < submitted_ns < self.drain_began_ns:
+            _refuse_openers(step, validated.caches, validated.refused)
         self.recorder.begin(len(step.items))
         try:
             return self._execute(step, validated.caches, validated.refused, started, submitted_ns)
@@ -260,6 +267,8 @@ class Engine:
             self._undo(step, caches, runnable, held)
             if is_out_of_memory(exc):
                 raise DeviceOutOfMemory(_OOM_MESSAGE) from exc
+            if isinstance(exc, Unavailable):  # refused before the forward (fault injection)
+                raise
             self._fault(exc)
             raise ExecutionFailed("the forward pass failed") from exc
         self._undo(step, caches, failed, held)
@@ -504,6 +513,12 @@ class Engine:
         self.publish_gauges()
         return decision
 
+    def begin_drain(self, began_ns: int) -> None:
+        """A drain began at `began_ns` (perf_counter_ns, stamped on the event loop as it flips
+        health): steps submitted later may not open a cache; the caches held run on. Admissions
+        and slot reservations are refused at the RPC edge."""
+        self.drain_began_ns = began_ns
+
     def release_all(self) -> int:
         """Release every cache (drain); return how many were live."""
         cache_ids = list(self.kv.caches)
@@ -628,6 +643,19 @@ class Engine:
         return self.capacity.blocks_deferral(
             "warmup", DeferralStage.STEP_ADMISSION, blocks, pool.num_available
         )
+
+
+def _refuse_openers(
+    step: Step, caches: list[Cache | None], refused: dict[int, ExecutorError]
+) -> None:
+    """While draining, refuse the items that would open a cache: alone in a PER_ITEM step (the
+    held requests beside them run on), the whole step otherwise, as the authority checks do."""
+    for index, cache in enumerate(caches):
+        if cache is None and index not in refused:
+            error = Draining(f"item {index}: {DRAINING_NEW_WORK}")
+            if step.mode != DeferralMode.PER_ITEM:
+                raise error
+            refused[index] = error
 
 
 def _outcome(decision: Decision) -> str:

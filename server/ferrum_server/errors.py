@@ -20,6 +20,7 @@ class ErrorReason(enum.IntEnum):
 
     UNSPECIFIED = 0
     STEP_RESULT_EVICTED = 1
+    DRAINING = 2
 
 
 REASON_METADATA = "ferrum-error-reason"
@@ -84,6 +85,23 @@ class Unavailable(ExecutorError):
     """Warming up or draining: retry on another executor."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+# What a draining executor answers to new work (it still runs the requests it holds).
+DRAINING_NEW_WORK = (
+    "the executor is draining: it finishes the requests it holds and takes no new one; "
+    "use another executor"
+)
+
+
+class Draining(Unavailable):
+    """New work on a draining executor, which still runs the requests it holds (reason
+    DRAINING tells it from an executor that refuses everything)."""
+
+    reason = ErrorReason.DRAINING
+
+    def __init__(self, message: str = DRAINING_NEW_WORK) -> None:
+        super().__init__(message)
 
 
 class ExecutorFaulted(ExecutorError):

@@ -1,4 +1,4 @@
-"""Test-only fault injection (device OOM, slow step, crash) and out-of-memory recognition.
+"""Test-only fault injection (device OOM, slow step, crash, refusal) and out-of-memory recognition.
 
 Off and unreachable in production: `from_environment` returns None unless the process was
 started with FERRUM_ENABLE_FAULT_INJECTION=1, and production images never set it. When on, the
@@ -9,12 +9,15 @@ every forward), so a test steers a running server without any RPC:
         {"kind": "oom", "request_ids": ["r3"], "times": 1},
         {"kind": "slow", "delay_s": 0.5},
         {"kind": "crash"},
-        {"kind": "fault"}
+        {"kind": "fault"},
+        {"kind": "unavailable", "times": 2}
     ]}
 
 `kind` is "oom" (raise torch.OutOfMemoryError before the forward), "slow" (sleep delay_s before
-the forward), "crash" (SIGKILL the process mid-step) or "fault" (raise the RuntimeError a sticky
-CUDA error raises, which the engine treats as an unrecoverable device fault). A rule fires for
+the forward), "crash" (SIGKILL the process mid-step), "fault" (raise the RuntimeError a sticky
+CUDA error raises, which the engine treats as an unrecoverable device fault) or "unavailable"
+(the step answers UNAVAILABLE with nothing run or committed, as an executor that went away
+mid-call does: the process stays up and healthy). A rule fires for
 a forward holding any of its `request_ids` (all forwards when absent), at most `times` times
 (unlimited when absent); the counts restart when the file changes. A missing or unreadable plan
 injects nothing.
@@ -33,12 +36,14 @@ from typing import Any
 import torch
 
 from ferrum_server import logs
+from ferrum_server.errors import Unavailable
 
 _LOG = logs.get(__name__)
 ENABLE_ENV = "FERRUM_ENABLE_FAULT_INJECTION"
 PLAN_ENV = "FERRUM_FAULT_PLAN"
-_KINDS = ("oom", "slow", "crash", "fault")
+_KINDS = ("oom", "slow", "crash", "fault", "unavailable")
 INJECTED_FAULT = "CUDA error: an illegal memory access was encountered (injected)"
+INJECTED_UNAVAILABLE = "the executor is unavailable (injected)"
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -64,7 +69,7 @@ class Rule:
 
 def _rule(raw: Any) -> Rule:
     if not isinstance(raw, dict) or raw.get("kind") not in _KINDS:
-        raise ValueError("each rule needs a kind of oom, slow, crash or fault")
+        raise ValueError(f"each rule needs a kind out of {', '.join(_KINDS)}")
     ids = raw.get("request_ids")
     times = raw.get("times")
     return Rule(
@@ -113,6 +118,8 @@ class FaultInjector:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
             elif rule.kind == "fault":
                 raise RuntimeError(INJECTED_FAULT)
+            elif rule.kind == "unavailable":
+                raise Unavailable(INJECTED_UNAVAILABLE)
             else:
                 _LOG.warning("fault_injected_crash")
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -36,6 +36,7 @@ from ferrum_server.engine import Engine
 from ferrum_server.errors import (
     INTERNAL_MESSAGE,
     REASON_METADATA,
+    Draining,
     ExecutorError,
     ExecutorFaulted,
     InvalidArgument,
@@ -173,7 +174,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     ) -> None:
         self.engine = engine
         self.notifier = notifier
-        self.accepting = False  # flipped on after warmup, off when draining
+        # Takes new requests: on after warmup, off once a drain begins.
+        self.accepting = False
+        # Runs steps and calls on the caches it holds: on after warmup, off once a drain's
+        # finishing phase ends (then only the calls in flight are answered).
+        self.running = False
         ledger = StepLedger(
             step_ledger_size,
             step_ledger_max_bytes,
@@ -192,18 +197,36 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._streams: set[asyncio.Queue[Any]] = set()
 
     def _require_ready(self) -> None:
+        """Work on held caches (steps, truncation, slot growth) runs until a drain closes."""
         if self.engine.fault is not None:
             raise ExecutorFaulted(
                 f"the executor faulted ({self.engine.fault}) and runs nothing more; restart it"
             )
-        if not self.accepting:
+        if not self.running:
             raise Unavailable("the executor is not serving (warming up or draining)")
 
-    def begin_drain(self) -> None:
-        """Refuse new work, and end at once (UNAVAILABLE) the calls that only wait: capacity
-        waits and watches, and StepStreams with no step in flight (the others end once their
-        steps are answered). The drain then lasts as long as the work in flight."""
+    def _require_admitting(self) -> None:
+        """New requests (admissions, warmups) only while SERVING; steps that would open a cache
+        are refused by the engine (it owns the cache table)."""
+        self._require_ready()
+        if not self.accepting:
+            raise Draining()
+
+    def mark_serving(self) -> None:
+        self.accepting = self.running = True
+
+    def begin_finishing(self) -> None:
+        """A drain's first phase: take no new request (calls already in flight still run);
+        every call on the caches held (steps, completion, release, capacity waits and watches)
+        goes on."""
         self.accepting = False
+        self.engine.begin_drain(time.perf_counter_ns())
+
+    def begin_drain(self) -> None:
+        """A drain's closing phase: refuse all work, and end at once (UNAVAILABLE) the calls
+        that only wait: capacity waits and watches, and StepStreams with no step in flight (the
+        others end once their steps are answered). It lasts as long as the work in flight."""
+        self.accepting = self.running = False
         self.draining = True
         self.notifier.end_waits(_DRAINING)
         for answers in self._streams:
@@ -220,6 +243,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, ticket: Ticket[Any], parse: Callable[..., Step], *args: object
     ) -> tuple[Step, StepOutcome]:
         """Convert the request with parse(*args) off the loop, then run the step."""
+        # Stamped on receipt: the step's queue time counts its conversion, and a drain that
+        # begins while it converts still lets it open its cache (it was in flight).
+        received_ns = time.perf_counter_ns()
         self._require_ready()
         step = await self._parse(parse, *args)
         engine = self.engine
@@ -227,7 +253,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             ticket,
             engine.execute,
             step,
-            time.perf_counter_ns(),
+            received_ns,
             on_orphan=functools.partial(engine.release_opened, step),
         )
         return step, outcome
@@ -498,8 +524,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.ReserveKvSlotsRequest, ticket: Ticket[Any]
     ) -> pb.ReserveKvSlotsResponse:
         self._require_ready()
+        admitting = self.accepting  # as the call arrived: one in flight at a drain still runs
         engine = self.engine
         slots = await self._parse(convert.slot_requests_from_pb, request)
+        if not admitting and any(not slot.cache_id for slot in slots):
+            raise Draining()  # a slot without a cache id opens one
 
         def release_opened(outcome: SlotReservation | CapacityDeferral) -> None:
             # The caches opened for requests without a cache id: nobody will learn their ids.
@@ -548,7 +577,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def TryAdmitPrefill(
         self, request: pb.TryAdmitPrefillRequest, ticket: Ticket[Any]
     ) -> pb.TryAdmitPrefillResponse:
-        self._require_ready()
+        self._require_admitting()
         engine = self.engine
         origin = convert.request_origin_from_pb(request.request_origin)
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from ferrum_client import ExecutorClient, ExecutorError, UnavailableError, pb
+from ferrum_client import ExecutorClient, ExecutorDrainingError, ExecutorError, UnavailableError, pb
 from ferrum_server.metrics import METRIC_DOCS
 from ferrum_server.server_process import start_server_process
 from helpers_server import LiveServer
@@ -207,11 +207,18 @@ def _eventually(check: object, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def test_sigterm_drains_in_flight_steps_then_exits_zero(tmp_path: object) -> None:
+def test_sigterm_drain_finishes_held_requests_takes_no_new_ones_then_exits_zero(
+    tmp_path: object,
+) -> None:
+    """SIGTERM with six prefills in flight: all six complete (they were sent before the drain)
+    and hold their caches; while they are held the executor still decodes and releases them
+    but takes no new request (reason DRAINING); two never released are cut off at the grace
+    deadline, then the process exits 0."""
+    grace_s = 6.0
     process, port = start_server_process(
         [
             "--grace-s",
-            "20",
+            str(grace_s),
             "--metrics-port",
             "-1",
             "--log-format",
@@ -236,19 +243,56 @@ def test_sigterm_drains_in_flight_steps_then_exits_zero(tmp_path: object) -> Non
         process.send_signal(signal.SIGTERM)
         results = [f.result(timeout=60) for f in futures]
     assert all(r.HasField("completed") for r in results)
-    with ExecutorClient(target, timeout_s=5) as client, pytest.raises(ExecutorError) as caught:
-        client.get_status()
-    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    caches = [r.completed.kv_cache.cache_id for r in results]
+    with ExecutorClient(target, timeout_s=10) as client:
+        assert client.health() == NOT_SERVING
+        with pytest.raises(ExecutorDrainingError):
+            client.try_admit_prefill(
+                pb.TryAdmitPrefillRequest(request_id="new", input_tokens=[1, 2, 3])
+            )
+        with pytest.raises(ExecutorDrainingError):
+            client.prefill(pb.PrefillRequest(request_id="new", input_tokens=[1, 2, 3]))
+        # The held requests run on: a decode, then four releases.
+        first = results[0].completed
+        decoded = client.decode(
+            pb.DecodeRequest(
+                cache_id=caches[0],
+                input_token=first.output.token.token_id,
+                position=first.kv_cache.num_tokens,
+            )
+        )
+        assert decoded.completed.kv_cache.num_tokens == 2001
+        for cache_id in caches[:4]:
+            client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id))
     assert process.wait(timeout=30) == 0
-    assert time.monotonic() - sent < 20
+    waited = time.monotonic() - sent
+    # The two never released hold the drain until the deadline, and only a little past it.
+    assert grace_s - 0.5 < waited < grace_s + 5
     events = [
         json.loads(line)
         for line in open(f"{tmp_path}/log.jsonl")  # noqa: SIM115
         if line.startswith("{")
     ]
-    states = [e.get("state") for e in events if e.get("event") == "lifecycle"]
-    assert states[-2:] == ["draining", "stopped"]
-    assert next(e for e in events if e.get("state") == "stopped")["caches_released"] == 6
+    lifecycle = [e for e in events if e.get("event") == "lifecycle"]
+    assert [e.get("state") for e in lifecycle][-3:] == ["draining", "closing", "stopped"]
+    assert lifecycle[-2]["caches_finished"] is False
+    assert lifecycle[-1]["caches_released"] == 2
+
+
+def test_sigterm_drain_with_nothing_held_exits_at_once(tmp_path: object) -> None:
+    process, port = start_server_process(["--grace-s", "20", "--metrics-port", "-1"])
+    with ExecutorClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+        result = client.prefill(pb.PrefillRequest(request_id="a", input_tokens=[1, 2, 3, 4]))
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        # Held: the completion still goes through, and ends the drain.
+        client.complete_cache(
+            pb.CompleteCacheRequest(
+                request_id="a", cache_id=result.completed.kv_cache.cache_id, input_tokens=4
+            )
+        )
+    assert process.wait(timeout=30) == 0
+    assert time.monotonic() - sent < 10
 
 
 def test_rpc_failures_are_logged_with_ids_and_no_tokens(tmp_path: object) -> None:

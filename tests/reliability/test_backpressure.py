@@ -78,7 +78,7 @@ def test_stream_reads_no_more_than_its_window_while_answers_are_not_read(
     servicer = ExecutorServicer(
         server.engine, server.running.servicer.notifier, stream_window=WINDOW
     )
-    servicer.accepting = True
+    servicer.mark_serving()
     pulled = 0
     builder = BatchBuilder()
     builder.add_decode("nowhere", "no-such-cache", 1, 0)  # answered NOT_FOUND, cheaply

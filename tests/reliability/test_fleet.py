@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import pathlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from ferrum_client import AsyncExecutorClient
 from ferrum_client.fleet import ExecutorFleet, ExecutorState
 from ferrum_client.fleet_backend import FleetBackend
 from ferrum_client.scheduler import GenerationParams, GenerationResult, Scheduler, SchedulerConfig
+from ferrum_server import faults
 from reliability.harness import (
     InProcessServer,
     Tally,
@@ -115,6 +117,63 @@ def test_a_cut_link_mid_step_fails_over_and_the_executor_rejoins(
     assert all(r.executor for r in results)
 
 
+def test_an_executor_answering_unavailable_mid_step_fails_over_and_rejoins(
+    servers: list[InProcessServer], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third executor is healthy but answers one step UNAVAILABLE (fault injection): its
+    requests move, replayed, and it rejoins; its old caches come back when the stream ends."""
+    prompts = _prompts(12, seed=3)
+    params = GenerationParams(max_new_tokens=24)
+    plan = tmp_path / "faults.json"
+    monkeypatch.setenv(faults.ENABLE_ENV, "1")
+    monkeypatch.setenv(faults.PLAN_ENV, str(plan))
+    with serve_in_process(ENGINE) as faulty:
+        monkeypatch.delenv(faults.ENABLE_ENV)  # the next servers run without injection
+
+        async def scenario() -> tuple[list[Any], list[GenerationResult], dict[str, Any]]:
+            reference = await _single(servers[0].target, prompts, params)
+            async with ExecutorFleet(
+                [servers[0].target, servers[1].target, faulty.target]
+            ) as fleet:
+                async with asyncio.timeout(30):
+                    while len(fleet.serving()) < 3:
+                        await fleet.wait_for_change(fleet.generation, None)
+                member = fleet.get(faulty.target)
+                scheduler = Scheduler(FleetBackend(fleet), CONFIG)
+                produced = 0
+
+                def on_token(index: int, token: int) -> None:
+                    nonlocal produced
+                    produced += 1
+                    if produced == 40:  # the executor's next forward answers UNAVAILABLE
+                        plan.write_text(
+                            json.dumps({"rules": [{"kind": "unavailable", "times": 1}]})
+                        )
+
+                scheduler.on_token = on_token
+                results = await scheduler.generate(prompts, params)
+                async with asyncio.timeout(30):
+                    while member.state is not ExecutorState.SERVING or member.incarnation < 2:
+                        await fleet.wait_for_change(fleet.generation, None)
+                again = await Scheduler(FleetBackend(fleet), CONFIG).generate(
+                    _prompts(6, seed=4), GenerationParams(max_new_tokens=4)
+                )
+                assert all(r.finish_reason == "length" for r in again)
+                return reference, results, fleet.metrics()
+
+        reference, results, metrics = run_scenario(scenario(), 240)
+        faulted = metrics[faulty.target]
+        tally = _tally("fleet-unavailable-step", results, len(prompts))
+        tally.notes = f"failovers={sum(r.failovers for r in results)}"
+        tally.blocks_leaked = faulty.blocks_leaked() + sum(s.blocks_leaked() for s in servers)
+    report(tally)
+    assert [r.output_ids for r in results] == reference
+    assert sum(r.failovers for r in results) > 0, metrics
+    assert faulted["lost"] == 1 and faulted["joined"] == 2, metrics
+    assert faulted["admitted"] > faulted["failed_over"], metrics  # it got work after rejoining
+    assert tally.blocks_leaked == 0
+
+
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_executor(
     servers: list[InProcessServer],
 ) -> None:
@@ -140,14 +199,14 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_executor(
     assert prefilled[2] >= 256, metrics
 
 
-def test_a_draining_executor_gets_no_new_requests_and_nothing_is_lost(
+def test_a_draining_executor_finishes_its_requests_and_gets_no_new_ones(
     servers: list[InProcessServer],
 ) -> None:
     prompts = _prompts(12, seed=2)
     params = GenerationParams(max_new_tokens=24)
     with serve_in_process(ENGINE) as drained:
 
-        async def scenario() -> tuple[list[Any], list[GenerationResult], int, int, str]:
+        async def scenario() -> tuple[list[Any], list[GenerationResult], int, int, str, bool]:
             reference = await _single(servers[0].target, prompts, params)
             targets = [servers[0].target, servers[1].target, drained.target]
             async with ExecutorFleet(targets) as fleet:
@@ -158,7 +217,7 @@ def test_a_draining_executor_gets_no_new_requests_and_nothing_is_lost(
                 scheduler = Scheduler(FleetBackend(fleet), CONFIG)
                 produced = 0
                 at_drain: list[int] = []
-                drain: list[concurrent.futures.Future[None]] = []
+                drain: list[concurrent.futures.Future[bool]] = []
 
                 def on_token(index: int, token: int) -> None:
                     nonlocal produced
@@ -179,23 +238,58 @@ def test_a_draining_executor_gets_no_new_requests_and_nothing_is_lost(
                 scheduler.on_token = on_token
                 results = await scheduler.generate(prompts, params)
                 await asyncio.wait_for(watcher, 30)
-                await asyncio.wait_for(asyncio.wrap_future(drain[0]), 30)
+                finished = await asyncio.wait_for(asyncio.wrap_future(drain[0]), 30)
                 return (
                     reference,
                     results,
                     at_drain[0],
                     member.counters.admitted,
                     member.state.value,
+                    finished,
                 )
 
-        reference, results, admitted_at_drain, admitted_end, state = run_scenario(scenario(), 240)
+        reference, results, admitted_at_drain, admitted_end, state, finished = run_scenario(
+            scenario(), 240
+        )
     tally = _tally("fleet-drain", results, len(prompts))
     tally.notes = f"failovers={sum(r.failovers for r in results)}"
     report(tally)
     assert [r.output_ids for r in results] == reference
     assert admitted_at_drain > 0  # it had work when the drain began
     assert admitted_end == admitted_at_drain, "a request landed on a draining executor"
+    # Its running requests finished there: none moved, and its drain cut none off.
+    assert sum(r.failovers for r in results) == 0
+    assert sum(r.executor == drained.target for r in results) == admitted_at_drain
+    assert finished
     assert state in ("draining", "lost")
+
+
+def test_an_admission_refused_as_draining_marks_the_member_draining_not_lost(
+    servers: list[InProcessServer],
+) -> None:
+    """An executor may refuse admissions (reason DRAINING) before its health watch says so:
+    the fleet then sends new requests elsewhere and loses nothing there."""
+    with serve_in_process(ENGINE) as early:
+
+        async def scenario() -> tuple[list[GenerationResult], dict[str, Any], str]:
+            async with ExecutorFleet([early.target, servers[0].target]) as fleet:
+                async with asyncio.timeout(30):
+                    while len(fleet.serving()) < 2:
+                        await fleet.wait_for_change(fleet.generation, None)
+                # The finishing phase alone (health still SERVING): admissions are refused.
+                early.loop.call_soon_threadsafe(early.running.servicer.begin_finishing)
+                member = fleet.get(early.target)
+                member.running = -1  # rank it first, so the first admission goes there
+                results = await Scheduler(FleetBackend(fleet), CONFIG).generate(
+                    _prompts(4, seed=5), GenerationParams(max_new_tokens=4)
+                )
+                return results, fleet.metrics(), member.state.value
+
+        results, metrics, state = run_scenario(scenario(), 120)
+    assert all(r.finish_reason == "length" and r.failovers == 0 for r in results)
+    assert {r.executor for r in results} == {servers[0].target}
+    assert state == "draining", metrics
+    assert metrics[early.target]["lost"] == 0, metrics
 
 
 def test_generate_cli_drives_every_target_given(

@@ -193,7 +193,7 @@ def _stream_after_requests_end(
     servicer = ExecutorServicer(
         server.engine, server.running.servicer.notifier, half_close_grace_s=grace_s
     )
-    servicer.accepting = True
+    servicer.mark_serving()
     builder = BatchBuilder()
     builder.add_prefill_chunk(request_id, "", [3, 1, 4, 1, 5], 0, 5)
     step = pb.StepStreamRequest(step_id=1, batch=pb.UnifiedBatchRequest(items=builder.build()))

@@ -168,10 +168,11 @@ def test_sigkill_then_restart_fences_stale_callers(tmp_path: pathlib.Path) -> No
 
 
 def test_sigterm_ends_idle_streams_and_waits_at_once(tmp_path: pathlib.Path) -> None:
-    """Idle calls do not hold a drain for its grace period: with an idle WatchCapacity, a
-    parked WaitForCapacityChange, an idle StepStream (its one step answered) and a health
-    Watch open, SIGTERM ends them with UNAVAILABLE (the health Watch after it has seen
-    NOT_SERVING) and the process exits 0 in far less than --grace-s 20."""
+    """Idle calls do not hold a drain for its grace period: with no cache held and an idle
+    WatchCapacity, a parked WaitForCapacityChange, an idle StepStream (its one step answered,
+    its cache released) and a health Watch open, SIGTERM ends them with UNAVAILABLE (the
+    health Watch after it has seen NOT_SERVING) and the process exits 0 in far less than
+    --grace-s 20."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     process, port = _start(tmp_path, "--grace-s", "20")
@@ -197,6 +198,25 @@ def test_sigterm_ends_idle_streams_and_waits_at_once(tmp_path: pathlib.Path) -> 
 
     async def scenario() -> float:
         async with grpc.aio.insecure_channel(target) as channel:
+            stream = channel.stream_stream(
+                service + "StepStream",
+                request_serializer=pb.StepStreamRequest.SerializeToString,
+                response_deserializer=pb.StepStreamResponse.FromString,
+            )()
+            builder = BatchBuilder()
+            builder.add_prefill_chunk("idle", "", [3, 1, 4], 0, 3)
+            await stream.write(
+                pb.StepStreamRequest(step_id=1, batch=pb.UnifiedBatchRequest(items=builder.build()))
+            )
+            answer = await stream.read()
+            assert answer.HasField("result")
+            # Released (before the wait below reads the state it waits on): a cache still held
+            # would keep the drain's finishing phase open (its request runs to its end).
+            await channel.unary_unary(
+                service + "ReleaseCache",
+                request_serializer=pb.ReleaseCacheRequest.SerializeToString,
+                response_deserializer=pb.ReleaseCacheResponse.FromString,
+            )(pb.ReleaseCacheRequest(cache_id=answer.result.results.cache_ids[0]))
             watch = channel.unary_stream(
                 service + "WatchCapacity",
                 request_serializer=pb.WatchCapacityRequest.SerializeToString,
@@ -210,17 +230,6 @@ def test_sigterm_ends_idle_streams_and_waits_at_once(tmp_path: pathlib.Path) -> 
                 request_serializer=pb.WaitForCapacityChangeRequest.SerializeToString,
                 response_deserializer=pb.WaitForCapacityChangeResponse.FromString,
             )(pb.WaitForCapacityChangeRequest(condition=condition, timeout_ms=60_000))
-            stream = channel.stream_stream(
-                service + "StepStream",
-                request_serializer=pb.StepStreamRequest.SerializeToString,
-                response_deserializer=pb.StepStreamResponse.FromString,
-            )()
-            builder = BatchBuilder()
-            builder.add_prefill_chunk("idle", "", [3, 1, 4], 0, 3)
-            await stream.write(
-                pb.StepStreamRequest(step_id=1, batch=pb.UnifiedBatchRequest(items=builder.build()))
-            )
-            assert (await stream.read()).HasField("result")
             health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
             assert (await health.read()).status == SERVING
             await asyncio.sleep(0.2)  # the wait is parked

@@ -381,6 +381,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     The step ran, or may have; it is never run again under this id. Re-read the state (GetStatus,
     ListReleaseSources) before going on.
     """
+    ERROR_REASON_DRAINING: _ErrorReason.ValueType  # 2
+    """UNAVAILABLE: the executor is draining (SIGTERM). It takes no new request (admissions, items
+    or slots that would open a cache) but still runs the requests it holds to their end: place
+    new work elsewhere and keep stepping the running requests here. Without this reason an
+    UNAVAILABLE means the executor (or its closing drain) refuses all work.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Why a call failed, where its status code alone is ambiguous. A unary call carries it as the
@@ -394,6 +400,12 @@ ERROR_REASON_STEP_RESULT_EVICTED: ErrorReason.ValueType  # 1
 longer held (evicted by the step ledger's count or byte bound, or larger than the byte bound).
 The step ran, or may have; it is never run again under this id. Re-read the state (GetStatus,
 ListReleaseSources) before going on.
+"""
+ERROR_REASON_DRAINING: ErrorReason.ValueType  # 2
+"""UNAVAILABLE: the executor is draining (SIGTERM). It takes no new request (admissions, items
+or slots that would open a cache) but still runs the requests it holds to their end: place
+new work elsewhere and keep stepping the running requests here. Without this reason an
+UNAVAILABLE means the executor (or its closing drain) refuses all work.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
@@ -2233,7 +2245,7 @@ class StepTimings(_message.Message):
     SAMPLE_NS_FIELD_NUMBER: _builtins.int
     TOTAL_NS_FIELD_NUMBER: _builtins.int
     queue_ns: _builtins.int
-    """Waiting for the engine (queued behind earlier steps)."""
+    """From receipt until the engine started it: conversion, and queued behind earlier steps."""
     forward_ns: _builtins.int
     """Building inputs and running the forward."""
     sample_ns: _builtins.int
