@@ -1,5 +1,5 @@
-"""Kernel selection: one object holding the attention (with its KV write), norm, rotary, SwiGLU
-and sampling implementations a model runs with, chosen once per device.
+"""Kernel selection: one object holding the attention (with its KV write), norm, rotary, SwiGLU,
+mixture-of-experts and sampling implementations a model runs with, chosen once per device.
 
 Backends:
 
@@ -9,9 +9,11 @@ Backends:
   and a grow-only workspace, native decode/prefill kernels where they build); norm + residual,
   rotary and SwiGLU are the fused native ``cpu_fused`` kernels, which fall back to the
   reference per call for inputs they do not serve; ``prepare_model`` pre-packs every linear
-  (the LM head included, tied or not) for oneDNN (``cpu_linear``).
+  (the LM head included, tied or not) and every MoE expert for oneDNN (``cpu_linear``,
+  ``cpu_moe``), and ``fused_moe`` runs the grouped expert GEMMs on the packed experts.
 * ``triton``: the Triton kernels (CUDA; CPU tensors only under ``TRITON_INTERPRET=1``), with the
-  torch SwiGLU, plus a graph-safe decode attention for CUDA graphs.
+  torch SwiGLU, the fused-MoE grouped GEMM (``triton_moe``), plus a graph-safe decode attention
+  for CUDA graphs.
 
 ``select_backend(device)`` returns the CPU backend on CPU, the Triton one on CUDA when ``triton``
 imports, and the torch reference otherwise. ``prefer="torch"``, ``"cpu"`` or ``"triton"`` forces
@@ -38,6 +40,10 @@ functions whatever was selected:
         (the Triton and CPU versions rotate in place and return their inputs; the torch one
         returns new tensors; callers must use the returned tensors and not rely on either)
     silu_and_mul(gate_up [T,2I]) -> silu(gate) * up [T,I]
+    fused_moe(x [T,H], experts: ExpertWeights, weights [T,K] float32, ids [T,K] int64) -> [T,H]
+        sum over k of weights[:, k] * SwiGLU expert ids[:, k] applied to x, in x's dtype: the
+        experts of a sparse layer as grouped GEMMs over the tokens sorted by expert
+        (``moe.fused_moe_reference``; the router's softmax/top-k is ``moe.route``, shared)
     sample(logits [N,V] float32, SamplingTensors) -> SampleOutput
 
 plus, optionally:
@@ -83,12 +89,15 @@ from ferrum_kernels.attention import (
 from ferrum_kernels.cpu_attention import CpuAttention
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
 from ferrum_kernels.cpu_linear import prepack_linears
+from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
 from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
+from ferrum_kernels.moe import ExpertWeights, fused_moe_reference
 from ferrum_kernels.sampling import SampleOutput, SamplingTensors, sample
 
 __all__ = [
     "AttentionFn",
     "DecodeAttentionFactory",
+    "FusedMoeFn",
     "KernelBackend",
     "ModelPreparer",
     "PagedAttentionFn",
@@ -144,6 +153,7 @@ RotaryFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
+FusedMoeFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 SampleFn = Callable[[torch.Tensor, SamplingTensors], SampleOutput]
 ModelPreparer = Callable[[nn.Module], int]
 AttentionProvider = Callable[[torch.device], AttentionFn | None]
@@ -165,6 +175,7 @@ class KernelBackend:
     sample: SampleFn
     decode_attention: DecodeAttentionFactory | None = None
     prepare_model: ModelPreparer | None = None
+    fused_moe: FusedMoeFn = fused_moe_reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +236,10 @@ def torch_backend() -> KernelBackend:
 # ----------------------------------------------------------------------------------------------
 
 
+def _prepare_cpu_model(model: nn.Module) -> int:
+    return prepack_linears(model) + prepack_experts(model)
+
+
 def cpu_backend() -> KernelBackend:
     """The CPU fast path. Each call has its own attention workspace and plan: one per model.
 
@@ -240,7 +255,8 @@ def cpu_backend() -> KernelBackend:
         rotary=rotary_cpu,
         silu_and_mul=silu_and_mul_cpu,
         sample=sample,
-        prepare_model=prepack_linears,
+        prepare_model=_prepare_cpu_model,
+        fused_moe=fused_moe_cpu,
     )
 
 
@@ -261,6 +277,7 @@ def _triton_backend() -> KernelBackend:
         prepare_decode_triton,
         triton_write_kv,
     )
+    from ferrum_kernels.triton_moe import fused_moe_triton
     from ferrum_kernels.triton_norm import rms_norm_residual_triton, rotary_triton
     from ferrum_kernels.triton_sampling import sample_triton
 
@@ -273,6 +290,7 @@ def _triton_backend() -> KernelBackend:
         silu_and_mul=silu_and_mul,
         sample=sample_triton,
         decode_attention=prepare_decode_triton,
+        fused_moe=fused_moe_triton,
     )
 
 

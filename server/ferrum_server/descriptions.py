@@ -59,6 +59,8 @@ def model_info(engine: Engine) -> pb.ModelInfo:
         device=_device(engine),
         head_dim=mc.head_dim,
         eos_token_ids=list(mc.eos_token_ids),
+        num_experts=mc.moe.num_experts if mc.moe is not None else 0,
+        num_experts_per_token=mc.moe.num_experts_per_token if mc.moe is not None else 0,
         metadata={"architecture": json.dumps(mc.architecture)},
     )
 

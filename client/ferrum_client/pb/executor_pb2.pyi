@@ -866,10 +866,12 @@ class ModelInfo(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     HEAD_DIM_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    NUM_EXPERTS_FIELD_NUMBER: _builtins.int
+    NUM_EXPERTS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model name or path it was loaded from ("tiny" for the built-in model)."""
     model_type: _builtins.str
-    """Architecture (e.g. "llama", "qwen2", "qwen3", "mistral")."""
+    """Architecture (e.g. "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")."""
     num_parameters: _builtins.int
     """Number of parameters."""
     hidden_size: _builtins.int
@@ -892,6 +894,12 @@ class ModelInfo(_message.Message):
     """License, when known."""
     head_dim: _builtins.int
     """Head dimension."""
+    num_experts: _builtins.int
+    """Mixture-of-experts models (Mixtral, Qwen3-MoE): experts in each sparse layer; 0 for a dense
+    model. num_parameters counts every expert.
+    """
+    num_experts_per_token: _builtins.int
+    """Experts each token is routed to in a sparse layer (top-k); 0 for a dense model."""
     @_builtins.property
     def device(self) -> Global___Device:
         """Device the model runs on."""
@@ -923,10 +931,12 @@ class ModelInfo(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         head_dim: _builtins.int = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_experts: _builtins.int = ...,
+        num_experts_per_token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["device", b"device"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "license", b"license", "max_sequence_length", b"max_sequence_length", "metadata", b"metadata", "model_id", b"model_id", "model_type", b"model_type", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_parameters", b"num_parameters", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "license", b"license", "max_sequence_length", b"max_sequence_length", "metadata", b"metadata", "model_id", b"model_id", "model_type", b"model_type", "num_experts", b"num_experts", "num_experts_per_token", b"num_experts_per_token", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_parameters", b"num_parameters", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

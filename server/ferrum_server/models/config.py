@@ -1,15 +1,19 @@
 """Model hyper-parameters parsed from (and written back to) a Hugging Face ``config.json``.
 
-Only the dense Llama family is supported: Llama (1-3.x), Mistral, Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm). Anything else is rejected up front with a message naming the offending
+Only the Llama family is supported: Llama (1-3.x), Mistral, Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm), and their mixture-of-experts relatives Mixtral (Mistral attention) and
+Qwen3-MoE (Qwen3 attention), whose expert hyper-parameters are one ``MoeSpec``
+(``moe_config``). Anything else is rejected up front with a message naming the offending
 field, rather than producing silently wrong logits later.
 
 Sliding-window attention is read exactly as transformers reads it: Mistral windows every layer
-with ``sliding_window`` (4096 when the field is absent, as in ``MistralConfig``); Qwen2/Qwen3
-window only when ``use_sliding_window`` is true and ``sliding_window`` is set, and then only the
-layers ``layer_types`` names ``"sliding_attention"`` (by default layers ``i >=
-max_window_layers``, 28 when absent). A window of at least ``max_position_embeddings`` hides
-nothing any sequence can reach, so it is kept as global attention (the faster kernels).
+with ``sliding_window`` (4096 when the field is absent, as in ``MistralConfig``; Mixtral
+likewise, but no window when absent); Qwen3-MoE windows every layer when
+``use_sliding_window``; Qwen2/Qwen3 window only when ``use_sliding_window`` is true and
+``sliding_window`` is set, and then only the layers ``layer_types`` names
+``"sliding_attention"`` (by default layers ``i >= max_window_layers``, 28 when absent). A
+window of at least ``max_position_embeddings`` hides nothing any sequence can reach, so it is
+kept as global attention (the faster kernels).
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ from typing import Any
 
 import torch
 
+from ferrum_server.models.moe_config import MOE_MODEL_TYPES, REFUSED_ARCHITECTURES, MoeSpec
+
 # HF architecture class name -> model_type, for the families this executor can run.
 _ARCH_TO_MODEL_TYPE: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _MODEL_TYPE_TO_ARCH: dict[str, str] = {v: k for k, v in _ARCH_TO_MODEL_TYPE.items()}
 
@@ -94,6 +102,8 @@ class ModelConfig:
     # Per layer: the sliding window (a query at p sees keys in (p - w, p]), 0 for global
     # attention. Empty means every layer is global.
     sliding_windows: tuple[int, ...] = ()
+    # The experts of a mixture-of-experts model (Mixtral, Qwen3-MoE); None for a dense one.
+    moe: MoeSpec | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in _ARCH_TO_MODEL_TYPE:
@@ -115,6 +125,14 @@ class ModelConfig:
             )
         if any(w < 0 for w in self.sliding_windows):
             raise ValueError(f"sliding windows must be >= 0, got {self.sliding_windows}")
+        if self.moe is not None:
+            self.moe.check_for(self.model_type, self.intermediate_size)
+        elif self.model_type in MOE_MODEL_TYPES:
+            raise ValueError(f"{self.architecture} needs its MoE spec (moe=)")
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` runs experts (a MoE model's sparse layer) or a dense MLP."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     def layer_window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window, 0 for global attention."""
@@ -182,10 +200,11 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # Qwen2 hard-codes bias on q/k/v; the others read the (rare) attention_bias flag.
             attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             sliding_windows=windows,
+            moe=MoeSpec.from_hf(d, model_type, int(req("intermediate_size"))),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -210,9 +229,11 @@ class ModelConfig:
             "eos_token_id": _eos_to_hf(self.eos_token_ids),
             "torch_dtype": "float32",
         }
-        if self.model_type in ("llama", "qwen3"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
         d.update(self._sliding_window_to_hf())
+        if self.moe is not None:
+            d.update(self.moe.to_hf(self.model_type))
         return d
 
     def _sliding_window_to_hf(self) -> dict[str, Any]:
@@ -222,9 +243,11 @@ class ModelConfig:
                 f"{self.architecture} config.json has one sliding_window; layers use {windows}"
             )
         window = windows.pop() if windows else None
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral", "qwen3_moe"):
             if window is not None and set(self.sliding_windows) != {window}:
-                raise ValueError("Mistral windows every layer or none")
+                raise ValueError(f"{self.architecture} windows every layer or none")
+            if self.model_type == "qwen3_moe":
+                return {"use_sliding_window": window is not None, "sliding_window": window}
             return {"sliding_window": window}
         if self.model_type in ("qwen2", "qwen3"):
             if window is None:
@@ -248,7 +271,7 @@ class ModelConfig:
 
     @property
     def num_parameters(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        h, d = self.hidden_size, self.head_dim
         q_out, kv_out = self.num_heads * d, self.num_kv_heads * d
         attn = h * (q_out + 2 * kv_out) + q_out * h
         if self.attention_bias:
@@ -257,10 +280,19 @@ class ModelConfig:
             attn += h
         if self.qk_norm:
             attn += 2 * d
-        per_layer = attn + 3 * h * i + 2 * h  # + two RMSNorm weights
+        per_layer = attn + 2 * h  # + two RMSNorm weights
+        mlps = sum(self._mlp_parameters(layer) for layer in range(self.num_layers))
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_layers * per_layer + h + head
+        return embed + self.num_layers * per_layer + mlps + h + head
+
+    def _mlp_parameters(self, layer: int) -> int:
+        """A layer's MLP: every expert and the router for a sparse layer, else the dense MLP."""
+        h = self.hidden_size
+        if self.moe is not None and self.moe.is_sparse(layer):
+            experts = self.moe.num_experts
+            return experts * 3 * h * self.moe.expert_intermediate_size + experts * h
+        return 3 * h * self.intermediate_size
 
 
 def _resolve_architecture(d: Mapping[str, Any]) -> str:
@@ -268,6 +300,8 @@ def _resolve_architecture(d: Mapping[str, Any]) -> str:
     model_type = d.get("model_type")
     if archs:
         arch = str(archs[0])
+        if arch in REFUSED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}: {REFUSED_ARCHITECTURES[arch]}")
         if arch not in _ARCH_TO_MODEL_TYPE:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {sorted(_ARCH_TO_MODEL_TYPE)}"
@@ -319,8 +353,16 @@ def _sliding_windows(
 ) -> tuple[int, ...]:
     """Per-layer windows (0 = global) as transformers applies them; () when all are global."""
     raw = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
-    if model_type == "mistral":
-        # MistralModel windows every layer with config.sliding_window (layer_types is ignored).
+    if model_type in ("mistral", "mixtral"):
+        # Mistral/Mixtral window every layer with config.sliding_window (layer_types is ignored);
+        # MixtralConfig's default is no window.
+        if model_type == "mixtral":
+            raw = d.get("sliding_window")
+        windowed = [True] * num_layers
+    elif model_type == "qwen3_moe":
+        # Qwen3MoeConfig drops the window unless use_sliding_window; then every layer slides.
+        if not d.get("use_sliding_window", False):
+            return ()
         windowed = [True] * num_layers
     elif model_type in ("qwen2", "qwen3"):
         # Qwen2/3Config drop the window unless use_sliding_window; layer_types (or the

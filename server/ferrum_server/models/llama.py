@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE with sparse
+MLP layers, ``models.moe``) over a paged KV cache.
 
 Every projection runs once over the flat token dimension T of a unified batch; only attention
 looks at the per-item split carried by ``AttentionMetadata``. q/k/v and gate/up are fused into one
@@ -22,6 +23,7 @@ from ferrum_kernels.layers import TiedLinear, rms_norm
 from torch import nn
 
 from ferrum_server.models.config import ModelConfig, RopeScaling
+from ferrum_server.models.moe import SparseMoeBlock, expert_tensor_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,9 @@ def weight_map(config: ModelConfig) -> list[WeightEntry]:
                 (0,),
             )
         )
+        if config.is_sparse_layer(i):
+            entries += _expert_entries(config, ours, hf)
+            continue
         entries.append(
             WeightEntry(
                 ours + "gate_up_proj.weight",
@@ -83,6 +88,20 @@ def weight_map(config: ModelConfig) -> list[WeightEntry]:
     if not config.tie_word_embeddings:
         entries.append(WeightEntry("lm_head.weight", ("lm_head.weight",), (0,)))
     return entries
+
+
+def _expert_entries(config: ModelConfig, ours: str, hf: str) -> list[WeightEntry]:
+    """A sparse layer's router and stacked experts (each expert's tensors stacked row-wise)."""
+    assert config.moe is not None
+    names = expert_tensor_names(config.model_type, hf, config.moe.num_experts)
+    inter, h = config.moe.expert_intermediate_size, config.hidden_size
+    return [
+        WeightEntry(ours + "moe.gate.weight", (names.router,), (0,)),
+        WeightEntry(
+            ours + "moe.experts.gate_up_proj", names.gate_up, (inter,) * len(names.gate_up)
+        ),
+        WeightEntry(ours + "moe.experts.down_proj", names.down, (h,) * len(names.down)),
+    ]
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -150,6 +169,7 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | None,
         window: int = 0,
+        sparse: bool = False,
     ) -> None:
         super().__init__()
         self.backend = _REFERENCE
@@ -175,12 +195,20 @@ class DecoderLayer(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
-        self.gate_up_proj = nn.Linear(
-            h, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device
-        )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, h, bias=False, dtype=dtype, device=device
-        )
+        # The MLP: a sparse layer's experts (moe), else the dense gate/up and down projections.
+        self.moe: SparseMoeBlock | None = None
+        self.gate_up_proj: nn.Linear | None = None
+        self.down_proj: nn.Linear | None = None
+        if sparse:
+            assert config.moe is not None
+            self.moe = SparseMoeBlock(config.moe, h, dtype=dtype, device=device)
+        else:
+            self.gate_up_proj = nn.Linear(
+                h, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device
+            )
+            self.down_proj = nn.Linear(
+                config.intermediate_size, h, bias=False, dtype=dtype, device=device
+            )
 
     def forward(
         self,
@@ -199,6 +227,9 @@ class DecoderLayer(nn.Module):
         attention = self._attention(x, cos, sin, kv_layer, meta)
         norm = self.post_attention_layernorm
         x, residual = kernels.rms_norm_residual(attention, residual, norm.weight, norm.eps)
+        if self.moe is not None:
+            return self.moe(x, kernels.fused_moe), residual  # [T, hidden]
+        assert self.gate_up_proj is not None and self.down_proj is not None
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         mlp_out: torch.Tensor = self.down_proj(kernels.silu_and_mul(gate_up))  # [T, hidden]
         return mlp_out, residual
@@ -243,7 +274,13 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype=dtype, device=device, window=config.layer_window(i))
+            DecoderLayer(
+                config,
+                dtype=dtype,
+                device=device,
+                window=config.layer_window(i),
+                sparse=config.is_sparse_layer(i),
+            )
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)

@@ -20,7 +20,8 @@ def _csv_ints(text: str) -> list[int]:
 
 
 def add_bench_args(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("--workload", default="w1", choices=("w1", "smoke"))
+    # The names of workloads.WORKLOADS (not imported here: it loads torch).
+    bench.add_argument("--workload", default="w1", choices=("w1", "w1-moe", "smoke"))
     bench.add_argument(
         "--dtype",
         default="float32,bfloat16",
@@ -71,7 +72,9 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--hf-batch-size", type=int, default=16)
     bench.add_argument("--torch-threads", type=int, default=0)
     bench.add_argument("--vllm-venv", default=None, help="vLLM CPU venv (see scripts/)")
-    bench.add_argument("--cache-dir", type=Path, default=None, help="where W1 weights are kept")
+    bench.add_argument(
+        "--cache-dir", type=Path, default=None, help="where workload weights are kept"
+    )
     bench.add_argument(
         "--output", type=Path, default=Path("bench-results/bench.json"), help="JSON report"
     )

@@ -5,6 +5,13 @@ intermediate 2048, vocab 32000) with seeded random weights, saved as a Hugging F
 every compared system loads the very same tensors; 64 requests with prompt lengths uniform in
 [32, 512] and ids uniform in [0, 32000) from ``random.Random(0)``, exactly 64 new greedy tokens
 each (EOS ignored). ``smoke`` is the same shape of experiment on a tiny model, for CI.
+
+W1-moe is W1 with a mixture-of-experts MLP: a Mixtral-architecture model with W1's attention,
+embeddings and request set, and in every layer 8 SwiGLU experts of intermediate 1024 with top-2
+routing (no sliding window). Each token runs 2 x 1024 = 2048 expert columns, W1's intermediate
+size, so its active parameters and GEMM work per token match W1's (plus an 8-logit router),
+while the weights it must hold are 4x W1's MLP weights (about 295M parameters in all, 1.2 GB in
+float32): the row measures the cost of routing and of grouped expert GEMMs at W1's size.
 """
 
 from __future__ import annotations
@@ -12,12 +19,18 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from ferrum_server.models import LlamaForCausalLM, ModelConfig, hf_tensor_shapes, save_hf_folder
+from ferrum_server.models import (
+    LlamaForCausalLM,
+    ModelConfig,
+    MoeSpec,
+    hf_tensor_shapes,
+    save_hf_folder,
+)
 
 _INIT_STD = 0.02
 _MARKER = "ferrum-bench.json"
@@ -75,8 +88,19 @@ def _llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int
     )
 
 
+def _mixtral(base: ModelConfig, experts: int, top_k: int, expert_inter: int) -> ModelConfig:
+    """``base`` (a Llama config) with a MoE MLP in every layer, as Mixtral; no sliding window."""
+    spec = MoeSpec(experts, top_k, expert_inter, normalize_top_k=True)
+    return replace(
+        base, architecture="MixtralForCausalLM", intermediate_size=expert_inter, moe=spec
+    )
+
+
+_W1 = _llama(32000, 768, 2048, 12, 12, 4)
+
 WORKLOADS: dict[str, Workload] = {
-    "w1": Workload("w1", _llama(32000, 768, 2048, 12, 12, 4), 64, 32, 512, 64),
+    "w1": Workload("w1", _W1, 64, 32, 512, 64),
+    "w1-moe": Workload("w1-moe", _mixtral(_W1, 8, 2, 1024), 64, 32, 512, 64),
     "smoke": Workload(
         # head_dim 64: vLLM's CPU attention has no kernel for the tiny model's 16
         "smoke",
@@ -122,22 +146,23 @@ def ensure_model(workload: Workload, cache_dir: Path | None = None) -> Path:
     return folder
 
 
+def _mlp_macs(c: ModelConfig, layer: int) -> int:
+    """Multiply-adds of one token through a layer's MLP: gate/up and down of the dense MLP, or
+    the router plus its top-k experts' (the experts a token is not routed to cost nothing)."""
+    if c.moe is not None and c.is_sparse_layer(layer):
+        expert = 3 * c.hidden_size * c.moe.expert_intermediate_size
+        return c.hidden_size * c.moe.num_experts + c.moe.num_experts_per_token * expert
+    return 3 * c.hidden_size * c.intermediate_size
+
+
 def matmul_flops(workload: Workload, prompts: list[list[int]]) -> dict[str, float]:
     """GEMM work W1 needs: every linear of every layer for each prompt and generated token
     (the last generated token is never fed back), plus the LM head for each output row only.
     Attention score/value products are counted separately (they are not GEMMs on weights)."""
     c = workload.model
     h, d = c.hidden_size, c.head_dim
-    per_token = (
-        2
-        * c.num_layers
-        * (
-            h * (c.num_heads + 2 * c.num_kv_heads) * d  # qkv
-            + c.num_heads * d * h  # o
-            + h * 2 * c.intermediate_size  # gate/up
-            + c.intermediate_size * h  # down
-        )
-    )
+    attention_proj = h * (c.num_heads + 2 * c.num_kv_heads) * d + c.num_heads * d * h  # qkv, o
+    per_token = 2 * sum(attention_proj + _mlp_macs(c, layer) for layer in range(c.num_layers))
     head = 2 * h * c.vocab_size
     prompt_tokens = sum(len(p) for p in prompts)
     fed_decodes = len(prompts) * (workload.max_new_tokens - 1)
