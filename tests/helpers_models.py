@@ -302,3 +302,48 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
         )
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
+
+
+# Phi-3's LongRoPE in tests: factors that differ per frequency and between the two lists, so
+# that picking the wrong list, or none, moves the logits well past the parity tolerance.
+def longrope_scaling(head_dim: int) -> dict[str, Any]:
+    pairs = head_dim // 2
+    return {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+        "long_factor": [1.0 + 0.5 * i for i in range(pairs)],
+    }
+
+
+def phi3_config(vocab: int = 256, **extra: Any) -> Any:
+    """A small transformers Phi3Config (head_dim 32: a size the native CPU kernels take)."""
+    from transformers import Phi3Config
+
+    fields: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 256,
+        "initializer_range": 0.08,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+    }
+    return Phi3Config(**(fields | extra))
+
+
+def save_phi3(folder: Path, vocab: int = 256, **extra: Any) -> torch.nn.Module:
+    """A small random Phi-3 (``phi3_config(**extra)``) saved to `folder` (seed 0)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(phi3_config(vocab, **extra), dtype=torch.float32).eval()
+    with torch.no_grad():  # norms start at 1, which would hide a norm loaded wrongly
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf

@@ -25,8 +25,11 @@ Sliding-window layers (``window > 0``: a query at p sees keys in (p - window, p]
 * decodes still go to the native decode kernel, over a per-position slot table of each item's
   last ``window`` positions (the pool viewed as blocks of one token, so the window may start
   mid-block), built once per forward and window;
-* prefill chunks take the torch chunk path, each block of queries scored over only the keys
-  its rows can see, with a float32 softmax (the native prefill kernel attends from position 0).
+* prefill chunks go to the native prefill kernel with the window where it takes them (the same
+  conditions as above): each chunk packs only the keys from its first query's window start, and
+  each group of query rows is scored from its first row's window start, so the work per row is
+  O(window) however long the context. Elsewhere they take the torch chunk path, each block of
+  queries scored over only the keys its rows can see, with a float32 softmax.
 Without the native decode kernel, a windowed layer runs the torch reference
 (``attention.paged_attention`` with the window).
 """
@@ -119,7 +122,7 @@ class CpuAttentionPlan:
     # All chunks at once, for the native prefill kernel.
     chunk_info: torch.Tensor  # [C, 3] int64 rows (start, end, context_len)
     chunk_tables: torch.Tensor  # [C, W] int64 block tables of the chunks' items
-    chunk_key_slots: int  # sum of the context lengths rounded up to _KEY_TILE
+    chunk_key_slots: int  # sum of the context lengths rounded up to _KEY_TILE (see key_slots)
     # Per sliding window: the decodes' (slot table [N, W], lengths [N]) over their last
     # `window` positions, built by the first windowed layer of the forward.
     window_decodes: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
@@ -158,6 +161,18 @@ class CpuAttentionPlan:
             tables[prefills.to(tables.device)].contiguous(),
             sum(-(-c.context_len // _KEY_TILE) * _KEY_TILE for c in chunks),
         )
+
+    def key_slots(self, window: int) -> int:
+        """Key positions the native prefill kernel packs for all chunks (its scratch is this
+        times Hkv * D * 2): each chunk's context rounded up to _KEY_TILE, or with a window, the
+        keys from its first query's window start (rounded down to _KEY_TILE) to its end."""
+        if not window:
+            return self.chunk_key_slots
+        total = 0
+        for c in self.chunks:
+            first = max(0, c.context_len - (c.end - c.start) - window + 1) // _KEY_TILE * _KEY_TILE
+            total += -(-(c.context_len - first) // _KEY_TILE) * _KEY_TILE
+        return total
 
     def windowed_decodes(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots [N, W] int64, lens [N] int64): each decode's last ``window`` positions as flat
@@ -434,8 +449,7 @@ def _torch_chunks(
     out: torch.Tensor,  # [T, H, D], the chunk rows written in place
     window: int = 0,
 ) -> None:
-    """The prefill chunks with torch ops (when the native prefill kernel cannot take them, or
-    the layer has a sliding window)."""
+    """The prefill chunks with torch ops (when the native prefill kernel cannot take them)."""
     pv = _PoolView.of(query, kv_layer)
     for c in plan.chunks:
         ctx = c.context_len
@@ -472,7 +486,8 @@ def cpu_windowed_attention(
 ) -> torch.Tensor | None:
     """Sliding-window attention (query p sees keys in (p - window, p]) -> [T, H, D], or None
     when the native decode kernel cannot take the step's decodes (the caller then runs the
-    reference)."""
+    reference). Chunks go to the native prefill kernel where it takes them, else to the torch
+    chunk path."""
     out = query.new_empty(query.shape)  # [T, H, D]
     if plan.decode_rows.numel():
         slots, lens = plan.windowed_decodes(window)
@@ -484,7 +499,7 @@ def cpu_windowed_attention(
         if decoded is None:
             return None
         out.index_copy_(0, plan.decode_rows, decoded)
-    if plan.chunks:
+    if plan.chunks and not _native_prefill(query, kv_layer, out, plan, scale, workspace, window):
         _torch_chunks(query, key, value, kv_layer, plan, scale, workspace, out, window)
     return out
 
@@ -496,9 +511,11 @@ def _native_prefill(
     plan: CpuAttentionPlan,
     scale: float,
     workspace: Workspace,
+    window: int = 0,
 ) -> bool:
-    """All of the plan's chunks with the native kernel; False (nothing written) when it cannot
-    take this input and the caller must use the torch path."""
+    """All of the plan's chunks with the native kernel (``window`` > 0: a query at p sees keys
+    in (p - window, p]); False (nothing written) when it cannot take this input and the caller
+    must use the torch path."""
     _, _, _, num_kv_heads, head_dim = kv_layer.shape
     if (
         not NATIVE_PREFILL
@@ -517,7 +534,7 @@ def _native_prefill(
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         query = query.contiguous()  # the kernel takes a row stride, not arbitrary strides
     # Each chunk's keys and values, packed once per (chunk, KV head) for the inner loops.
-    numel = plan.chunk_key_slots * num_kv_heads * head_dim * 2
+    numel = plan.key_slots(window) * num_kv_heads * head_dim * 2
     scratch = workspace.take(2, numel, query.dtype, query.device)
     module.prefill_attention(
         query,
@@ -530,6 +547,7 @@ def _native_prefill(
         kv_layer.shape[2],
         num_kv_heads,
         scale,
+        window,
     )
     return True
 

@@ -69,6 +69,8 @@ def build_parts(config: EngineConfig, instance_id: int) -> BuiltParts:
     device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
     model, model_config = load_model(config.model, dtype=dtype, device=device)
     max_len = _max_sequence_length(config, model_config)
+    # LongRoPE rotates with its long or short factors depending on the longest sequence served.
+    model.reset_rope_cache(device, max_len)
     kernels = select_backend(device, config.kernel_backend)
     capturer = _graph_capturer(config, device, kernels)
     graph_sizes = graph_batch_sizes(config.graph_max_batch) if capturer is not None else ()

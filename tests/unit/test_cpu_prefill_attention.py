@@ -1,5 +1,6 @@
 """The native CPU prefill attention kernel (csrc/prefill_attention.cpp) through
-``cpu_paged_attention``, against a float64 dense causal attention and the torch paths."""
+``cpu_paged_attention`` and ``cpu_windowed_attention``, against a float64 dense causal (or
+sliding-window) attention and the torch paths."""
 
 from __future__ import annotations
 
@@ -13,10 +14,20 @@ import pytest
 import torch
 from ferrum_kernels import cpu_attention, native
 from ferrum_kernels.attention import paged_attention
-from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
+from ferrum_kernels.cpu_attention import (
+    CpuAttentionPlan,
+    Workspace,
+    cpu_paged_attention,
+    cpu_windowed_attention,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_models import check_greedy_against_transformers, random_paged_batch
+from helpers_models import (
+    check_greedy_against_transformers,
+    longrope_scaling,
+    phi3_config,
+    random_paged_batch,
+)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain")
 
@@ -42,6 +53,7 @@ def _case(
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    window: int = 0,
 ) -> Case:
     num_heads = num_kv_heads * group
     # Spare blocks hold NaN: any read of a block the kernel must not touch would show.
@@ -55,6 +67,7 @@ def _case(
         seed=seed,
         spare_blocks=4,
         spare_fill=float("nan"),
+        window=window,
     )
     kv_layer, meta, scale = batch.kv_layer, batch.meta, batch.scale
     q = torch.cat(batch.queries)  # [T, H, D]
@@ -71,7 +84,7 @@ def _case(
         kv_layer=kv_layer,
         plan=CpuAttentionPlan.build(meta, block_size),
         reference=batch.reference,
-        paged=paged_attention(query, kv_layer, meta, scale),
+        paged=paged_attention(query, kv_layer, meta, scale, window),
         scale=scale,
     )
 
@@ -170,6 +183,7 @@ def test_rejects_a_scratch_that_is_too_small() -> None:
             case.kv_layer.shape[2],
             case.kv_layer.shape[3],
             case.scale,
+            0,
         )
     _run(case)  # the fixture wants one call that went through
 
@@ -185,7 +199,7 @@ def test_leaves_other_rows_alone() -> None:
     scratch = torch.empty(case.plan.chunk_key_slots * kv.shape[3] * kv.shape[4] * 2)
     module.prefill_attention(
         case.query, kv[0], kv[1], out, case.plan.chunk_info, case.plan.chunk_tables, scratch,
-        kv.shape[2], kv.shape[3], case.scale,
+        kv.shape[2], kv.shape[3], case.scale, 0,
     )  # fmt: skip
     chunk_rows = torch.zeros(case.query.shape[0], dtype=torch.bool)
     for start, end, _ in case.plan.chunk_info.tolist():
@@ -224,3 +238,114 @@ def test_model_with_chunked_prefill_matches_transformers_greedy(tmp_path: Path) 
         block_size=16,
     )
     assert config.head_dim == 64
+
+
+# --- sliding windows (a query at p sees keys in (p - window, p]) ----------------------------------
+
+# Fresh chunks longer than the window, continuing chunks crossing its edge, a chunk (and a
+# decode) far past it, one-row-per-tile edges; windows of one key, off every tile (16) and
+# word (2) boundary, and wider than every context (the same as global attention).
+WINDOWED = [(0, 70), (5, 9), (300, 40), (0, 3), (60, 1), (31, 17), (200, 1), (16, 48)]
+WINDOWS = [1, 2, 5, 16, 17, 48, 1000]
+
+
+def _chunk_rows(case: Case) -> torch.Tensor:
+    rows = torch.zeros(case.query.shape[0], dtype=torch.bool)
+    for start, end, _ in case.plan.chunk_info.tolist():
+        rows[start:end] = True
+    return rows
+
+
+def _call_kernel(case: Case, window: int, out: torch.Tensor, scratch_numel: int) -> None:
+    kv = case.kv_layer
+    native.load().prefill_attention(
+        case.query, kv[0], kv[1], out, case.plan.chunk_info, case.plan.chunk_tables,
+        torch.empty(scratch_numel, dtype=case.query.dtype), kv.shape[2], kv.shape[3], case.scale,
+        window,
+    )  # fmt: skip
+
+
+def _scratch(case: Case, window: int) -> int:
+    kv = case.kv_layer
+    return case.plan.key_slots(window) * kv.shape[3] * kv.shape[4] * 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_windowed_kernel_matches_dense(dtype: torch.dtype, window: int) -> None:
+    """The module called directly: chunk rows against the float64 windowed answer, and the
+    other rows left alone."""
+    case = _case(WINDOWED, group=3, dtype=dtype, seed=window, window=window)
+    out = torch.full(case.query.shape, 7.0, dtype=dtype)
+    _call_kernel(case, window, out, _scratch(case, window))
+    rows = _chunk_rows(case)
+    assert bool((out[~rows] == 7.0).all())
+    torch.testing.assert_close(out[rows].double(), case.reference[rows], **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "group"), [(64, 16, 1), (32, 5, 4), (128, 3, 2)]
+)
+def test_windowed_attention_takes_the_kernel(
+    dtype: torch.dtype, head_dim: int, block_size: int, group: int
+) -> None:
+    """cpu_windowed_attention sends a mixed step's chunks to the kernel (the fixture fails the
+    test otherwise) and its decodes to the decode kernel: all rows against the dense answer and
+    the torch reference."""
+    window = 7
+    case = _case(
+        WINDOWED, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype,
+        seed=head_dim, window=window,
+    )  # fmt: skip
+    got = cpu_windowed_attention(
+        case.query, case.key, case.value, case.kv_layer, case.plan, case.scale, window,
+        Workspace(),
+    )  # fmt: skip
+    assert got is not None and got.dtype == dtype
+    torch.testing.assert_close(got.double(), case.reference, **_tolerance(dtype))
+    torch.testing.assert_close(got.float(), case.paged.float(), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_windowed_kernel_reads_only_the_window(dtype: torch.dtype) -> None:
+    """A chunk far past its window: the scratch it needs is its rows plus the window, not its
+    context, and pool positions before the chunk's first packed tile are never read (they hold
+    NaN here, which any read would spread to the output)."""
+    window, history, rows = 9, 500, 20
+    case = _case([(history, rows)], group=2, dtype=dtype, seed=11, window=window)
+    first_visible = history - window + 1  # the chunk's first query's first key
+    # Keys 480 (492 rounded down to a tile) to 520, in whole tiles: 48, of 528 without the window.
+    assert case.plan.key_slots(window) == 48 < case.plan.key_slots(0) == 528
+    table, block_size = case.plan.chunk_tables[0], case.kv_layer.shape[2]
+    for p in range(first_visible // 16 * 16):
+        case.kv_layer[:, table[p // block_size], p % block_size] = float("nan")
+    out = torch.empty(case.query.shape, dtype=dtype)
+    with pytest.raises(RuntimeError, match="scratch too small"):
+        _call_kernel(case, window, out, _scratch(case, window) - 1)
+    _call_kernel(case, window, out, _scratch(case, window))
+    torch.testing.assert_close(out.double(), case.reference, **_tolerance(dtype))
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        _call_kernel(case, -1, out, _scratch(case, 0))
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@torch.no_grad()
+def test_windowed_model_with_chunked_prefill_matches_transformers_greedy(tmp_path: Path) -> None:
+    # A Phi-3 with window 6 on every layer (head_dim 64, GQA 3), its prompt in chunks that cross
+    # the window edge and start far past it: every chunk goes through the kernel with the window.
+    torch.manual_seed(0)
+    cfg = phi3_config(
+        hidden_size=192,
+        intermediate_size=256,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        sliding_window=6,
+        original_max_position_embeddings=32,
+        rope_scaling=longrope_scaling(64),
+    )
+    config = check_greedy_against_transformers(
+        tmp_path, cfg, prompt_len=83, chunk_ends=[4, 37, 70, 83], steps=6, num_blocks=32,
+        block_size=16,
+    )  # fmt: skip
+    assert config.head_dim == 64 and config.sliding_windows == (6, 6)

@@ -200,7 +200,7 @@ def test_family_flags() -> None:
              "sliding_window": 128, "layer_types": ["sliding_attention", "chunked_attention"]},
             "layer_types",
         ),
-        ({"architectures": None, "model_type": "phi3"}, "unsupported model_type 'phi3'"),
+        ({"architectures": None, "model_type": "phimoe"}, "unsupported model_type 'phimoe'"),
         ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
     ],
 )  # fmt: skip

@@ -10,6 +10,13 @@
 // output held in registers and written once. Only a block's causal diagonal is computed and
 // masked; the upper triangle is skipped. Scores of a group (24 rows x context) stay in L1/L2.
 //
+// Sliding window (window > 0: a query at p sees keys in (p - window, p]): a chunk packs only the
+// keys from its first query's window start (rounded down to a tile), and each group and block
+// of rows starts at the tile holding its first row's window start, so the work per row is
+// O(window), however long the context. All of it is index arithmetic in prefill_impl (which
+// keys are packed, where a row's visible range starts and ends); the vectorised loops only see
+// pointers and lengths, as for global attention.
+//
 // Numerics: scores, softmax and accumulation in float32 whatever the dtype; the scale applies to
 // float32 scores (not folded into a rounded q). In bfloat16 the unnormalised probabilities are
 // rounded to bfloat16 for PV (the torch path rounds the normalised ones: the same relative
@@ -414,19 +421,20 @@ inline void pack_value_pair(const uint16_t* a, const uint16_t* b, int64_t head_d
 #endif
 }
 
-// Keys [ctx_pad / 16][D / w][16][w] and values [ctx_pad / w][D][w] of one (chunk, KV head),
-// padded with zeros to ctx_pad (a multiple of 16) so tiles and pairs can run past ctx; this
-// call packs positions [t_begin, t_end) (multiples of 16).
+// Keys [pad / 16][D / w][16][w] and values [pad / w][D][w] of one (chunk, KV head): packed
+// key t is position first + t; padded with zeros past ctx to pad (a multiple of 16) so tiles
+// and pairs can run past ctx. This call packs keys [t_begin, t_end) (multiples of 16).
 template <typename T>
 void pack_kv(const T* k_pool, const T* v_pool, const int64_t* table, int64_t block_size,
-             int64_t kv_row, int64_t head_offset, int64_t head_dim, int64_t ctx, int64_t t_begin,
-             int64_t t_end, T* k_out, T* v_out) {
+             int64_t kv_row, int64_t head_offset, int64_t head_dim, int64_t first, int64_t ctx,
+             int64_t t_begin, int64_t t_end, T* k_out, T* v_out) {
   constexpr int w = Ops<T>::kPerWord;
   const int64_t words = head_dim / w;
-  // Token t's row of this head in a pool plane, or nullptr past the context.
+  // Packed key t's row of this head in a pool plane, or nullptr past the context.
   auto row = [&](const T* pool, int64_t t) -> const T* {
-    if (t >= ctx) return nullptr;
-    return pool + (table[t / block_size] * block_size + t % block_size) * kv_row + head_offset;
+    const int64_t p = first + t;
+    if (p >= ctx) return nullptr;
+    return pool + (table[p / block_size] * block_size + p % block_size) * kv_row + head_offset;
   };
   const T* rows[kTile];
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
@@ -450,25 +458,41 @@ struct Unit {
   int64_t chunk, head, q0, q1, cost;
 };
 
+// The first key position any query of a chunk can see, rounded down to a whole tile: where the
+// chunk's packed keys start (0 for global attention).
+inline int64_t first_packed(int64_t ctx, int64_t n, int64_t window) {
+  if (window == 0) return 0;
+  return std::max<int64_t>(0, ctx - n - window + 1) / kTile * kTile;
+}
+
+// Keys packed for a chunk: from first_packed to its context, padded to whole tiles.
+inline int64_t packed_keys(int64_t ctx, int64_t n, int64_t window) {
+  return (ctx - first_packed(ctx, n, window) + kTile - 1) / kTile * kTile;
+}
+
 template <typename T>
 void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool, T* out,
                   int64_t out_stride, const int64_t* info, const int64_t* tables,
                   int64_t n_chunks, int64_t table_width, int64_t block_size, int64_t n_kv_heads,
-                  int64_t group, int64_t head_dim, float scale, T* scratch) {
+                  int64_t group, int64_t head_dim, float scale, int64_t window, T* scratch) {
   constexpr int w = Ops<T>::kPerWord;
   const int64_t kv_row = n_kv_heads * head_dim;
   const int64_t tile_elems = kTile * head_dim;
-  // Where each chunk's packed K/V starts in the scratch: [C][Hkv][K ctx_pad*D, V ctx_pad*D].
-  std::vector<int64_t> base(n_chunks), pad(n_chunks);
-  int64_t total = 0;
+  // Where each chunk's packed K/V starts in the scratch: [C][Hkv][K pad*D, V pad*D], and the
+  // position of its packed key 0.
+  std::vector<int64_t> base(n_chunks), pad(n_chunks), first(n_chunks);
+  int64_t total = 0, max_pad = 0;
   for (int64_t c = 0; c < n_chunks; ++c) {
-    pad[c] = (info[3 * c + 2] + kTile - 1) / kTile * kTile;
+    const int64_t n = info[3 * c + 1] - info[3 * c], ctx = info[3 * c + 2];
+    first[c] = first_packed(ctx, n, window);
+    pad[c] = packed_keys(ctx, n, window);
+    max_pad = std::max(max_pad, pad[c]);
     base[c] = total;
     total += pad[c] * head_dim * 2 * n_kv_heads;
   }
   // Packing goes in pieces of kPackKeys positions of one (chunk, KV head), so that a single
   // long chunk, or a model with one KV head, still keeps every thread busy.
-  std::vector<std::array<int64_t, 3>> pieces;  // (chunk, head, first position)
+  std::vector<std::array<int64_t, 3>> pieces;  // (chunk, head, first packed key)
   for (int64_t c = 0; c < n_chunks; ++c)
     for (int64_t h = 0; h < n_kv_heads; ++h)
       for (int64_t t = 0; t < pad[c]; t += kPackKeys) pieces.push_back({c, h, t});
@@ -477,7 +501,7 @@ void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool
       const auto [c, h, t] = pieces[i];
       T* kp = scratch + base[c] + h * pad[c] * head_dim * 2;
       pack_kv<T>(k_pool, v_pool, tables + c * table_width, block_size, kv_row, h * head_dim,
-                 head_dim, info[3 * c + 2], t, std::min(pad[c], t + kPackKeys), kp,
+                 head_dim, first[c], info[3 * c + 2], t, std::min(pad[c], t + kPackKeys), kp,
                  kp + pad[c] * head_dim);
     }
   });
@@ -486,19 +510,21 @@ void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool
   // split of an ordered list would leave one thread the long tail.
   const int64_t per_unit = std::max<int64_t>(1, kUnitRows / group);
   std::vector<Unit> units;
-  int64_t max_ctx = 0;
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int64_t n = info[3 * c + 1] - info[3 * c], offset = info[3 * c + 2] - n;
-    max_ctx = std::max(max_ctx, info[3 * c + 2]);
     for (int64_t q0 = 0; q0 < n; q0 += per_unit) {
       const int64_t q1 = std::min(n, q0 + per_unit);
+      int64_t keys = offset + q1;  // the unit's last row sees these, its first row fewer
+      if (window) keys = std::min(keys, window + q1 - q0);
       for (int64_t h = 0; h < n_kv_heads; ++h)
-        units.push_back({c, h, q0, q1, (q1 - q0) * (offset + q1 + 8)});
+        units.push_back({c, h, q0, q1, (q1 - q0) * (keys + 8)});
     }
   }
   std::stable_sort(units.begin(), units.end(),
                    [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
-  const int64_t span = (max_ctx + 2 * kTile - 1) / (2 * kTile) * (2 * kTile);  // score row width
+  // Score / probability row width: any group's keys fit, plus one vector of slack for the
+  // softmax's whole-vector stores from a row's (unaligned) first visible key.
+  const int64_t span = (max_pad + 2 * kTile - 1) / (2 * kTile) * (2 * kTile) + kTile;
   std::atomic<int64_t> next{0};
   const int64_t n_units = static_cast<int64_t>(units.size());
   const int threads = at::get_num_threads();
@@ -508,7 +534,8 @@ void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool
     float inv[kGroupRows];
     const T* qrows[kGroupRows];
     T* orows[kGroupRows];
-    int64_t seen[kGroupRows];
+    // Row r sees packed keys [lo[r], hi[r]).
+    int64_t lo[kGroupRows], hi[kGroupRows];
     for (int64_t i = next++; i < n_units; i = next++) {
       const Unit& unit = units[i];
       const int64_t c = unit.chunk, h = unit.head;
@@ -523,38 +550,51 @@ void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool
           const int64_t pos = unit.q0 + (r0 + r) / group, head = h * group + (r0 + r) % group;
           qrows[r] = q + (start + pos) * q_stride + head * head_dim;
           orows[r] = out + (start + pos) * out_stride + head * head_dim;
-          seen[r] = offset + pos + 1;  // keys [0, offset + pos] are visible
+          const int64_t p = offset + pos;  // keys (p - window, p] are visible, or [0, p]
+          lo[r] = (window ? std::max<int64_t>(0, p - window + 1) : 0) - first[c];
+          hi[r] = p + 1 - first[c];
         }
-        // Rows go by position, so a block's last row sees the most keys; each block goes only
-        // as far as it does.
+        // Rows go by position, so a block's first row sees the earliest keys and its last row
+        // the latest; each block goes from the tile holding the first to the last. Scores and
+        // probabilities of the group are indexed from g0, its first row's first tile.
+        const int64_t g0 = lo[0] / kTile * kTile;
         for (int b = 0; b < nr; b += kQkRows) {
           const int m = std::min(kQkRows, nr - b);
-          by_rows<T, QK, kQkRows>(m, qrows + b, kp, tile_elems, head_dim / w,
-                                  (seen[b + m - 1] + kTile - 1) / kTile,
-                                  scores.data() + b * span, span);
+          const int64_t t0 = lo[b] / kTile, t1 = (hi[b + m - 1] + kTile - 1) / kTile;
+          by_rows<T, QK, kQkRows>(m, qrows + b, kp + t0 * tile_elems, tile_elems, head_dim / w,
+                                  t1 - t0, scores.data() + b * span + t0 * kTile - g0, span);
         }
         // Probabilities up to a whole word past what the PV blocks read (zeros where a row
         // cannot see): they consume them a word (w keys) at a time.
-        const int64_t end = (seen[nr - 1] + w - 1) / w * w;
-        for (int r = 0; r < nr; ++r)
-          inv[r] = softmax_row<T>(scores.data() + r * span, probs.data() + r * span, seen[r], end,
+        const int64_t end = (hi[nr - 1] - g0 + w - 1) / w * w;
+        for (int r = 0; r < nr; ++r) {
+          const int64_t a = lo[r] - g0;  // keys before a row's window: zero probabilities
+          T* p = probs.data() + r * span;
+          for (int64_t j = 0; j < a; ++j) p[j] = T(0);
+          inv[r] = softmax_row<T>(scores.data() + r * span + a, p + a, hi[r] - g0 - a, end - a,
                                   scale);
+        }
         for (int b = 0; b < nr; b += kPvRows) {
           const int m = std::min(kPvRows, nr - b);
-          by_rows<T, PV, kPvRows>(m, probs.data() + b * span, span, vp, head_dim,
-                                  (seen[b + m - 1] + w - 1) / w, inv + b, orows + b);
+          const int64_t w0 = (lo[b] - g0) / w, w1 = (hi[b + m - 1] - g0 + w - 1) / w;
+          by_rows<T, PV, kPvRows>(m, probs.data() + b * span + w0 * w, span,
+                                  vp + (g0 + w0 * w) * head_dim, head_dim, w1 - w0, inv + b,
+                                  orows + b);
         }
       }
     }
   });
 }
 
-// Elements of packed K/V scratch needed: sum over chunks of ceil(ctx / 16) * 16 * Hkv * D * 2.
-int64_t scratch_numel(const torch::Tensor& chunks, int64_t n_kv_heads, int64_t head_dim) {
+// Elements of packed K/V scratch needed: sum over chunks of packed_keys * Hkv * D * 2.
+int64_t scratch_numel(const torch::Tensor& chunks, int64_t n_kv_heads, int64_t head_dim,
+                      int64_t window) {
   const int64_t* info = chunks.data_ptr<int64_t>();
   int64_t total = 0;
-  for (int64_t c = 0; c < chunks.size(0); ++c)
-    total += (info[3 * c + 2] + kTile - 1) / kTile * kTile * head_dim * 2 * n_kv_heads;
+  for (int64_t c = 0; c < chunks.size(0); ++c) {
+    const int64_t n = info[3 * c + 1] - info[3 * c], ctx = info[3 * c + 2];
+    total += packed_keys(ctx, n, window) * head_dim * 2 * n_kv_heads;
+  }
   return total;
 }
 
@@ -569,12 +609,15 @@ bool prefill_attention_vectorized(bool bfloat16) {
 // Causal attention of C prefill chunks, written into out's chunk rows in place.
 // q, out [T, H, D] (row strides may exceed H*D); pools [NB * BS * Hkv * D] contiguous holding
 // every chunk's keys (this step's included); chunks [C, 3] int64 rows (start, end, ctx): query
-// rows [start, end) are the last end - start of ctx positions; tables [C, W] int64; scratch in
-// q's dtype, at least sum over chunks of ceil(ctx / 16) * 16 * Hkv * D * 2 elements.
+// rows [start, end) are the last end - start of ctx positions; tables [C, W] int64; window: 0
+// for global attention, else a query at p sees keys in (p - window, p]; scratch in q's dtype,
+// at least sum over chunks of K * Hkv * D * 2 elements, K = ceil(ctx / 16) * 16 keys when
+// global, else the keys from the chunk's first query's window start (rounded down to a
+// multiple of 16) to ctx, rounded up to a multiple of 16.
 void prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                        torch::Tensor out, torch::Tensor chunks, torch::Tensor tables,
                        torch::Tensor scratch, int64_t block_size, int64_t n_kv_heads,
-                       double scale) {
+                       double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q layout");
   TORCH_CHECK(out.dim() == 3 && out.sizes() == q.sizes() && out.stride(2) == 1 &&
                   out.stride(1) == out.size(2),
@@ -595,8 +638,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_po
   TORCH_CHECK(head_dim % kTile == 0, "head_dim must be a multiple of 16");
   const int64_t n_chunks = chunks.size(0), width = tables.size(1);
   TORCH_CHECK(tables.size(0) == n_chunks, "one table row per chunk");
-  TORCH_CHECK(scratch.numel() >= scratch_numel(chunks, n_kv_heads, head_dim),
-              "scratch too small");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = global)");
   const int64_t n_blocks = k_pool.numel() / (block_size * n_kv_heads * head_dim);
   const int64_t* info = chunks.data_ptr<int64_t>();
   const int64_t* table = tables.data_ptr<int64_t>();
@@ -610,18 +652,21 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_po
       TORCH_CHECK(0 <= table[c * width + b] && table[c * width + b] < n_blocks,
                   "chunk ", c, ": block id out of range");
   }
+  // After the chunks are known to be in range: their sizes give the scratch's.
+  TORCH_CHECK(scratch.numel() >= scratch_numel(chunks, n_kv_heads, head_dim, window),
+              "scratch too small");
   if (n_chunks == 0) return;
   const int64_t group = n_heads / n_kv_heads;
   if (dtype == torch::kFloat) {
     prefill_impl<float>(q.data_ptr<float>(), q.stride(0), k_pool.data_ptr<float>(),
                         v_pool.data_ptr<float>(), out.data_ptr<float>(), out.stride(0), info,
                         table, n_chunks, width, block_size, n_kv_heads, group, head_dim,
-                        static_cast<float>(scale), scratch.data_ptr<float>());
+                        static_cast<float>(scale), window, scratch.data_ptr<float>());
   } else if (dtype == torch::kBFloat16) {
     auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
     prefill_impl<uint16_t>(bits(q), q.stride(0), bits(k_pool), bits(v_pool), bits(out),
                            out.stride(0), info, table, n_chunks, width, block_size, n_kv_heads,
-                           group, head_dim, static_cast<float>(scale), bits(scratch));
+                           group, head_dim, static_cast<float>(scale), window, bits(scratch));
   } else {
     TORCH_CHECK(false, "unsupported dtype");
   }

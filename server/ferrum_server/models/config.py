@@ -1,14 +1,14 @@
 """Model hyper-parameters parsed from (and written back to) a Hugging Face ``config.json``.
 
-Only the Llama family is supported: Llama (1-3.x), Mistral, Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm), and their mixture-of-experts relatives Mixtral (Mistral attention) and
-Qwen3-MoE (Qwen3 attention), whose expert hyper-parameters are one ``MoeSpec``
-(``moe_config``). Anything else is rejected up front with a message naming the offending
-field, rather than producing silently wrong logits later.
+Only the Llama family is supported: Llama (1-3.x), Mistral, Qwen2 (q/k/v bias), Qwen3
+(per-head q/k RMSNorm) and Phi-3 (fused qkv / gate-up checkpoint tensors, LongRoPE), and the
+mixture-of-experts relatives Mixtral (Mistral attention) and Qwen3-MoE (Qwen3 attention), whose
+expert hyper-parameters are one ``MoeSpec`` (``moe_config``). Anything else is rejected up front
+with a message naming the offending field, rather than producing silently wrong logits later.
 
 Sliding-window attention is read exactly as transformers reads it: Mistral windows every layer
-with ``sliding_window`` (4096 when the field is absent, as in ``MistralConfig``; Mixtral
-likewise, but no window when absent); Qwen3-MoE windows every layer when
+with ``sliding_window`` (4096 when the field is absent, as in ``MistralConfig``); Mixtral and
+Phi-3 likewise, but with no window when absent; Qwen3-MoE windows every layer when
 ``use_sliding_window``; Qwen2/Qwen3 window only when ``use_sliding_window`` is true and
 ``sliding_window`` is set, and then only the layers ``layer_types`` names
 ``"sliding_attention"`` (by default layers ``i >= max_window_layers``, 28 when absent). A
@@ -18,9 +18,10 @@ kept as global attention (the faster kernels).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, TypeAlias
 
 import torch
 
@@ -34,34 +35,25 @@ _ARCH_TO_MODEL_TYPE: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
 }
 _MODEL_TYPE_TO_ARCH: dict[str, str] = {v: k for k, v in _ARCH_TO_MODEL_TYPE.items()}
 
 
 @dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """Llama-3 ("llama3") frequency-dependent RoPE scaling, the only scaling type supported."""
+class Llama3RopeScaling:
+    """Llama-3 ("llama3") frequency-dependent RoPE scaling."""
 
-    rope_type: str
+    rope_type: ClassVar[str] = "llama3"
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
 
     @classmethod
-    def from_hf(cls, d: Mapping[str, Any]) -> RopeScaling | None:
-        """Parse a ``rope_scaling`` / ``rope_parameters`` dict; ``None`` for plain RoPE."""
-        rope_type = d.get("rope_type", d.get("type"))
-        if rope_type in (None, "default"):
-            return None
-        if rope_type != "llama3":
-            raise ValueError(
-                f"unsupported rope scaling type {rope_type!r}: only 'llama3' (or no scaling) "
-                "is supported"
-            )
+    def from_hf(cls, d: Mapping[str, Any]) -> Llama3RopeScaling:
         try:
             return cls(
-                rope_type="llama3",
                 factor=float(d["factor"]),
                 low_freq_factor=float(d["low_freq_factor"]),
                 high_freq_factor=float(d["high_freq_factor"]),
@@ -78,6 +70,86 @@ class RopeScaling:
             "high_freq_factor": self.high_freq_factor,
             "original_max_position_embeddings": self.original_max_position_embeddings,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class LongRopeScaling:
+    """LongRoPE ("longrope"; Phi-3's "su", and "yarn" in a Phi-3 config, are transformers' older
+    names for it): every inverse frequency divided by a per-frequency factor, one list for
+    sequences within ``original_max_position_embeddings`` and one beyond it, and cos/sin
+    multiplied by an attention factor.
+
+    transformers picks the list per forward call from that call's longest position, so a
+    sequence's early keys may be rotated with the short list and its later ones with the long
+    one. A paged server cannot do that (cached keys would go stale when a sequence crosses the
+    edge, and one step mixes sequences of every length), so the list is chosen once, from the
+    longest sequence the server admits (``long_factors_for``), as vLLM does."""
+
+    rope_type: ClassVar[str] = "longrope"
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    factor: float | None = None  # as config.json gives it; None: max positions / original
+    attention_factor: float | None = None  # as given; None: derived from the factor
+
+    @classmethod
+    def from_hf(
+        cls, d: Mapping[str, Any], *, original_max_position_embeddings: int, rotary_pairs: int
+    ) -> LongRopeScaling:
+        extra = sorted(k for k in ("short_mscale", "long_mscale") if d.get(k) is not None)
+        if extra:
+            # transformers ignores these and vLLM applies them: no one right answer to match.
+            raise ValueError(f"longrope scaling with {', '.join(extra)} is not supported")
+        try:
+            short, long = d["short_factor"], d["long_factor"]
+        except KeyError as e:
+            raise ValueError(f"longrope scaling is missing the {e.args[0]!r} field") from e
+        for name, factors in (("short_factor", short), ("long_factor", long)):
+            if not isinstance(factors, list) or len(factors) != rotary_pairs:
+                raise ValueError(
+                    f"longrope {name} must list {rotary_pairs} numbers (head_dim / 2), "
+                    f"got {factors!r}"
+                )
+        factor, attention = d.get("factor"), d.get("attention_factor")
+        return cls(
+            short_factor=tuple(float(x) for x in short),
+            long_factor=tuple(float(x) for x in long),
+            original_max_position_embeddings=original_max_position_embeddings,
+            factor=None if factor is None else float(factor),
+            attention_factor=None if attention is None else float(attention),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "rope_type": self.rope_type,
+            "short_factor": list(self.short_factor),
+            "long_factor": list(self.long_factor),
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+        }
+        if self.factor is not None:
+            d["factor"] = self.factor
+        if self.attention_factor is not None:
+            d["attention_factor"] = self.attention_factor
+        return d
+
+    def long_factors_for(self, max_sequence_length: int) -> bool:
+        """Whether a server admitting sequences of up to ``max_sequence_length`` tokens rotates
+        with the long factors (for every position: see the class docstring)."""
+        return max_sequence_length > self.original_max_position_embeddings
+
+    def attention_scaling(self, max_position_embeddings: int) -> float:
+        """The cos/sin multiplier, as transformers derives it."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        original = self.original_max_position_embeddings
+        factor = self.factor if self.factor is not None else max_position_embeddings / original
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+# The RoPE scaling variants supported, told apart by their ``rope_type``.
+RopeScaling: TypeAlias = Llama3RopeScaling | LongRopeScaling
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +242,7 @@ class ModelConfig:
         head_dim = int(d.get("head_dim") or hidden_size // num_heads)
         max_pos = int(req("max_position_embeddings"))
 
-        rope_theta, rope_scaling = _parse_rope(d)
+        rope_theta, rope_scaling = _parse_rope(d, model_type, head_dim, max_pos)
         num_layers = int(req("num_hidden_layers"))
         windows = _sliding_windows(d, model_type, num_layers, max_pos)
 
@@ -198,8 +270,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2 hard-codes bias on q/k/v; the others read the (rare) attention_bias flag.
-            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            attention_bias=_attention_bias(d, model_type),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
@@ -223,6 +294,7 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf(),
+            **self._original_positions_to_hf(),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
@@ -236,6 +308,13 @@ class ModelConfig:
             d.update(self.moe.to_hf(self.model_type))
         return d
 
+    def _original_positions_to_hf(self) -> dict[str, Any]:
+        # Phi-3 reads LongRoPE's original length from the top level (4096 when absent there).
+        s = self.rope_scaling
+        if isinstance(s, LongRopeScaling):
+            return {"original_max_position_embeddings": s.original_max_position_embeddings}
+        return {}
+
     def _sliding_window_to_hf(self) -> dict[str, Any]:
         windows = {w for w in self.sliding_windows if w}
         if len(windows) > 1:
@@ -243,7 +322,7 @@ class ModelConfig:
                 f"{self.architecture} config.json has one sliding_window; layers use {windows}"
             )
         window = windows.pop() if windows else None
-        if self.model_type in ("mistral", "mixtral", "qwen3_moe"):
+        if self.model_type in ("mistral", "mixtral", "qwen3_moe", "phi3"):
             if window is not None and set(self.sliding_windows) != {window}:
                 raise ValueError(f"{self.architecture} windows every layer or none")
             if self.model_type == "qwen3_moe":
@@ -315,7 +394,9 @@ def _resolve_architecture(d: Mapping[str, Any]) -> str:
     )
 
 
-def _parse_rope(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+def _parse_rope(
+    d: Mapping[str, Any], model_type: str, head_dim: int, max_pos: int
+) -> tuple[float, RopeScaling | None]:
     # transformers 5 folds theta and scaling into one "rope_parameters" dict; 4.x keeps them apart.
     params = d.get("rope_parameters")
     if (
@@ -324,16 +405,60 @@ def _parse_rope(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         and not isinstance(params.get("rope_theta"), Mapping)
     ):
         theta = float(params["rope_theta"])
-        scaling = RopeScaling.from_hf(params)
+        scaling = _rope_scaling(params, d, model_type, head_dim, max_pos)
         _check_partial_rotary(params)
     else:
         theta = float(d.get("rope_theta", 10000.0))
         raw = d.get("rope_scaling")
-        scaling = RopeScaling.from_hf(raw) if isinstance(raw, Mapping) else None
+        scaling = None
         if isinstance(raw, Mapping):
+            scaling = _rope_scaling(raw, d, model_type, head_dim, max_pos)
             _check_partial_rotary(raw)
     _check_partial_rotary(d)
     return theta, scaling
+
+
+def _rope_scaling(
+    r: Mapping[str, Any], d: Mapping[str, Any], model_type: str, head_dim: int, max_pos: int
+) -> RopeScaling | None:
+    """Parse a ``rope_scaling`` / ``rope_parameters`` dict ``r`` of config ``d``; ``None`` for
+    plain RoPE."""
+    rope_type = r.get("rope_type", r.get("type"))
+    if model_type == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi3Config renames both
+    if rope_type in (None, "default"):
+        return None
+    if rope_type == "llama3":
+        return Llama3RopeScaling.from_hf(r)
+    if rope_type == "longrope":
+        return LongRopeScaling.from_hf(
+            r,
+            original_max_position_embeddings=_original_positions(r, d, model_type, max_pos),
+            rotary_pairs=head_dim // 2,
+        )
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}: only 'llama3', 'longrope' (Phi-3's "
+        "'su') or no scaling are supported"
+    )
+
+
+def _original_positions(
+    r: Mapping[str, Any], d: Mapping[str, Any], model_type: str, max_pos: int
+) -> int:
+    # transformers prefers the config's top-level field (Phi3Config always has one: 4096 by
+    # default) over the scaling dict's, which defaults to max_position_embeddings.
+    top = d.get("original_max_position_embeddings")
+    if top is None and model_type == "phi3":
+        top = _PHI3_ORIGINAL_MAX_POSITIONS
+    return int(top if top is not None else r.get("original_max_position_embeddings", max_pos))
+
+
+def _attention_bias(d: Mapping[str, Any], model_type: str) -> bool:
+    # Qwen2 hard-codes bias on q/k/v and Phi-3 has none; the others read the (rare)
+    # attention_bias flag.
+    if model_type in ("qwen2", "phi3"):
+        return model_type == "qwen2"
+    return bool(d.get("attention_bias", False))
 
 
 def _check_partial_rotary(d: Mapping[str, Any]) -> None:
@@ -342,8 +467,9 @@ def _check_partial_rotary(d: Mapping[str, Any]) -> None:
         raise ValueError(f"partial_rotary_factor={factor} is not supported (only 1.0)")
 
 
-# transformers' defaults when config.json omits the field (MistralConfig, Qwen2/3Config).
+# transformers' defaults when config.json omits a field (Mistral, Qwen2/3, Phi3 configs).
 _DEFAULT_SLIDING_WINDOW = 4096
+_PHI3_ORIGINAL_MAX_POSITIONS = 4096
 _DEFAULT_MAX_WINDOW_LAYERS = 28
 _LAYER_KINDS = ("full_attention", "sliding_attention")
 
@@ -353,10 +479,10 @@ def _sliding_windows(
 ) -> tuple[int, ...]:
     """Per-layer windows (0 = global) as transformers applies them; () when all are global."""
     raw = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
-    if model_type in ("mistral", "mixtral"):
-        # Mistral/Mixtral window every layer with config.sliding_window (layer_types is ignored);
-        # MixtralConfig's default is no window.
-        if model_type == "mixtral":
+    if model_type in ("mistral", "mixtral", "phi3"):
+        # They window every layer with config.sliding_window (layer_types is ignored);
+        # MixtralConfig's and Phi3Config's default is no window.
+        if model_type in ("mixtral", "phi3"):
             raw = d.get("sliding_window")
         windowed = [True] * num_layers
     elif model_type == "qwen3_moe":

@@ -1,9 +1,10 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE with sparse
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; Mixtral and Qwen3-MoE with sparse
 MLP layers, ``models.moe``) over a paged KV cache.
 
 Every projection runs once over the flat token dimension T of a unified batch; only attention
 looks at the per-item split carried by ``AttentionMetadata``. q/k/v and gate/up are fused into one
-GEMM each; ``weight_map`` records how the fused tensors map onto HF checkpoint names.
+GEMM each; ``weight_map`` records how the fused tensors map onto HF checkpoint names (Phi-3
+checkpoints store them fused already, in the same row order).
 
 Attention (with the KV write), norm + residual, rotary and SwiGLU come from the one
 ``KernelBackend`` the model is bound to (``bind_backend``; the torch reference until then), so
@@ -22,7 +23,7 @@ from ferrum_kernels.backend import KernelBackend, torch_backend
 from ferrum_kernels.layers import TiedLinear, rms_norm
 from torch import nn
 
-from ferrum_server.models.config import ModelConfig, RopeScaling
+from ferrum_server.models.config import Llama3RopeScaling, LongRopeScaling, ModelConfig
 from ferrum_server.models.moe import SparseMoeBlock, expert_tensor_names
 
 
@@ -39,6 +40,8 @@ def weight_map(config: ModelConfig) -> list[WeightEntry]:
     """Our parameter names in a fixed order, with the HF names that back each one."""
     q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
+    # Phi-3 checkpoints hold qkv_proj and gate_up_proj as single tensors, rows in our order.
+    hf_fused = config.model_type == "phi3"
     entries = [WeightEntry("embed_tokens.weight", ("model.embed_tokens.weight",), (0,))]
     for i in range(config.num_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
@@ -47,13 +50,16 @@ def weight_map(config: ModelConfig) -> list[WeightEntry]:
             WeightEntry(ours + "input_layernorm.weight", (hf + "input_layernorm.weight",), (0,))
         )
         qkv = tuple(attn + p for p in ("q_proj", "k_proj", "v_proj"))
-        entries.append(
-            WeightEntry(
-                ours + "qkv_proj.weight",
-                tuple(n + ".weight" for n in qkv),
-                (q_out, kv_out, kv_out),
+        if hf_fused:
+            entries.append(WeightEntry(ours + "qkv_proj.weight", (attn + "qkv_proj.weight",), (0,)))
+        else:
+            entries.append(
+                WeightEntry(
+                    ours + "qkv_proj.weight",
+                    tuple(n + ".weight" for n in qkv),
+                    (q_out, kv_out, kv_out),
+                )
             )
-        )
         if config.attention_bias:
             entries.append(
                 WeightEntry(
@@ -76,13 +82,18 @@ def weight_map(config: ModelConfig) -> list[WeightEntry]:
         if config.is_sparse_layer(i):
             entries += _expert_entries(config, ours, hf)
             continue
-        entries.append(
-            WeightEntry(
-                ours + "gate_up_proj.weight",
-                (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-                (inter, inter),
+        if hf_fused:
+            entries.append(
+                WeightEntry(ours + "gate_up_proj.weight", (hf + "mlp.gate_up_proj.weight",), (0,))
             )
-        )
+        else:
+            entries.append(
+                WeightEntry(
+                    ours + "gate_up_proj.weight",
+                    (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                    (inter, inter),
+                )
+            )
         entries.append(WeightEntry(ours + "down_proj.weight", (hf + "mlp.down_proj.weight",), (0,)))
     entries.append(WeightEntry("norm.weight", ("model.norm.weight",), (0,)))
     if not config.tie_word_embeddings:
@@ -119,17 +130,33 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, computed exactly as transformers does."""
+def rope_inv_freq(config: ModelConfig, max_sequence_length: int | None = None) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, computed exactly as transformers does.
+    ``max_sequence_length``: the longest sequence served (default: the model's positions), which
+    picks LongRoPE's factors (``LongRopeScaling.long_factors_for``)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float32) / dim
+    s = config.rope_scaling
+    if isinstance(s, LongRopeScaling):
+        longest = max_sequence_length or config.max_position_embeddings
+        factors = s.long_factor if s.long_factors_for(longest) else s.short_factor
+        ext = torch.tensor(factors, dtype=torch.float32)  # [D/2]
+        return 1.0 / (ext * config.rope_theta**exponents)
     inv_freq = 1.0 / (config.rope_theta**exponents)  # [D/2]
-    if config.rope_scaling is not None:
-        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    if isinstance(s, Llama3RopeScaling):
+        inv_freq = _llama3_scale(inv_freq, s)
     return inv_freq
 
 
-def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+def rope_attention_scaling(config: ModelConfig) -> float:
+    """What transformers multiplies the cos/sin tables by (1 but for LongRoPE)."""
+    s = config.rope_scaling
+    if isinstance(s, LongRopeScaling):
+        return s.attention_scaling(config.max_position_embeddings)
+    return 1.0
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
     # Long wavelengths are slowed by `factor`, short ones kept, and the band between them is
     # interpolated smoothly; the op order mirrors transformers so the floats agree.
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -298,6 +325,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        # The longest sequence served, which picks LongRoPE's factors (see reset_rope_cache).
+        self.max_sequence_length = config.max_position_embeddings
         self.reset_rope_cache(device)
         self._backend = _REFERENCE  # a plain attribute, not registered state
 
@@ -319,15 +348,26 @@ class LlamaForCausalLM(nn.Module):
             layer.backend = backend
         return backend.prepare_model(self) if backend.prepare_model is not None else 0
 
-    def reset_rope_cache(self, device: torch.device | None = None) -> None:
-        """(Re)compute the RoPE tables, e.g. after materialising a meta-device model."""
+    def reset_rope_cache(
+        self, device: torch.device | None = None, max_sequence_length: int | None = None
+    ) -> None:
+        """(Re)compute the RoPE tables, e.g. after materialising a meta-device model, or for a
+        server admitting sequences of at most ``max_sequence_length`` tokens (kept for later
+        calls): with LongRoPE that length picks the long or the short factors."""
         if device is None:
             device = self.embed_tokens.weight.device
-        inv_freq = rope_inv_freq(self.config)  # [D/2], always on CPU so every device agrees
+        if max_sequence_length is not None:
+            self.max_sequence_length = max_sequence_length
+        # [D/2], always on CPU so every device agrees
+        inv_freq = rope_inv_freq(self.config, self.max_sequence_length)
         positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2]
-        self.rope_cos = freqs.cos().to(device)
-        self.rope_sin = freqs.sin().to(device)
+        cos, sin = freqs.cos(), freqs.sin()
+        scaling = rope_attention_scaling(self.config)
+        if scaling != 1.0:  # as transformers scales them: in float32, before any cast
+            cos, sin = cos * scaling, sin * scaling
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
 
     def forward(
         self,
