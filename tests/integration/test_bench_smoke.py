@@ -38,6 +38,7 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
         "--dtype", "float32",
         "--compare", "inproc",
         "--unaligned",
+        "--continuation",
         "--no-progress",
         "--cache-dir", str(tmp_path / "models"),
         "--output", str(out),
@@ -45,7 +46,12 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     section = report["by_dtype"]["float32"]
-    for system in ("ferrum-grpc", "ferrum-inproc", "ferrum-grpc unaligned"):
+    for system in (
+        "ferrum-grpc",
+        "ferrum-inproc",
+        "ferrum-grpc unaligned",
+        "ferrum-grpc continuation",
+    ):
         result = section["results"][system]
         assert result["output_tokens"] == 12 * 8
         assert result["output_tok_s"] > 0 and result["itl_p99_ms"] >= result["itl_p50_ms"]
@@ -55,6 +61,10 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
     # Aligned or not, the same greedy tokens; only the step mix differs.
     assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc unaligned"] == 1.0
     assert section["results"]["ferrum-grpc unaligned"]["notes"]["align_first_tokens"] is False
+    # Decode continuation: two steps in flight, the same greedy tokens.
+    continued = section["results"]["ferrum-grpc continuation"]["notes"]
+    assert continued["continuations"] > 0 and continued["max_in_flight"] == 2
+    assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc continuation"] == 1.0
     assert "ferrum-grpc / ferrum-inproc" in section["derived"]["ratios_output_tok_s"]
     assert "ferrum-grpc" in done.stdout  # the readable table
 
@@ -62,7 +72,7 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
 def test_generate_local_prints_json() -> None:
     done = _cli(
         "generate", "--local", "--random", "3", "--max-new-tokens", "4", "--json",
-        "--no-align-first-tokens",
+        "--no-align-first-tokens", "--decode-continuation",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)

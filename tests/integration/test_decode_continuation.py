@@ -13,8 +13,10 @@ the executor before step N's answer is processed, and every running request is i
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Iterator
+import threading
+from collections.abc import Awaitable, Iterator, Sequence
 
 import grpc
 import pytest
@@ -28,11 +30,22 @@ from ferrum_client import (
     item_views,
     pb,
 )
-from helpers_server import LiveServer, start_live_server, tiny_block_bytes
+from ferrum_client.scheduler import (
+    GenerationParams,
+    GenerationResult,
+    GrpcBackend,
+    PlannedItem,
+    Scheduler,
+    SchedulerConfig,
+    StepResult,
+)
+from helpers_server import LiveServer, random_prompts, start_live_server, tiny_block_bytes
 
 VOCAB = 512  # the tiny model
 ABORTED = grpc.StatusCode.ABORTED.value[0]
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+CONTINUE = SchedulerConfig(max_step_tokens=64, decode_continuation=True)
+PLAIN = SchedulerConfig(max_step_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +282,264 @@ def test_a_stream_runs_continuations_sent_back_to_back(live_server: LiveServer) 
 
     got, expected, replayed = live_server.run(scenario())  # type: ignore[misc]
     assert got == expected and replayed
+
+
+# -- the reference scheduler -----------------------------------------------------------------
+
+
+def _generate(
+    server: LiveServer,
+    prompts: list[list[int]],
+    params: Sequence[GenerationParams],
+    config: SchedulerConfig,
+    backend: type[GrpcBackend] = GrpcBackend,
+) -> tuple[list[GenerationResult], Scheduler]:
+    async def scenario() -> tuple[list[GenerationResult], Scheduler]:
+        async with AsyncExecutorClient(server.target) as client:
+            scheduler = Scheduler(backend(client), config)
+            return await scheduler.generate(prompts, params), scheduler
+
+    return server.run(scenario())  # type: ignore[return-value]
+
+
+def _stop_params(
+    server: LiveServer, prompts: list[list[int]], lengths: list[int]
+) -> tuple[list[GenerationParams], int]:
+    """Per-prompt params with one stop token that ends the longest request mid-run (at its
+    fifth output or later)."""
+    plain = [GenerationParams(max_new_tokens=n) for n in lengths]
+    results, _ = _generate(server, prompts, plain, PLAIN)
+    outputs = results[lengths.index(max(lengths))].output_ids
+    stop = next(t for k, t in enumerate(outputs) if k >= 4 and t not in outputs[:k])
+    return [GenerationParams(max_new_tokens=n, stop_token_ids=(stop,)) for n in lengths], stop
+
+
+def test_continued_outputs_equal_plain_greedy(roomy: LiveServer) -> None:
+    """Mixed output lengths and a stop token that ends some requests mid-run: the same tokens,
+    none duplicated or skipped, over gRPC and over the in-process backend."""
+    from ferrum_server.config import EngineConfig
+    from ferrum_server.engine import Engine
+    from ferrum_server.tools.bench.inproc import InProcessBackend
+
+    prompts = random_prompts(31, 7, 3, 40)
+    lengths = [3 + (i * 5) % 13 for i in range(len(prompts))]
+    params, _ = _stop_params(roomy, prompts, lengths)
+    plain, _ = _generate(roomy, prompts, params, PLAIN)
+    continued, scheduler = _generate(roomy, prompts, params, CONTINUE)
+    assert [r.output_ids for r in continued] == [r.output_ids for r in plain]
+    reasons = [r.finish_reason for r in continued]
+    assert reasons == [r.finish_reason for r in plain]
+    assert "stop" in reasons and "length" in reasons
+    stats = scheduler.stats
+    assert stats.continuations > 0 and stats.max_in_flight == 2
+    _assert_quiescent(roomy)
+
+    engine = Engine(EngineConfig(block_size=4, kv_cache_bytes=1024 * tiny_block_bytes(4)))
+    try:
+        in_process = asyncio.run(
+            Scheduler(InProcessBackend(engine), CONTINUE).generate(prompts, params)
+        )
+        assert not engine.kv.caches
+    finally:
+        engine.shutdown()
+    assert [r.output_ids for r in in_process] == [r.output_ids for r in plain]
+
+
+class _Recording(GrpcBackend):
+    """Records every item sent and the token each answer carried for it."""
+
+    def __init__(self, client: AsyncExecutorClient) -> None:
+        super().__init__(client)
+        self.sent: list[tuple[PlannedItem, int, int]] = []  # item, status, token
+
+    def submit(self, items: Sequence[PlannedItem]) -> Awaitable[StepResult]:
+        pending = super().submit(items)
+
+        async def recorded() -> StepResult:
+            result = await pending
+            for k, item in enumerate(items):
+                self.sent.append((item, result.statuses[k], result.token_ids[k]))
+            return result
+
+        return recorded()
+
+
+def test_a_request_that_stops_has_one_extra_item_and_gives_back_every_block(
+    roomy: LiveServer,
+) -> None:
+    """A request that selects its stop token at step N was already sent in step N+1: exactly
+    one extra decode runs for it, its token reaches neither the results nor the stream, the
+    completion finds the last output fed back (committed = prompt + outputs), and with prefix
+    caching on every block comes back."""
+    prompts = random_prompts(37, 5, 6, 30)
+    lengths = [12] * len(prompts)
+    params, stop = _stop_params(roomy, prompts, lengths)
+    plain, _ = _generate(roomy, prompts, params, PLAIN)
+    engine = roomy.engine
+    committed_at_completion: dict[str, int] = {}
+    complete = engine.complete  # type: ignore[attr-defined]
+
+    def recording_complete(request_id: str, cache_id: str, *args: int) -> object:
+        cache = engine.kv.caches.get(cache_id)  # type: ignore[attr-defined]
+        committed_at_completion[request_id] = cache.num_tokens if cache else -1
+        return complete(request_id, cache_id, *args)
+
+    engine.complete = recording_complete  # type: ignore[attr-defined]
+    try:
+
+        async def scenario() -> tuple[dict[int, list[int]], list[GenerationResult], _Recording]:
+            async with AsyncExecutorClient(roomy.target) as client:
+                backend = _Recording(client)
+                scheduler = Scheduler(backend, CONTINUE)
+                streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+                async for index, token in scheduler.stream(prompts, params):
+                    streamed[index].append(token)
+                results = list(sorted(scheduler._by_index.values(), key=lambda r: r.result.index))
+                assert scheduler.stats.discarded_items == sum(
+                    r.result.finish_reason == "stop" for r in results
+                )
+            return streamed, [r.result for r in results], backend
+
+        streamed, results, backend = roomy.run(scenario())  # type: ignore[misc]
+    finally:
+        del engine.complete  # type: ignore[attr-defined]
+    assert [r.output_ids for r in results] == [r.output_ids for r in plain]
+    assert [streamed[i] for i in range(len(prompts))] == [r.output_ids for r in plain]
+    stopped = [r for r in results if r.finish_reason == "stop"]
+    assert stopped and any(r.finish_reason == "length" for r in results)
+    for result, prompt in zip(results, prompts, strict=True):
+        decodes = [
+            (status, token)
+            for item, status, token in backend.sent
+            if item.request_id == result.request_id and item.kind == pb.ITEM_KIND_DECODE
+        ]
+        outputs = result.output_ids
+        committed = committed_at_completion[result.request_id]
+        if result.finish_reason == "stop":
+            assert outputs[-1] == stop
+            # Outputs 2..n came from n - 1 decodes; the n-th decode fed the stop token back.
+            assert len(decodes) == len(outputs)
+            assert decodes[-1][0] == pb.ITEM_STATUS_TOKEN
+            assert committed == len(prompt) + len(outputs)
+        else:
+            # Ended by length: never continued past its last token.
+            assert len(decodes) == len(outputs) - 1
+            assert committed == len(prompt) + len(outputs) - 1
+    _assert_quiescent(roomy)
+
+
+def test_steps_overlap_and_every_running_request_is_in_every_step(roomy: LiveServer) -> None:
+    """Each step's answer is held from the scheduler until the executor has started the next
+    step: with continuation every step but the last has its successor running by then (it was
+    sent before the answer was processed), and each decode step carries the whole batch, with
+    no alternating cohorts."""
+    prompts = random_prompts(43, 6, 5, 20)
+    params = [GenerationParams(max_new_tokens=6)] * len(prompts)
+    plain, _ = _generate(roomy, prompts, params, PLAIN)
+    engine = roomy.engine
+    execute = engine.execute  # type: ignore[attr-defined]
+    started = [threading.Event() for _ in range(64)]
+    executed = iter(started)
+
+    def marking_execute(*args: object) -> object:
+        next(executed).set()
+        return execute(*args)
+
+    class Gated(GrpcBackend):
+        steps = 0
+        overlapped = 0
+
+        def submit(self, items: Sequence[PlannedItem]) -> Awaitable[StepResult]:
+            index, Gated.steps = Gated.steps, Gated.steps + 1
+            pending = super().submit(items)
+
+            async def gated() -> StepResult:
+                result = await pending
+                if await asyncio.to_thread(started[index + 1].wait, 1.0):
+                    Gated.overlapped += 1
+                return result
+
+            return gated()
+
+    engine.execute = marking_execute  # type: ignore[attr-defined]
+    try:
+        continued, scheduler = _generate(roomy, prompts, params, CONTINUE, Gated)
+    finally:
+        del engine.execute  # type: ignore[attr-defined]
+    assert [r.output_ids for r in continued] == [r.output_ids for r in plain]
+    records = scheduler.stats.records
+    # One step prefills every prompt, then five steps decode all six requests together.
+    assert [r.num_decodes for r in records] == [0] + [len(prompts)] * 5
+    assert Gated.steps == len(records) and Gated.overlapped == len(records) - 1
+    assert scheduler.stats.max_in_flight == 2
+    _assert_quiescent(roomy)
+
+
+def test_a_pool_too_small_completes_everything_like_a_large_one(
+    tight: LiveServer, roomy: LiveServer
+) -> None:
+    """Deferred decodes and preemption with continuations in flight: the scheduler drains the
+    pipeline before it preempts (a victim has no item in flight), and the outputs equal a
+    roomy run."""
+    prompts = random_prompts(7, 10, 6, 20)
+    params = [GenerationParams(max_new_tokens=12)] * len(prompts)
+    config = SchedulerConfig(max_step_tokens=32, decode_continuation=True)
+    expected, _ = _generate(roomy, prompts, params, SchedulerConfig(max_step_tokens=32))
+    results, scheduler = _generate(tight, prompts, params, config)
+    assert [r.output_ids for r in results] == [r.output_ids for r in expected]
+    assert all(r.finish_reason == "length" for r in results)
+    stats = scheduler.stats
+    assert stats.preemptions > 0 and stats.deferred_items > 0 and stats.continuations > 0
+    _assert_quiescent(tight)
+    _assert_quiescent(roomy)
+
+
+def test_decodes_that_outgrow_the_pool_preempt_once_the_pipeline_drains(
+    tight: LiveServer, roomy: LiveServer
+) -> None:
+    """Three requests decode together until their KV outgrows the pool. Every running request
+    is in every step, so a deferred decode finds no victim without an item in flight; the
+    scheduler stops sending until the step in flight returns, then preempts (without that it
+    never preempts and the decodes are deferred forever)."""
+    prompts = random_prompts(5, 3, 20, 20)
+    params = [GenerationParams(max_new_tokens=16)] * len(prompts)
+    expected, _ = _generate(roomy, prompts, params, PLAIN)
+
+    async def scenario() -> tuple[list[GenerationResult], Scheduler]:
+        async with AsyncExecutorClient(tight.target) as client:
+            scheduler = Scheduler(client, CONTINUE)
+            return await asyncio.wait_for(scheduler.generate(prompts, params), 60), scheduler
+
+    results, scheduler = tight.run(scenario())  # type: ignore[misc]
+    assert [r.output_ids for r in results] == [r.output_ids for r in expected]
+    assert scheduler.stats.deferred_items > 0 and scheduler.stats.preemptions > 0
+    _assert_quiescent(tight)
+
+
+def test_a_request_cancelled_with_its_continuation_in_flight_gives_everything_back(
+    roomy: LiveServer,
+) -> None:
+    """Cancelled while its continuation is in flight: the request keeps its cache until that
+    item is back, then it is completed (every token fed into its KV was recorded, so the counts
+    match) and the pool ends whole; the others finish as without it."""
+    prompts = random_prompts(47, 3, 8, 16)
+    params = [GenerationParams(max_new_tokens=12)] * len(prompts)
+    plain, _ = _generate(roomy, prompts, params, PLAIN)
+
+    async def scenario() -> list[GenerationResult]:
+        async with AsyncExecutorClient(roomy.target) as client:
+            scheduler = Scheduler(client, CONTINUE)
+            seen = 0
+            async for index, _ in scheduler.stream(prompts, params):
+                seen += index == 0
+                if seen == 3:
+                    scheduler.cancel(0)
+            return [
+                r.result for r in sorted(scheduler._by_index.values(), key=lambda r: r.result.index)
+            ]
+
+    results = roomy.run(scenario())  # type: ignore[misc]
+    assert [r.finish_reason for r in results] == ["cancelled", "length", "length"]
+    assert results[0].output_ids == plain[0].output_ids[: len(results[0].output_ids)]
+    assert [r.output_ids for r in results[1:]] == [r.output_ids for r in plain[1:]]
+    _assert_quiescent(roomy)

@@ -56,6 +56,11 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         help="also run the scheduler with first tokens not aligned (align_first_tokens=False)",
     )
     bench.add_argument(
+        "--continuation",
+        action="store_true",
+        help="also run the scheduler with decode continuation (decode_continuation=True)",
+    )
+    bench.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -107,6 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pipeline_depth=args.pipeline_depth,
         extra_depths=args.extra_depths,
         unaligned=args.unaligned,
+        continuation=args.continuation,
         repeat=args.repeat,
         hf_batch_size=args.hf_batch_size,
         torch_threads=args.torch_threads,

@@ -178,6 +178,7 @@ def run_bench(
     pipeline_depth: int = 1,
     extra_depths: Sequence[int] = (),
     unaligned: bool = False,
+    continuation: bool = False,
     repeat: int = 1,
     hf_batch_size: int = 16,
     torch_threads: int = 0,
@@ -243,6 +244,9 @@ def run_bench(
             # Each prompt starts decoding as soon as it is prefilled: the TTFT side of the
             # first-token alignment trade-off.
             plan.append(("ferrum-grpc unaligned", replace(base, align_first_tokens=False)))
+        if continuation:
+            # Two steps in flight, every running request in each (docs/scheduler.md).
+            plan.append(("ferrum-grpc continuation", replace(base, decode_continuation=True)))
         plan = [(label, spec) for label, spec in plan if not _skip(label, spec, mode, skipped, log)]
         # Rounds run the whole plan in turn, so a slow spell of a shared machine lands on every
         # system alike instead of on whichever ran during it; each row is the median round.

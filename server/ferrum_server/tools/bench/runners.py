@@ -54,6 +54,7 @@ class RunSpec:
     pipeline_depth: int = 1
     target_step_ms: float = 200.0  # 0 = fixed budget (the budget trade-off table)
     align_first_tokens: bool = True
+    decode_continuation: bool = False
     kv_cache_bytes: int = 1024**3
     torch_threads: int = 0
     hf_batch_size: int = 16
@@ -127,6 +128,7 @@ def _scheduler_run(
         pipeline_depth=spec.pipeline_depth,
         target_step_ms=spec.target_step_ms,
         align_first_tokens=spec.align_first_tokens,
+        decode_continuation=spec.decode_continuation,
     )
 
     async def go() -> tuple[float, list[Any], Scheduler]:
@@ -167,6 +169,8 @@ def _scheduler_run(
         "pipeline_depth": spec.pipeline_depth,
         "target_step_ms": spec.target_step_ms,
         "align_first_tokens": spec.align_first_tokens,
+        "decode_continuation": spec.decode_continuation,
+        "continuations": scheduler.stats.continuations,
         "max_in_flight": scheduler.stats.max_in_flight,
         "preemptions": scheduler.stats.preemptions,
         "finish_reasons": sorted({r.finish_reason for r in results}),
