@@ -3,6 +3,7 @@ them (subprocesses, a server started by the command itself)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -94,6 +95,40 @@ def test_bad_prompt_file_is_a_clean_error(tmp_path: Path) -> None:
     prompts.write_text(json.dumps({"prompts": [[1, "x"]]}))
     done = _cli("generate", "--local", "--prompts", str(prompts))
     assert done.returncode == 2 and "token-id lists" in done.stderr
+
+
+def test_long_and_shared_prefix_workloads() -> None:
+    """w1-long: W1's prompts, 256 new tokens, a pool that holds every request at full length;
+    w2-prefix: one 1,024-token system prompt then unique 32-128-token suffixes, prefix caching
+    on in every system that has it (transformers is skipped), the prefix counted once."""
+    import torch
+    from ferrum_server.tools.bench.harness import _skip
+    from ferrum_server.tools.bench.runners import _engine_args
+
+    w1, long, prefix = WORKLOADS["w1"], WORKLOADS["w1-long"], WORKLOADS["w2-prefix"]
+    assert long.prompts() == w1.prompts() and long.max_new_tokens == 256
+    for workload in (long, prefix):
+        prompts = workload.prompts()
+        per_token = workload.model.kv_bytes_per_token(torch.float32)
+        full = sum(len(p) + workload.max_new_tokens for p in prompts) * per_token
+        assert len(prompts) == 64 and full <= workload.kv_cache_bytes  # nothing shared needed
+    prompts = prefix.prompts()
+    assert all(p[:1024] == prompts[0][:1024] for p in prompts)
+    assert all(32 <= len(p) - 1024 <= 128 for p in prompts)
+    assert len({tuple(p[1024:]) for p in prompts}) == 64
+    assert not long.prefix_caching and prefix.prefix_caching
+    uncached = matmul_flops(dataclasses.replace(prefix, prefix_caching=False), prompts)
+    cached = matmul_flops(prefix, prompts)
+    per_token = (uncached["linear"] - cached["linear"]) / (63 * 1024)  # 63 prefixes not rerun
+    assert per_token == pytest.approx(uncached["linear"] / sum(len(p) + 63 for p in prompts))
+    spec = RunSpec("ferrum-grpc", "w2-prefix", "m", "float32", prompts, 64, prefix_caching=True)
+    args = _engine_args(spec)
+    assert args[args.index("--prefix-caching") + 1] == "true"
+    skipped: dict[str, str] = {}
+    hf = dataclasses.replace(spec, system="hf-static")
+    assert _skip("hf-static", hf, "offline", skipped, io.StringIO())
+    assert "prefix caching" in skipped["hf-static"]
+    assert not _skip("ferrum-grpc", spec, "offline", skipped, io.StringIO())
 
 
 def test_summary_statistics() -> None:

@@ -20,7 +20,7 @@ def _csv_ints(text: str) -> list[int]:
 
 
 def add_bench_args(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("--workload", default="w1", choices=("w1", "smoke"))
+    bench.add_argument("--workload", default="w1", choices=("w1", "w1-long", "w2-prefix", "smoke"))
     bench.add_argument(
         "--dtype",
         default="float32,bfloat16",

@@ -203,6 +203,9 @@ def run_bench(
         "requests": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "max_new_tokens": workload.max_new_tokens,
+        "shared_prefix_tokens": workload.shared_prefix,
+        "prefix_caching": workload.prefix_caching,
+        "kv_cache_bytes": workload.kv_cache_bytes,
         "flops": flops,
         "machine": {
             "cpus": os.cpu_count(),
@@ -224,6 +227,7 @@ def run_bench(
             target_step_ms=target_step_ms,
             pipeline_depth=pipeline_depth,
             kv_cache_bytes=workload.kv_cache_bytes,
+            prefix_caching=workload.prefix_caching,
             torch_threads=torch_threads,
             hf_batch_size=hf_batch_size,
             vllm_python=str(vllm_python or ""),
@@ -292,6 +296,9 @@ def _skip(label: str, spec: RunSpec, mode: str, skipped: dict[str, str], log: An
     """Whether `label` cannot run here (recorded in `skipped`, with a message for vLLM)."""
     if spec.system in ("hf-static", "hf-cb") and mode == "online":
         skipped[label] = "transformers runs offline batches only"
+        return True
+    if spec.system in ("hf-static", "hf-cb") and spec.prefix_caching:
+        skipped[label] = "transformers has no prefix caching (the workload needs it everywhere)"
         return True
     if spec.system == "vllm" and not spec.vllm_python:
         skipped[label] = (

@@ -56,6 +56,8 @@ class RunSpec:
     align_first_tokens: bool = True
     decode_continuation: bool = False
     kv_cache_bytes: int = 1024**3
+    # Prefix caching on (the workload's choice; every system that has it runs with it).
+    prefix_caching: bool = False
     torch_threads: int = 0
     hf_batch_size: int = 16
     vllm_python: str = ""
@@ -184,7 +186,7 @@ def _engine_args(spec: RunSpec) -> list[str]:
         "--dtype", spec.dtype,
         "--kv-cache-bytes", str(spec.kv_cache_bytes),
         "--max-batch-tokens", str(max(4096, spec.max_step_tokens)),
-        "--prefix-caching", "false",
+        "--prefix-caching", "true" if spec.prefix_caching else "false",
         "--torch-threads", str(spec.torch_threads),
         "--metrics-port", "-1",
         "--log-level", "warning",
@@ -259,7 +261,7 @@ def run_ferrum_inproc(spec: RunSpec) -> RunOutput:
             dtype=spec.dtype,
             kv_cache_bytes=spec.kv_cache_bytes,
             max_batch_tokens=max(4096, spec.max_step_tokens),
-            prefix_caching=False,
+            prefix_caching=spec.prefix_caching,
             torch_threads=spec.torch_threads,
         )
     )
@@ -409,6 +411,7 @@ def run_vllm(spec: RunSpec) -> RunOutput:
                 "max_new_tokens": spec.max_new_tokens,
                 "arrivals_s": spec.arrivals_s,
                 "progress": spec.progress,
+                "prefix_caching": spec.prefix_caching,
             }
         )
     )
