@@ -131,6 +131,46 @@ def test_long_and_shared_prefix_workloads() -> None:
     assert not _skip("ferrum-grpc", spec, "offline", skipped, io.StringIO())
 
 
+def test_the_vllm_worker_runs_with_tcmalloc_and_intel_openmp_when_present(tmp_path: Path) -> None:
+    """Found under the venv or the system's library folders, preloaded into the worker's
+    environment (kept before any LD_PRELOAD already set) and recorded in the result's notes."""
+    from ferrum_server.tools.bench.runners import run_vllm, vllm_preloads
+
+    venv, system = tmp_path / "venv", tmp_path / "system"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    system.mkdir()
+    assert vllm_preloads(venv, [str(system)]) == {}
+    iomp = venv / "lib" / "libiomp5.so"
+    iomp.write_bytes(b"")
+    for name in ("libtcmalloc.so.4", "libtcmalloc_minimal.so.4"):
+        (system / name).write_bytes(b"")
+    assert vllm_preloads(venv, [str(system)]) == {
+        "tcmalloc": str(system / "libtcmalloc_minimal.so.4"),  # the minimal one first
+        "iomp": str(iomp),
+    }
+    # A stand-in for the venv's interpreter (argv: itself, worker, IN, OUT): it reports the
+    # LD_PRELOAD it was started with.
+    python = venv / "bin" / "python"
+    python.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        "out = {'wall_s': 1.0, 'requests': [], 'notes': {'seen': os.environ['LD_PRELOAD']}}\n"
+        "open(sys.argv[3], 'w').write(json.dumps(out))\n"
+    )
+    python.chmod(0o755)
+    spec = RunSpec("vllm", "smoke", "m", "float32", [[1]], 1, vllm_python=str(python))
+    os.environ["LD_PRELOAD"] = "/elsewhere/libother.so"
+    try:
+        run = run_vllm(spec)
+    finally:
+        del os.environ["LD_PRELOAD"]
+    found, preload = run.notes["preloads_found"], run.notes["ld_preload"]
+    assert found["iomp"] == str(iomp)  # (tcmalloc too if this machine has it)
+    assert preload == [*found.values(), "/elsewhere/libother.so"]
+    assert run.notes["seen"] == ":".join(preload)
+
+
 def test_summary_statistics() -> None:
     assert percentile([], 50) == 0.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -390,11 +390,52 @@ def run_hf_cb(spec: RunSpec) -> RunOutput:
 
 # -- vLLM --------------------------------------------------------------------------------------
 
+# Where the preloaded libraries are looked for besides the vLLM venv (Debian/Ubuntu's
+# libgoogle-perftools4 / libtcmalloc-minimal4 install tcmalloc in the first).
+SYSTEM_LIBRARY_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+)
+# In order of preference: vLLM's CPU guide preloads tcmalloc (its allocator) and Intel OpenMP
+# (the intel-openmp wheel puts libiomp5.so in the venv's lib/).
+_PRELOADS = {
+    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc*.so*"),
+    "iomp": ("libiomp5.so",),
+}
+
+
+def vllm_preloads(venv: Path, system_dirs: Sequence[str] = SYSTEM_LIBRARY_DIRS) -> dict[str, str]:
+    """The libraries vLLM's CPU worker should run with, found under the venv (lib/, lib64/,
+    then any package's folder in site-packages) or the system's library folders: name ->
+    path, for those found."""
+    roots = [venv / "lib", venv / "lib64", *(Path(d) for d in system_dirs)]
+    found: dict[str, str] = {}
+    for name, patterns in _PRELOADS.items():
+        for pattern in patterns:
+            candidates = [p for root in roots for p in sorted(root.glob(pattern))]
+            candidates += sorted(venv.glob(f"lib/python3*/site-packages/*/{pattern}"))
+            path = next((p for p in candidates if p.is_file()), None)
+            if path is not None:
+                found[name] = str(path)
+                break
+    return found
+
 
 def run_vllm(spec: RunSpec) -> RunOutput:
-    """vLLM's CPU build, in its own venv: a subprocess runs ``vllm_worker.py``."""
+    """vLLM's CPU build, in its own venv: a subprocess runs ``vllm_worker.py``, with tcmalloc
+    and Intel OpenMP preloaded when present (as vLLM's CPU guide asks); the result's notes say
+    which (``ld_preload``)."""
     worker = Path(__file__).with_name("vllm_worker.py")
     env = dict(os.environ)
+    # venv/bin/python: not resolved, the link points at the base interpreter.
+    preloads = vllm_preloads(Path(spec.vllm_python).parent.parent)
+    existing = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    ld_preload = [*preloads.values(), *(p for p in existing if p not in preloads.values())]
+    if ld_preload:
+        env["LD_PRELOAD"] = ":".join(ld_preload)
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # compute on every core, as we do
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, spec.kv_cache_bytes // 1024**3 + 1)))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -427,9 +468,8 @@ def run_vllm(spec: RunSpec) -> RunOutput:
         request.unlink(missing_ok=True)
         result.unlink(missing_ok=True)
     traces = [RequestTrace(**r) for r in data["requests"]]
-    return RunOutput(
-        "vllm", data["wall_s"], traces, data.get("peak_rss_bytes", {}), [], data.get("notes", {})
-    )
+    notes = {**data.get("notes", {}), "ld_preload": ld_preload, "preloads_found": preloads}
+    return RunOutput("vllm", data["wall_s"], traces, data.get("peak_rss_bytes", {}), [], notes)
 
 
 RUNNERS: dict[str, Callable[[RunSpec], RunOutput]] = {
