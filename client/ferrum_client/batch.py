@@ -64,6 +64,7 @@ class BatchBuilder:
         self.items = pb.BatchItems()
         self._sampling: list[SamplingOptions] = []
         self._narrowing: list[bool] = []
+        self._continuations: list[bool] = []
 
     def __len__(self) -> int:
         return len(self.items.kinds)
@@ -110,6 +111,22 @@ class BatchBuilder:
             pb.ITEM_KIND_DECODE, request_id, cache_id, [token], position, 0, 0, sampling
         )
 
+    def add_continuation(
+        self,
+        request_id: str,
+        cache_id: str,
+        position: int,
+        *,
+        sampling: SamplingOptions = GREEDY,
+    ) -> int:
+        """Add one decode step at `position` (the cache's committed length) fed the token the
+        cache's last item selected, which the executor holds (continue_decode; needs
+        supports_decode_continuation). It carries no token, so it can be sent before the
+        answer that names that token arrives."""
+        index = self._add(pb.ITEM_KIND_DECODE, request_id, cache_id, [], position, 0, 0, sampling)
+        self._continuations[index] = True
+        return index
+
     def _add(
         self,
         kind: pb.ItemKind.ValueType,
@@ -132,6 +149,7 @@ class BatchBuilder:
         items.maximum_sequence_tokens.append(max_tokens)
         self._sampling.append(sampling)
         self._narrowing.append(False)
+        self._continuations.append(False)
         return len(items.kinds) - 1
 
     def build(self) -> pb.BatchItems:
@@ -140,6 +158,8 @@ class BatchBuilder:
         fill_sampling_columns(items.sampling, self._sampling)
         if any(self._narrowing):  # the column stays empty (false for all) otherwise
             items.allow_narrowing.extend(self._narrowing)
+        if any(self._continuations):  # likewise
+            items.continue_decode.extend(self._continuations)
         return items
 
 

@@ -34,9 +34,19 @@ the cohorts stay balanced), each step carrying the prefill chunks that fit its b
 The price: each request then decodes in every other step, so a decode-only step carries half
 the batch while still streaming every weight. When a step lasts tens of milliseconds (CPU) and
 the round trip it hides is about one, that costs more than it saves, so the default depth is 1;
-the measured trade-off is in docs/benchmarks.md. Hiding the round trip without
-splitting would need the executor to feed a sequence's last sampled token into the next step
-itself (a placeholder token in the protocol), which the step API does not offer today.
+the measured trade-off is in docs/benchmarks.md.
+
+Decode continuation (``decode_continuation``) hides the round trip without splitting: a decode
+may ask the executor to feed the token its cache's last item selected (BatchItems
+continue_decode), so step N+1 carries every running request as a continuation of its step-N
+item before step N's answer is back, and no cohorts form. A request that stops by a stop token
+at step N has then already been sent in step N+1: that one extra item's answer is discarded and
+the request is completed when it is back (its cache, with the extra token's KV, is
+released). Requests that end by length are never continued past their last token. An item
+that did not run as planned (deferred, failed, narrowed, lost) voids the continuation sent
+after it: the executor fails that item alone (its position no longer matches) and its answer
+is discarded too. A deferred item's preemption waits until no step is in flight (a victim must
+have no item in flight, and with continuation every running request has one).
 
 The policy talks to the executor through a small ``Backend`` protocol: ``GrpcBackend`` (the
 step stream plus unary calls of ``AsyncExecutorClient``) here, and an in-process backend that
@@ -128,6 +138,11 @@ class SchedulerConfig:
     # Admit a request that does not fit whole with the narrower first chunk the executor hints
     # (at least MIN_PREFILL_TOKENS), when no running request is in prefill or blocked.
     narrow_admissions: bool = True
+    # Keep two steps in flight (pipeline_depth is then not used) with every running request in
+    # each: a decode whose previous item is still in flight continues from the token the
+    # executor selected for it (see the module docstring). Needs an executor that supports it
+    # (supports_decode_continuation); otherwise the scheduler pipelines as without it.
+    decode_continuation: bool = False
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1 or self.max_running < 1 or self.pipeline_depth < 1:
@@ -173,6 +188,8 @@ class PlannedItem:
     sampling: SamplingOptions = GREEDY
     # A prefill chunk that does not fit may run only its fitting prefix.
     allow_narrowing: bool = False
+    # A decode fed the token its cache's last item selected (carries no tokens).
+    continuation: bool = False
 
 
 # A capacity source as the executor names it: (CapacitySource value, domain).
@@ -260,6 +277,8 @@ class StepLimits:
     max_items: int = 0
     # The executor's cache lease: a cache no call names for this long expires; 0 = none.
     cache_lease_s: float = 0.0
+    # The executor takes continuation decodes (supports_decode_continuation).
+    decode_continuation: bool = False
 
 
 @runtime_checkable
@@ -351,6 +370,7 @@ class GrpcBackend:
             capabilities.admission_limits.maximum_scheduled_tokens,
             capabilities.max_batch_size,
             capabilities.cache_lease_ms / 1000,
+            capabilities.supports_decode_continuation,
         )
 
     async def close(self) -> None:
@@ -483,6 +503,8 @@ def encode_items(items: Sequence[PlannedItem]) -> pb.BatchItems:
     out.maximum_sequence_tokens.extend([i.maximum_sequence_tokens for i in items])
     if any(i.allow_narrowing for i in items):  # empty column: false for every item
         out.allow_narrowing.extend([i.allow_narrowing for i in items])
+    if any(i.continuation for i in items):  # empty column: false for every item
+        out.continue_decode.extend([i.continuation for i in items])
     fill_sampling_columns(out.sampling, [i.sampling for i in items])
     return out
 
@@ -521,7 +543,16 @@ class _Request:
     context: list[int] = field(default_factory=list)  # prompt + replayed outputs
     computed: int = 0  # tokens with committed KV (context, then context + new outputs)
     wait: object | None = None
-    in_flight: bool = False
+    # Its items in steps in flight (at most one unless decode_continuation).
+    flights: int = 0
+    # Decode continuation: the committed length its in-flight items lead to, how many of them
+    # select a token, whether the latest does, and how many answers still in flight to
+    # discard (continuations of an item that did not select its token, or sent after the
+    # request ended).
+    ahead: int = 0
+    ahead_outputs: int = 0
+    ahead_selects: bool = False
+    discard: int = 0
     # Its last item was deferred (cleared when one runs): narrowed admissions wait meanwhile.
     blocked: bool = False
     maintenance_rounds: int = 0
@@ -531,6 +562,10 @@ class _Request:
     @property
     def output(self) -> list[int]:
         return self.result.output_ids
+
+    @property
+    def in_flight(self) -> bool:
+        return self.flights > 0
 
     @property
     def in_prefill(self) -> bool:
@@ -584,6 +619,10 @@ class SchedulerStats:
     lease_renewals: int = 0
     # Requests re-admitted elsewhere after their executor was lost (fleet backends).
     failovers: int = 0
+    # Decode continuation: continuation items sent, and answers discarded (the extra item of a
+    # request that stopped, or a continuation voided by the item before it).
+    continuations: int = 0
+    discarded_items: int = 0
 
 
 @dataclass(slots=True)
@@ -591,8 +630,9 @@ class _InFlight:
     result: Awaitable[StepResult]
     members: list[_Request]
     record: StepRecord
-    # Tokens each member's item carried.
+    # Tokens each member's item carried, and whether it selects a token if it runs whole.
     sizes: list[int] = field(default_factory=list)
+    selects: list[bool] = field(default_factory=list)
 
 
 class Scheduler:
@@ -621,6 +661,8 @@ class Scheduler:
         self._background: set[asyncio.Future[None]] = set()
         self._prefix = f"r{time.monotonic_ns():x}"
         self.on_token: Callable[[int, int], None] | None = None
+        # Deferred items whose preemption waits until no step is in flight (continuation).
+        self._blocked: list[tuple[_Request, frozenset[SourceKey], object | None]] = []
 
     def cancel(self, index: int) -> None:
         """Cancel request `index` of the current call; its capacity is freed at the next step
@@ -681,7 +723,9 @@ class Scheduler:
                 self._fail_over()
                 await self._admit()
                 await self._renew_idle_leases()
-                while len(in_flight) < self.config.pipeline_depth:
+                if self._blocked and not in_flight:
+                    await self._handle_blocked(self._take_blocked())
+                while len(in_flight) < self._depth and not self._blocked:
                     step = self._plan(len(in_flight))
                     if step is None:
                         break
@@ -863,6 +907,8 @@ class Scheduler:
 
     def _plan(self, steps_in_flight: int) -> _InFlight | None:
         """Build and submit the next step from requests not already in flight."""
+        if self._continuing:
+            return self._plan_continued()
         config = self.config
         items: list[PlannedItem] = []
         members: list[_Request] = []
@@ -897,6 +943,81 @@ class Scheduler:
         if not items:
             return None
         return self._submit(items, members, num_decodes, chunks, planned - budget)
+
+    # -- decode continuation -----------------------------------------------------------------
+
+    @property
+    def _continuing(self) -> bool:
+        """Decode continuation is asked for and the executor supports it."""
+        return self.config.decode_continuation and self._limits.decode_continuation
+
+    @property
+    def _depth(self) -> int:
+        """Steps kept in flight. Continuation keeps two: a request then has at most one
+        continuation in flight, so a request that stops has exactly one extra item, and the
+        completion's counts (prompt, outputs) match its committed length."""
+        return 2 if self._continuing else self.config.pipeline_depth
+
+    def _plan_continued(self) -> _InFlight | None:
+        """The next step with every running request that can decode, in flight or not (a
+        continuation of its in-flight item, else a plain decode), then prefill chunks of the
+        requests not in flight, first come first served."""
+        decodes = [
+            (request, item)
+            for request in self._running
+            if (item := self._decode_item(request)) is not None
+        ]
+        decoding = any(not r.in_prefill or (r.in_flight and r.ahead_selects) for r in self._running)
+        if self.config.align_first_tokens and not decoding and not self._first_tokens_due():
+            return self._plan_held_prefill()
+        items: list[PlannedItem] = []
+        members: list[_Request] = []
+        budget = planned = self._step_budget(len(decodes))
+        for request, item in decodes:
+            if budget <= 0 or len(items) >= self._max_items:
+                break
+            items.append(item)
+            members.append(request)
+            budget -= 1
+            self.stats.continuations += item.continuation
+        num_decodes = len(items)
+        chunks, budget = self._add_chunks(items, members, budget, hold_last=False)
+        if not items:
+            return None
+        return self._submit(items, members, num_decodes, chunks, planned - budget)
+
+    def _decode_item(self, request: _Request) -> PlannedItem | None:
+        """The request's decode for the next step: a plain one (its last output, at its
+        committed length) when nothing of it is in flight; a continuation when its latest
+        in-flight item selects a token and the request may go on after that token (a request
+        that ends by length is never continued past its last token); else none."""
+        params = request.params
+        if request.result.finish_reason or params.sampling.full_logits:
+            return None
+        if not request.in_flight:
+            if request.in_prefill:
+                return None
+            return PlannedItem(
+                ItemKind.DECODE,
+                request.result.request_id,
+                request.cache_id,
+                (request.output[-1],),
+                request.computed,
+                sampling=params.sampling,
+            )
+        if request.discard or not request.ahead_selects:
+            return None
+        if len(request.output) + request.ahead_outputs >= params.max_new_tokens:
+            return None
+        return PlannedItem(
+            ItemKind.DECODE,
+            request.result.request_id,
+            request.cache_id,
+            (),
+            request.ahead,
+            sampling=params.sampling,
+            continuation=True,
+        )
 
     def _add_chunks(
         self, items: list[PlannedItem], members: list[_Request], budget: int, hold_last: bool
@@ -940,9 +1061,13 @@ class Scheduler:
         tokens: int,
     ) -> _InFlight:
         now = time.monotonic()
-        for request in members:
-            request.in_flight = True
+        selects = [_selects(item) for item in items]
+        for request, item, selecting in zip(members, items, selects, strict=True):
+            request.flights += 1
             request.touched_s = now
+            request.ahead = item.position + (len(item.tokens) or 1)
+            request.ahead_outputs += selecting
+            request.ahead_selects = selecting
         self.stats.steps += 1
         self.stats.step_tokens.append(tokens)
         record = StepRecord(
@@ -955,7 +1080,7 @@ class Scheduler:
             timing=StepTiming(),
         )
         sizes = [len(item.tokens) for item in items]
-        return _InFlight(self.backend.submit(items), members, record, sizes)
+        return _InFlight(self.backend.submit(items), members, record, sizes, selects)
 
     def _first_tokens_due(self) -> bool:
         """With nothing decoding: whether the running prompts start now, none being in flight:
@@ -1029,7 +1154,20 @@ class Scheduler:
         blocked: list[tuple[_Request, frozenset[SourceKey], object | None]] = []
         statuses, committed, tokens = result.statuses, result.committed_tokens, result.token_ids
         for k, request in enumerate(step.members):
-            request.in_flight = False
+            request.flights -= 1
+            request.ahead_outputs -= step.selects[k]
+            if request.discard:
+                # Sent as a continuation of an item that selected nothing, or after the request
+                # ended (the one extra token of a stop): nothing in it is the request's.
+                request.discard -= 1
+                self.stats.discarded_items += 1
+                if request.result.finish_reason and not request.in_flight:
+                    self._retire(request)  # it ended while this item was in flight
+                continue
+            if request.flights and (
+                k in result.lost or statuses[k] != ItemStatus.TOKEN or request.result.finish_reason
+            ):
+                request.discard = request.flights  # its continuations in flight are void
             if k in result.lost:
                 if request in self._running and not request.result.finish_reason:
                     self._running.remove(request)
@@ -1055,6 +1193,8 @@ class Scheduler:
                 if result.executors:
                     request.result.executor = result.executors[k]
                 self._record(request, token, now)
+                if request.flights and request.result.finish_reason:
+                    request.discard = request.flights  # stopped: the continuation is extra
                 events.append((request.result.index, token))
                 if self.on_token is not None:
                     self.on_token(request.result.index, token)
@@ -1062,23 +1202,44 @@ class Scheduler:
         for request in finished:
             self._running.remove(request)
             request.result.finished_s = now
-            # Completion needs no answer before the next step: send it without waiting (the
-            # engine orders it after the steps already queued, which is all that matters).
-            self._spawn(
-                self.backend.complete(
-                    request.result.request_id,
-                    request.cache_id,
-                    len(request.prompt),
-                    len(request.output),
-                )
+            if not request.in_flight:  # else retired when its last item in flight returns
+                self._retire(request)
+        if self._continuing:
+            # Preempting needs victims with no item in flight: wait for the pipeline to drain.
+            self._blocked.extend(blocked)
+        else:
+            await self._handle_blocked(blocked)
+        return events
+
+    def _retire(self, request: _Request) -> None:
+        """Complete a finished request's cache. Nothing of it is in flight: a stopped
+        request's one extra continuation has run, so its last output was fed back and the
+        counts equal the committed length, which they allow. Completion needs no answer before
+        the next step: it is sent without waiting (the engine orders it after the steps already
+        queued, which is all that matters)."""
+        self._spawn(
+            self.backend.complete(
+                request.result.request_id,
+                request.cache_id,
+                len(request.prompt),
+                len(request.output),
             )
-            self._release_waits()
+        )
+        self._release_waits()
+
+    def _take_blocked(self) -> list[tuple[_Request, frozenset[SourceKey], object | None]]:
+        blocked, self._blocked = self._blocked, []
+        return blocked
+
+    async def _handle_blocked(
+        self, blocked: list[tuple[_Request, frozenset[SourceKey], object | None]]
+    ) -> None:
+        """Deferred items: preempt for each, or park a chunk on its wait condition."""
         for request, sources, wait in blocked:
             if request in self._running and not request.result.finish_reason:
                 preempted = await self._preempt_for(request, sources)
                 if not preempted and request.in_prefill:
                     request.wait = wait  # sits out steps until a named source advances
-        return events
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
@@ -1162,6 +1323,12 @@ class Scheduler:
     def _finish_failed(self, request: _Request, reason: str, error: str) -> None:
         request.result.finish_reason = reason
         request.result.error = error
+
+
+def _selects(item: PlannedItem) -> bool:
+    """Whether the item selects a token if it runs whole: a decode, or a final chunk."""
+    end = item.position + len(item.tokens)
+    return item.kind == ItemKind.DECODE or end == item.total_prompt_tokens
 
 
 async def generate(

@@ -274,6 +274,15 @@ def step_from_pb(
     totals = _column("total_prompt_tokens", items.total_prompt_tokens, count, 0)
     max_tokens = _column("maximum_sequence_tokens", items.maximum_sequence_tokens, count, 0)
     narrowing = _column("allow_narrowing", items.allow_narrowing, count, False)
+    continues = _column("continue_decode", items.continue_decode, count, False)
+    for i in range(count):
+        # A continuation's token is the one its cache selected: the columns stay unambiguous
+        # only if it carries none.
+        if continues[i] and (int(kinds[i]) != ItemKind.DECODE or num_tokens[i] != 0):
+            raise InvalidArgument(
+                f"item {i}: a continue_decode item is a decode with num_tokens 0 (its token is "
+                "the one its cache selected)"
+            )
     flat = list(items.token_ids)
     if sum(num_tokens) != len(flat):
         raise InvalidArgument(
@@ -295,6 +304,7 @@ def step_from_pb(
                 max_sequence_tokens=max_tokens[i],
                 sampling=samplings[i],
                 allow_narrowing=narrowing[i],
+                continuation=continues[i],
             )
         )
         start = end

@@ -86,6 +86,7 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         supports_native_unified_decode=True,
         execution_resource_authority=pb.EXECUTION_RESOURCE_AUTHORITY_PLAN_RUNTIME,
         supports_server_sampling=True,
+        supports_decode_continuation=True,
         supports_prefix_caching=engine.config.prefix_caching,
         supports_swap_preemption=engine.config.swap_space_bytes > 0,
         max_num_logprobs=engine.config.max_num_logprobs,

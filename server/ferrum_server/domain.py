@@ -88,6 +88,9 @@ class StepItem:
     # A prefill chunk that does not fit may run the prefix that does (CapacityManager).
     allow_narrowing: bool = False
     prompt: PromptIdentity | None = None  # set when the call carried the whole prompt
+    # A decode whose input is the token its cache's last item selected (continue_decode):
+    # token_ids is empty on the wire and filled from the cache by validation.
+    continuation: bool = False
 
     @property
     def end(self) -> int:

@@ -194,6 +194,8 @@ class Engine:
         started = time.perf_counter_ns()
         self._check_healthy()
         validated = validate_step(step, self.kv, self.limits)
+        # Continuation decodes now carry the token their cache selected.
+        step = dataclasses.replace(step, items=validated.items)
         if self.drain_began_ns and not 0 < submitted_ns < self.drain_began_ns:
             _refuse_openers(step, validated.caches, validated.refused)
         self.recorder.begin(len(step.items))
@@ -369,6 +371,10 @@ class Engine:
                         num_top = item.sampling.num_logprobs
                         result.top_ids.append(top_ids[k][:num_top])
                         result.top_logprobs.append(top_lps[k][:num_top])
+                    if item.kind != ItemKind.VERIFY:
+                        # What a continuation decode on this cache feeds next. Already on the
+                        # host (the answer carries it), so continuing costs no device sync.
+                        cache.selected_token = result.token_ids[-1]
                 row += item.num_outputs
             results[index] = result
         items = [item for item, _ in ran]

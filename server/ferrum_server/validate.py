@@ -5,10 +5,14 @@ it was. Messages name the item index and the offending value, never internals.
 
 The authority checks (who may open or extend which cache, with which tokens) refuse one item:
 in a PER_ITEM step that item alone fails and the others run; any other step is refused whole.
+So do the state checks of a continuation decode (its cache is live, at the item's position, and
+holds a selected token), because a pipelining scheduler sends it before it has seen the answer
+that would tell it the token exists (docs/protocol.md#decode-continuation).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ from ferrum_server.errors import (
     AlreadyExists,
     ExecutorError,
     InvalidArgument,
+    NotFound,
     PositionMismatch,
     StaleInstance,
 )
@@ -56,9 +61,12 @@ def check_instance(claimed: int, limits: Limits) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Validated:
-    """A step that may run: each item's cache (None for items opening a cache), and the items
-    refused for authority (PER_ITEM steps only: they fail alone, nothing runs for them)."""
+    """A step that may run: its items (continuation decodes carrying the token their cache
+    selected), each item's cache (None for items opening a cache, or a refused continuation's
+    cache that is gone), and the items refused for authority or a continuation's state
+    (PER_ITEM steps only: they fail alone, nothing runs for them)."""
 
+    items: list[StepItem]
     caches: list[Cache | None]
     refused: dict[int, ExecutorError] = field(default_factory=dict)
 
@@ -71,7 +79,8 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> Validated:
         raise InvalidArgument("a step needs at least one item")
     if len(items) > limits.max_batch_size:
         raise InvalidArgument(f"{len(items)} items exceed the batch limit {limits.max_batch_size}")
-    total = sum(len(item.token_ids) for item in items)
+    # A continuation decode runs one token it does not carry.
+    total = sum(len(item.token_ids) or int(item.continuation) for item in items)
     if total > limits.max_batch_tokens:
         raise InvalidArgument(f"{total} tokens exceed the per-step limit {limits.max_batch_tokens}")
     if limits.max_response_bytes:
@@ -85,7 +94,21 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> Validated:
     refused: dict[int, ExecutorError] = {}
     seen: set[str] = set()
     openers: set[str] = set()
+    resolved = list(items)
     for index, item in enumerate(items):
+        if item.continuation:
+            _check_continuation(index, item)
+            continued = _continue(index, item, kv)
+            if isinstance(continued, ExecutorError):
+                if step.mode != DeferralMode.PER_ITEM:
+                    raise continued
+                if item.cache_id in seen:
+                    raise InvalidArgument(f"item {index}: cache {item.cache_id!r} appears twice")
+                seen.add(item.cache_id)
+                refused[index] = continued
+                sequences.append(kv.caches.get(item.cache_id))
+                continue
+            item = resolved[index] = continued
         _check_item(index, item, limits)
         if item.cache_id:
             if item.cache_id in seen:
@@ -100,7 +123,46 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> Validated:
             if step.mode != DeferralMode.PER_ITEM:
                 raise error
             refused[index] = error
-    return Validated(sequences, refused)
+    return Validated(resolved, sequences, refused)
+
+
+def _check_continuation(index: int, item: StepItem) -> None:
+    """The stateless shape of a continuation decode (INVALID_ARGUMENT for the whole step)."""
+    where = f"item {index}"
+    if max(len(item.request_id.encode()), len(item.cache_id.encode())) > MAX_ID_BYTES:
+        raise InvalidArgument(f"{where}: ids are limited to {MAX_ID_BYTES} bytes")
+    if item.kind != ItemKind.DECODE:
+        raise InvalidArgument(f"{where}: only a decode item may continue from a selected token")
+    if item.token_ids:
+        raise InvalidArgument(
+            f"{where}: a continuation decode carries no token (num_tokens 0), got "
+            f"{len(item.token_ids)}"
+        )
+    if not item.cache_id:
+        raise InvalidArgument(f"{where}: a continuation decode needs the cache it continues")
+
+
+def _continue(index: int, item: StepItem, kv: KvManager) -> StepItem | ExecutorError:
+    """The continuation decode with the token its cache selected, or why it cannot run now:
+    its cache is gone (NOT_FOUND), is not at the item's position, or holds no selected token
+    (ABORTED: the caller's view of the sequence is out of step). Reads only."""
+    where = f"item {index}"
+    try:
+        cache = kv.lookup(item.cache_id)
+    except NotFound as error:  # it says how the cache ended
+        return NotFound(f"{where}: {error.message}")
+    if item.position != cache.num_tokens:
+        return PositionMismatch(
+            f"{where}: position {item.position} does not match the cache's committed length "
+            f"{cache.num_tokens}"
+        )
+    if cache.selected_token < 0:
+        return PositionMismatch(
+            f"{where}: cache {item.cache_id!r} holds no selected token to continue from (the "
+            "last item that ran on it was a non-final prefill chunk, a full-logits item or a "
+            "verify, or the cache was truncated since); send the token in a plain decode"
+        )
+    return dataclasses.replace(item, token_ids=[cache.selected_token])
 
 
 def check_opener(index: int, request_id: str, openers: set[str]) -> None:

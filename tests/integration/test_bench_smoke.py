@@ -3,6 +3,7 @@ them (subprocesses, a server started by the command itself)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -38,6 +39,7 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
         "--dtype", "float32",
         "--compare", "inproc",
         "--unaligned",
+        "--continuation",
         "--no-progress",
         "--cache-dir", str(tmp_path / "models"),
         "--output", str(out),
@@ -45,7 +47,12 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     section = report["by_dtype"]["float32"]
-    for system in ("ferrum-grpc", "ferrum-inproc", "ferrum-grpc unaligned"):
+    for system in (
+        "ferrum-grpc",
+        "ferrum-inproc",
+        "ferrum-grpc unaligned",
+        "ferrum-grpc continuation",
+    ):
         result = section["results"][system]
         assert result["output_tokens"] == 12 * 8
         assert result["output_tok_s"] > 0 and result["itl_p99_ms"] >= result["itl_p50_ms"]
@@ -55,6 +62,10 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
     # Aligned or not, the same greedy tokens; only the step mix differs.
     assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc unaligned"] == 1.0
     assert section["results"]["ferrum-grpc unaligned"]["notes"]["align_first_tokens"] is False
+    # Decode continuation: two steps in flight, the same greedy tokens.
+    continued = section["results"]["ferrum-grpc continuation"]["notes"]
+    assert continued["continuations"] > 0 and continued["max_in_flight"] == 2
+    assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc continuation"] == 1.0
     assert "ferrum-grpc / ferrum-inproc" in section["derived"]["ratios_output_tok_s"]
     assert "ferrum-grpc" in done.stdout  # the readable table
 
@@ -62,7 +73,7 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
 def test_generate_local_prints_json() -> None:
     done = _cli(
         "generate", "--local", "--random", "3", "--max-new-tokens", "4", "--json",
-        "--no-align-first-tokens",
+        "--no-align-first-tokens", "--decode-continuation",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
@@ -84,6 +95,80 @@ def test_bad_prompt_file_is_a_clean_error(tmp_path: Path) -> None:
     prompts.write_text(json.dumps({"prompts": [[1, "x"]]}))
     done = _cli("generate", "--local", "--prompts", str(prompts))
     assert done.returncode == 2 and "token-id lists" in done.stderr
+
+
+def test_long_and_shared_prefix_workloads() -> None:
+    """w1-long: W1's prompts, 256 new tokens, a pool that holds every request at full length;
+    w2-prefix: one 1,024-token system prompt then unique 32-128-token suffixes, prefix caching
+    on in every system that has it (transformers is skipped), the prefix counted once."""
+    import torch
+    from ferrum_server.tools.bench.harness import _skip
+    from ferrum_server.tools.bench.runners import _engine_args
+
+    w1, long, prefix = WORKLOADS["w1"], WORKLOADS["w1-long"], WORKLOADS["w2-prefix"]
+    assert long.prompts() == w1.prompts() and long.max_new_tokens == 256
+    for workload in (long, prefix):
+        prompts = workload.prompts()
+        per_token = workload.model.kv_bytes_per_token(torch.float32)
+        full = sum(len(p) + workload.max_new_tokens for p in prompts) * per_token
+        assert len(prompts) == 64 and full <= workload.kv_cache_bytes  # nothing shared needed
+    prompts = prefix.prompts()
+    assert all(p[:1024] == prompts[0][:1024] for p in prompts)
+    assert all(32 <= len(p) - 1024 <= 128 for p in prompts)
+    assert len({tuple(p[1024:]) for p in prompts}) == 64
+    assert not long.prefix_caching and prefix.prefix_caching
+    uncached = matmul_flops(dataclasses.replace(prefix, prefix_caching=False), prompts)
+    cached = matmul_flops(prefix, prompts)
+    per_token = (uncached["linear"] - cached["linear"]) / (63 * 1024)  # 63 prefixes not rerun
+    assert per_token == pytest.approx(uncached["linear"] / sum(len(p) + 63 for p in prompts))
+    spec = RunSpec("ferrum-grpc", "w2-prefix", "m", "float32", prompts, 64, prefix_caching=True)
+    args = _engine_args(spec)
+    assert args[args.index("--prefix-caching") + 1] == "true"
+    skipped: dict[str, str] = {}
+    hf = dataclasses.replace(spec, system="hf-static")
+    assert _skip("hf-static", hf, "offline", skipped, io.StringIO())
+    assert "prefix caching" in skipped["hf-static"]
+    assert not _skip("ferrum-grpc", spec, "offline", skipped, io.StringIO())
+
+
+def test_the_vllm_worker_runs_with_tcmalloc_and_intel_openmp_when_present(tmp_path: Path) -> None:
+    """Found under the venv or the system's library folders, preloaded into the worker's
+    environment (kept before any LD_PRELOAD already set) and recorded in the result's notes."""
+    from ferrum_server.tools.bench.runners import run_vllm, vllm_preloads
+
+    venv, system = tmp_path / "venv", tmp_path / "system"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    system.mkdir()
+    assert vllm_preloads(venv, [str(system)]) == {}
+    iomp = venv / "lib" / "libiomp5.so"
+    iomp.write_bytes(b"")
+    for name in ("libtcmalloc.so.4", "libtcmalloc_minimal.so.4"):
+        (system / name).write_bytes(b"")
+    assert vllm_preloads(venv, [str(system)]) == {
+        "tcmalloc": str(system / "libtcmalloc_minimal.so.4"),  # the minimal one first
+        "iomp": str(iomp),
+    }
+    # A stand-in for the venv's interpreter (argv: itself, worker, IN, OUT): it reports the
+    # LD_PRELOAD it was started with.
+    python = venv / "bin" / "python"
+    python.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        "out = {'wall_s': 1.0, 'requests': [], 'notes': {'seen': os.environ['LD_PRELOAD']}}\n"
+        "open(sys.argv[3], 'w').write(json.dumps(out))\n"
+    )
+    python.chmod(0o755)
+    spec = RunSpec("vllm", "smoke", "m", "float32", [[1]], 1, vllm_python=str(python))
+    os.environ["LD_PRELOAD"] = "/elsewhere/libother.so"
+    try:
+        run = run_vllm(spec)
+    finally:
+        del os.environ["LD_PRELOAD"]
+    found, preload = run.notes["preloads_found"], run.notes["ld_preload"]
+    assert found["iomp"] == str(iomp)  # (tcmalloc too if this machine has it)
+    assert preload == [*found.values(), "/elsewhere/libother.so"]
+    assert run.notes["seen"] == ":".join(preload)
 
 
 def test_summary_statistics() -> None:

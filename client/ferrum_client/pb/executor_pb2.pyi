@@ -1041,6 +1041,7 @@ class ExecutorCapabilities(_message.Message):
     CUDA_GRAPH_BATCH_SIZES_FIELD_NUMBER: _builtins.int
     CACHE_LEASE_MS_FIELD_NUMBER: _builtins.int
     KV_CAPACITY_FIELD_NUMBER: _builtins.int
+    SUPPORTS_DECODE_CONTINUATION_FIELD_NUMBER: _builtins.int
     max_batch_size: _builtins.int
     """Most sequences in one forward."""
     max_sequence_length: _builtins.int
@@ -1076,6 +1077,10 @@ class ExecutorCapabilities(_message.Message):
     kv_capacity: _builtins.int
     """Most tokens one sequence's KV can ever hold: min(max_sequence_length, KV pool blocks x
     block_size). A request whose context could outgrow it can never complete here.
+    """
+    supports_decode_continuation: _builtins.bool
+    """BatchItems.continue_decode is understood: a decode may take the token its cache's last item
+    selected as its input instead of carrying it (docs/protocol.md#decode-continuation).
     """
     @_builtins.property
     def attention_mechanisms(self) -> _containers.RepeatedScalarFieldContainer[Global___AttentionType.ValueType]:
@@ -1134,10 +1139,11 @@ class ExecutorCapabilities(_message.Message):
         cuda_graph_batch_sizes: _abc.Iterable[_builtins.int] | None = ...,
         cache_lease_ms: _builtins.int = ...,
         kv_capacity: _builtins.int = ...,
+        supports_decode_continuation: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cache_lease_ms", b"cache_lease_ms", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "kv_capacity", b"kv_capacity", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cache_lease_ms", b"cache_lease_ms", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "kv_capacity", b"kv_capacity", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_decode_continuation", b"supports_decode_continuation", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2029,6 +2035,7 @@ class BatchItems(_message.Message):
     MAXIMUM_SEQUENCE_TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     ALLOW_NARROWING_FIELD_NUMBER: _builtins.int
+    CONTINUE_DECODE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per-item request id (the scheduler's identity; bound to the cache when it opens, so an
@@ -2090,6 +2097,20 @@ class BatchItems(_message.Message):
         Empty column = false for every item.
         """
 
+    @_builtins.property
+    def continue_decode(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Per-item decode continuation (see docs/protocol.md#decode-continuation). True on a DECODE
+        item means: its input token is the token the last item that ran on this cache selected
+        (the executor holds it), not one carried here. Such an item has a num_tokens entry of 0 and
+        no entry in token_ids; its position is still the cache's committed length. The cache must
+        hold a selected token: the last item that ran on it was a decode or a final prefill chunk
+        under the selected-token policy, and it was not truncated since (else ABORTED; NOT_FOUND
+        for a cache that is gone). In a UnifiedBatch or StepStream step such a refusal fails that
+        item alone (ITEM_STATUS_FAILED with the code), the others run. Results are as for any
+        decode: the token selected at the next position. Empty column = false for every item.
+        Requires ExecutorCapabilities.supports_decode_continuation.
+        """
+
     def __init__(
         self,
         *,
@@ -2103,10 +2124,11 @@ class BatchItems(_message.Message):
         maximum_sequence_tokens: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___SamplingColumns | None = ...,
         allow_narrowing: _abc.Iterable[_builtins.bool] | None = ...,
+        continue_decode: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_narrowing", b"allow_narrowing", "cache_ids", b"cache_ids", "kinds", b"kinds", "maximum_sequence_tokens", b"maximum_sequence_tokens", "num_tokens", b"num_tokens", "positions", b"positions", "request_ids", b"request_ids", "sampling", b"sampling", "token_ids", b"token_ids", "total_prompt_tokens", b"total_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_narrowing", b"allow_narrowing", "cache_ids", b"cache_ids", "continue_decode", b"continue_decode", "kinds", b"kinds", "maximum_sequence_tokens", b"maximum_sequence_tokens", "num_tokens", b"num_tokens", "positions", b"positions", "request_ids", b"request_ids", "sampling", b"sampling", "token_ids", b"token_ids", "total_prompt_tokens", b"total_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

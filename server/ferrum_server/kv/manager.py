@@ -133,6 +133,10 @@ class Cache:
     last_token_s: float = 0.0
     # When a call last named this cache (monotonic): the cache lease counts from here.
     touched_s: float = field(default_factory=time.monotonic)
+    # The token the last item that ran on this cache selected, not yet in its KV: what a
+    # continuation decode feeds (-1: none; any commit or truncation clears it, and the engine
+    # sets it after a commit that selected a token).
+    selected_token: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -401,6 +405,7 @@ class KvManager:
         if self.blocks_for(cache.num_tokens + len(token_ids)) > len(cache.block_ids):
             raise RuntimeError("commit() past the reserved blocks")
         cache.token_ids.extend(token_ids)
+        cache.selected_token = -1  # the engine sets it again when this item selected one
         cache.touched_s = time.monotonic()
         first_chunk = cache.pending_admission
         cache.pending_admission = False
@@ -479,6 +484,7 @@ class KvManager:
         del cache.block_ids[keep:]
         del cache.token_ids[new_len:]
         del cache.block_hashes[new_len // bs :]
+        cache.selected_token = -1  # whatever was selected followed tokens that may be gone
         released = self.pool.free(dropped)
         self.clock.bump({KV_BLOCKS} if released or unmarked else set())
         return released, copies

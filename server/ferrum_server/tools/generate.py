@@ -70,6 +70,12 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="start each prompt as soon as it is prefilled (lower TTFT in a burst)",
     )
+    parser.add_argument(
+        "--decode-continuation",
+        action="store_true",
+        help="keep two steps in flight with every running request in each (decodes continue "
+        "from the token the executor selected; see docs/scheduler.md)",
+    )
     parser.add_argument("--json", action="store_true", help="print all results as JSON at the end")
 
 
@@ -132,6 +138,7 @@ async def _run(
             pipeline_depth=args.pipeline_depth,
             target_step_ms=args.target_step_ms,
             align_first_tokens=args.align_first_tokens,
+            decode_continuation=args.decode_continuation,
         ),
     )
     params = GenerationParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stops)

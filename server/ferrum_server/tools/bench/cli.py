@@ -21,7 +21,9 @@ def _csv_ints(text: str) -> list[int]:
 
 def add_bench_args(bench: argparse.ArgumentParser) -> None:
     # The names of workloads.WORKLOADS (not imported here: it loads torch).
-    bench.add_argument("--workload", default="w1", choices=("w1", "w1-moe", "smoke"))
+    bench.add_argument(
+        "--workload", default="w1", choices=("w1", "w1-moe", "w1-long", "w2-prefix", "smoke")
+    )
     bench.add_argument(
         "--dtype",
         default="float32,bfloat16",
@@ -55,6 +57,11 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         "--unaligned",
         action="store_true",
         help="also run the scheduler with first tokens not aligned (align_first_tokens=False)",
+    )
+    bench.add_argument(
+        "--continuation",
+        action="store_true",
+        help="also run the scheduler with decode continuation (decode_continuation=True)",
     )
     bench.add_argument(
         "--repeat",
@@ -110,6 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pipeline_depth=args.pipeline_depth,
         extra_depths=args.extra_depths,
         unaligned=args.unaligned,
+        continuation=args.continuation,
         repeat=args.repeat,
         hf_batch_size=args.hf_batch_size,
         torch_threads=args.torch_threads,

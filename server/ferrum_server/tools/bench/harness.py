@@ -178,6 +178,7 @@ def run_bench(
     pipeline_depth: int = 1,
     extra_depths: Sequence[int] = (),
     unaligned: bool = False,
+    continuation: bool = False,
     repeat: int = 1,
     hf_batch_size: int = 16,
     torch_threads: int = 0,
@@ -202,6 +203,9 @@ def run_bench(
         "requests": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "max_new_tokens": workload.max_new_tokens,
+        "shared_prefix_tokens": workload.shared_prefix,
+        "prefix_caching": workload.prefix_caching,
+        "kv_cache_bytes": workload.kv_cache_bytes,
         "flops": flops,
         "machine": {
             "cpus": os.cpu_count(),
@@ -223,6 +227,7 @@ def run_bench(
             target_step_ms=target_step_ms,
             pipeline_depth=pipeline_depth,
             kv_cache_bytes=workload.kv_cache_bytes,
+            prefix_caching=workload.prefix_caching,
             torch_threads=torch_threads,
             hf_batch_size=hf_batch_size,
             vllm_python=str(vllm_python or ""),
@@ -243,6 +248,9 @@ def run_bench(
             # Each prompt starts decoding as soon as it is prefilled: the TTFT side of the
             # first-token alignment trade-off.
             plan.append(("ferrum-grpc unaligned", replace(base, align_first_tokens=False)))
+        if continuation:
+            # Two steps in flight, every running request in each (docs/scheduler.md).
+            plan.append(("ferrum-grpc continuation", replace(base, decode_continuation=True)))
         plan = [(label, spec) for label, spec in plan if not _skip(label, spec, mode, skipped, log)]
         # Rounds run the whole plan in turn, so a slow spell of a shared machine lands on every
         # system alike instead of on whichever ran during it; each row is the median round.
@@ -288,6 +296,9 @@ def _skip(label: str, spec: RunSpec, mode: str, skipped: dict[str, str], log: An
     """Whether `label` cannot run here (recorded in `skipped`, with a message for vLLM)."""
     if spec.system in ("hf-static", "hf-cb") and mode == "online":
         skipped[label] = "transformers runs offline batches only"
+        return True
+    if spec.system in ("hf-static", "hf-cb") and spec.prefix_caching:
+        skipped[label] = "transformers has no prefix caching (the workload needs it everywhere)"
         return True
     if spec.system == "vllm" and not spec.vllm_python:
         skipped[label] = (

@@ -51,7 +51,8 @@ class InProcessBackend:
     async def open(self) -> StepLimits:
         # The server's own wait mechanism: woken by the engine's epoch bumps, never polled.
         self._notifier = CapacityNotifier(self.engine.kv, asyncio.get_running_loop())
-        return StepLimits(self.engine.config.max_batch_tokens, self.engine.config.max_batch_size)
+        config = self.engine.config
+        return StepLimits(config.max_batch_tokens, config.max_batch_size, decode_continuation=True)
 
     async def close(self) -> None:
         if self._notifier is not None:
@@ -126,6 +127,7 @@ class InProcessBackend:
                     max_sequence_tokens=item.maximum_sequence_tokens,
                     sampling=_sampling(item.sampling),
                     allow_narrowing=item.allow_narrowing,
+                    continuation=item.continuation,
                 )
                 for item in items
             ],

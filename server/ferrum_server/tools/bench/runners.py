@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,10 @@ class RunSpec:
     pipeline_depth: int = 1
     target_step_ms: float = 200.0  # 0 = fixed budget (the budget trade-off table)
     align_first_tokens: bool = True
+    decode_continuation: bool = False
     kv_cache_bytes: int = 1024**3
+    # Prefix caching on (the workload's choice; every system that has it runs with it).
+    prefix_caching: bool = False
     torch_threads: int = 0
     hf_batch_size: int = 16
     vllm_python: str = ""
@@ -127,6 +130,7 @@ def _scheduler_run(
         pipeline_depth=spec.pipeline_depth,
         target_step_ms=spec.target_step_ms,
         align_first_tokens=spec.align_first_tokens,
+        decode_continuation=spec.decode_continuation,
     )
 
     async def go() -> tuple[float, list[Any], Scheduler]:
@@ -167,6 +171,8 @@ def _scheduler_run(
         "pipeline_depth": spec.pipeline_depth,
         "target_step_ms": spec.target_step_ms,
         "align_first_tokens": spec.align_first_tokens,
+        "decode_continuation": spec.decode_continuation,
+        "continuations": scheduler.stats.continuations,
         "max_in_flight": scheduler.stats.max_in_flight,
         "preemptions": scheduler.stats.preemptions,
         "finish_reasons": sorted({r.finish_reason for r in results}),
@@ -180,7 +186,7 @@ def _engine_args(spec: RunSpec) -> list[str]:
         "--dtype", spec.dtype,
         "--kv-cache-bytes", str(spec.kv_cache_bytes),
         "--max-batch-tokens", str(max(4096, spec.max_step_tokens)),
-        "--prefix-caching", "false",
+        "--prefix-caching", "true" if spec.prefix_caching else "false",
         "--torch-threads", str(spec.torch_threads),
         "--metrics-port", "-1",
         "--log-level", "warning",
@@ -255,7 +261,7 @@ def run_ferrum_inproc(spec: RunSpec) -> RunOutput:
             dtype=spec.dtype,
             kv_cache_bytes=spec.kv_cache_bytes,
             max_batch_tokens=max(4096, spec.max_step_tokens),
-            prefix_caching=False,
+            prefix_caching=spec.prefix_caching,
             torch_threads=spec.torch_threads,
         )
     )
@@ -384,11 +390,52 @@ def run_hf_cb(spec: RunSpec) -> RunOutput:
 
 # -- vLLM --------------------------------------------------------------------------------------
 
+# Where the preloaded libraries are looked for besides the vLLM venv (Debian/Ubuntu's
+# libgoogle-perftools4 / libtcmalloc-minimal4 install tcmalloc in the first).
+SYSTEM_LIBRARY_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+)
+# In order of preference: vLLM's CPU guide preloads tcmalloc (its allocator) and Intel OpenMP
+# (the intel-openmp wheel puts libiomp5.so in the venv's lib/).
+_PRELOADS = {
+    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc*.so*"),
+    "iomp": ("libiomp5.so",),
+}
+
+
+def vllm_preloads(venv: Path, system_dirs: Sequence[str] = SYSTEM_LIBRARY_DIRS) -> dict[str, str]:
+    """The libraries vLLM's CPU worker should run with, found under the venv (lib/, lib64/,
+    then any package's folder in site-packages) or the system's library folders: name ->
+    path, for those found."""
+    roots = [venv / "lib", venv / "lib64", *(Path(d) for d in system_dirs)]
+    found: dict[str, str] = {}
+    for name, patterns in _PRELOADS.items():
+        for pattern in patterns:
+            candidates = [p for root in roots for p in sorted(root.glob(pattern))]
+            candidates += sorted(venv.glob(f"lib/python3*/site-packages/*/{pattern}"))
+            path = next((p for p in candidates if p.is_file()), None)
+            if path is not None:
+                found[name] = str(path)
+                break
+    return found
+
 
 def run_vllm(spec: RunSpec) -> RunOutput:
-    """vLLM's CPU build, in its own venv: a subprocess runs ``vllm_worker.py``."""
+    """vLLM's CPU build, in its own venv: a subprocess runs ``vllm_worker.py``, with tcmalloc
+    and Intel OpenMP preloaded when present (as vLLM's CPU guide asks); the result's notes say
+    which (``ld_preload``)."""
     worker = Path(__file__).with_name("vllm_worker.py")
     env = dict(os.environ)
+    # venv/bin/python: not resolved, the link points at the base interpreter.
+    preloads = vllm_preloads(Path(spec.vllm_python).parent.parent)
+    existing = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    ld_preload = [*preloads.values(), *(p for p in existing if p not in preloads.values())]
+    if ld_preload:
+        env["LD_PRELOAD"] = ":".join(ld_preload)
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # compute on every core, as we do
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, spec.kv_cache_bytes // 1024**3 + 1)))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -405,6 +452,7 @@ def run_vllm(spec: RunSpec) -> RunOutput:
                 "max_new_tokens": spec.max_new_tokens,
                 "arrivals_s": spec.arrivals_s,
                 "progress": spec.progress,
+                "prefix_caching": spec.prefix_caching,
             }
         )
     )
@@ -420,9 +468,8 @@ def run_vllm(spec: RunSpec) -> RunOutput:
         request.unlink(missing_ok=True)
         result.unlink(missing_ok=True)
     traces = [RequestTrace(**r) for r in data["requests"]]
-    return RunOutput(
-        "vllm", data["wall_s"], traces, data.get("peak_rss_bytes", {}), [], data.get("notes", {})
-    )
+    notes = {**data.get("notes", {}), "ld_preload": ld_preload, "preloads_found": preloads}
+    return RunOutput("vllm", data["wall_s"], traces, data.get("peak_rss_bytes", {}), [], notes)
 
 
 RUNNERS: dict[str, Callable[[RunSpec], RunOutput]] = {

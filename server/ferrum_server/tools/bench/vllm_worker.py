@@ -3,7 +3,8 @@
 Standalone on purpose: it is executed by that venv's interpreter and imports nothing from
 ferrum. Reads a JSON request (model folder, dtype, prompts as token ids, new tokens, optional
 arrival offsets), streams every request through ``AsyncLLM`` so each token gets a timestamp,
-and writes per-request traces as JSON. Prefix caching is off, tokenizer skipped, EOS ignored.
+and writes per-request traces as JSON. Prefix caching as the workload says (off unless it
+shares a prefix), tokenizer skipped, EOS ignored.
 
     python vllm_worker.py IN.json OUT.json
 """
@@ -65,7 +66,7 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
         model=spec["model"],
         dtype=spec["dtype"],
         skip_tokenizer_init=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)),
         max_model_len=2048,
         seed=0,
     )
@@ -116,7 +117,11 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
         "wall_s": wall,
         "requests": traces,
         "peak_rss_bytes": peaks,
-        "notes": {"vllm": vllm.__version__, "max_num_batched_tokens": "vLLM default"},
+        "notes": {
+            "vllm": vllm.__version__,
+            "max_num_batched_tokens": "vLLM default",
+            "prefix_caching": bool(spec.get("prefix_caching", False)),
+        },
     }
 
 

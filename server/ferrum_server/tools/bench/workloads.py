@@ -12,6 +12,14 @@ routing (no sliding window). Each token runs 2 x 1024 = 2048 expert columns, W1'
 size, so its active parameters and GEMM work per token match W1's (plus an 8-logit router),
 while the weights it must hold are 4x W1's MLP weights (about 295M parameters in all, 1.2 GB in
 float32): the row measures the cost of routing and of grouped expert GEMMs at W1's size.
+
+Two more on W1's model (issue #19):
+
+* ``w1-long``: W1's prompts with 256 new tokens each (decode-dominated), in a KV pool that holds
+  every request at its full length at once (64 x 768 tokens at most, 1.13 GiB in float32).
+* ``w2-prefix``: 64 requests sharing a 1,024-token system prompt, each followed by a unique
+  suffix of 32-128 tokens, 64 new tokens each, with prefix caching on in every system that has
+  it (transformers has none and is skipped).
 """
 
 from __future__ import annotations
@@ -47,13 +55,20 @@ class Workload:
     seed: int = 0
     # KV pool for our executor: room for every request at its full length, as vLLM gets.
     kv_cache_bytes: int = 1024**3
+    # Tokens of one system prompt every request starts with (seeded, drawn first); the
+    # prompt lengths above are then those of the unique suffixes after it.
+    shared_prefix: int = 0
+    # Prefix caching on in every system (off otherwise, so no system reuses KV).
+    prefix_caching: bool = False
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(self.seed)
+        vocab = self.model.vocab_size
+        prefix = [rng.randrange(vocab) for _ in range(self.shared_prefix)]
         out: list[list[int]] = []
         for _ in range(self.num_requests):
             length = rng.randint(self.min_prompt, self.max_prompt)
-            out.append([rng.randrange(self.model.vocab_size) for _ in range(length)])
+            out.append(prefix + [rng.randrange(vocab) for _ in range(length)])
         return out
 
     def poisson_arrivals(self, rate_per_s: float) -> list[float]:
@@ -96,11 +111,25 @@ def _mixtral(base: ModelConfig, experts: int, top_k: int, expert_inter: int) -> 
     )
 
 
-_W1 = _llama(32000, 768, 2048, 12, 12, 4)
+_W1_MODEL = _llama(32000, 768, 2048, 12, 12, 4)
 
 WORKLOADS: dict[str, Workload] = {
-    "w1": Workload("w1", _W1, 64, 32, 512, 64),
-    "w1-moe": Workload("w1-moe", _mixtral(_W1, 8, 2, 1024), 64, 32, 512, 64),
+    "w1": Workload("w1", _W1_MODEL, 64, 32, 512, 64),
+    "w1-moe": Workload("w1-moe", _mixtral(_W1_MODEL, 8, 2, 1024), 64, 32, 512, 64),
+    # Seed 0 as W1: the same prompts. At most 64 x (512 + 256) tokens of 24 KiB (float32).
+    "w1-long": Workload("w1-long", _W1_MODEL, 64, 32, 512, 256, kv_cache_bytes=2 * 1024**3),
+    # 64 x (1024 + 128 + 64) tokens at most, even with no block shared: under 2 GiB in float32.
+    "w2-prefix": Workload(
+        "w2-prefix",
+        _W1_MODEL,
+        64,
+        32,
+        128,
+        64,
+        kv_cache_bytes=2 * 1024**3,
+        shared_prefix=1024,
+        prefix_caching=True,
+    ),
     "smoke": Workload(
         # head_dim 64: vLLM's CPU attention has no kernel for the tiny model's 16
         "smoke",
@@ -158,20 +187,25 @@ def _mlp_macs(c: ModelConfig, layer: int) -> int:
 def matmul_flops(workload: Workload, prompts: list[list[int]]) -> dict[str, float]:
     """GEMM work W1 needs: every linear of every layer for each prompt and generated token
     (the last generated token is never fed back), plus the LM head for each output row only.
-    Attention score/value products are counted separately (they are not GEMMs on weights)."""
+    Attention score/value products are counted separately (they are not GEMMs on weights).
+    With prefix caching the shared system prompt is counted once (the first request computes
+    it; the others reuse its KV)."""
     c = workload.model
     h, d = c.hidden_size, c.head_dim
     attention_proj = h * (c.num_heads + 2 * c.num_kv_heads) * d + c.num_heads * d * h  # qkv, o
     per_token = 2 * sum(attention_proj + _mlp_macs(c, layer) for layer in range(c.num_layers))
     head = 2 * h * c.vocab_size
-    prompt_tokens = sum(len(p) for p in prompts)
+    # Prompt positions each request computes from (the shared prefix is cached after the first).
+    reused = workload.shared_prefix if workload.prefix_caching else 0
+    starts = [0 if k == 0 else reused for k in range(len(prompts))]
+    prompt_tokens = sum(len(p) - start for p, start in zip(prompts, starts, strict=True))
     fed_decodes = len(prompts) * (workload.max_new_tokens - 1)
     outputs = len(prompts) * workload.max_new_tokens
     attention = 0.0
-    for p in prompts:
+    for p, start in zip(prompts, starts, strict=True):
         n, total = len(p), len(p) + workload.max_new_tokens - 1
-        # causal prefill: sum_{i<n} (i+1) keys; decodes: contexts n+1 .. total
-        keys = n * (n + 1) / 2 + sum(range(n + 1, total + 1))
+        # causal prefill: sum_{start<=i<n} (i+1) keys; decodes: contexts n+1 .. total
+        keys = n * (n + 1) / 2 - start * (start + 1) / 2 + sum(range(n + 1, total + 1))
         attention += 4 * c.num_layers * c.num_heads * d * keys
     linear = per_token * (prompt_tokens + fed_decodes)
     return {
