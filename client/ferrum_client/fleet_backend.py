@@ -1,8 +1,9 @@
 """The scheduler's ``Backend`` over an ``ExecutorFleet``: placement, per-executor steps, failover.
 
-The reference scheduler plans one unified step as before; this backend routes every call by the
-request's placement and splits each step per executor, the parts running concurrently (one step
-stream per executor incarnation).
+The reference scheduler runs one lane per executor (``Admission.lane``): each plans its own
+steps from the requests placed there, with its own budget and pipeline, so executors never wait
+for each other and the fleet's batch capacity is the sum of theirs. This backend routes every
+call by the request's placement (one step stream per executor incarnation).
 
 Placement (``admit``): among SERVING members, the one that holds the longest prefix of the
 context's full blocks (the executor's own chained block hashes, ``ferrum_client.prefix``, over
@@ -155,6 +156,10 @@ class FleetBackend:
             if placed.member is member and placed.incarnation == incarnation:
                 self._lost.add(cache_id)
 
+    def width(self) -> int:
+        """SERVING members: the scheduler runs up to its running cap on each."""
+        return len(self.fleet.serving())
+
     def take_lost(self) -> set[str]:
         """Cache ids whose executor was lost since the last call (their requests must be
         re-admitted elsewhere, outputs replayed)."""
@@ -256,7 +261,12 @@ class FleetBackend:
                 member.counters.admitted += 1
                 if member.block_size:
                     member.remember_prefix(chain_hashes(tokens, member.block_size))
-                return Admission("admitted", cache_id, decision.admitted.cached_prompt_tokens)
+                return Admission(
+                    "admitted",
+                    cache_id,
+                    decision.admitted.cached_prompt_tokens,
+                    lane=f"{member.address}#{incarnation}",
+                )
             if kind == "rejected":
                 rejected = Admission("rejected", reason=decision.rejected.reason)
             elif kind == "maintenance_deferred":

@@ -235,6 +235,9 @@ class Admission:
     reason: str = ""
     # Deferred: the largest first chunk the executor would admit now (0 = none).
     narrower_prefill_tokens: int = 0
+    # Admitted: the executor it runs on, when the backend has several ("" for one). Requests of
+    # one lane share its steps; each lane plans and pipelines its own steps.
+    lane: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +334,10 @@ class FailoverBackend(Protocol):
     reports the caches lost with an executor, for the scheduler to re-admit elsewhere."""
 
     def take_lost(self) -> set[str]: ...
+
+    def width(self) -> int:
+        """Executors a new request may be placed on now (the running cap scales with it)."""
+        ...
 
 
 def admission_request(
@@ -540,6 +547,7 @@ class _Request:
     prompt: list[int]
     params: GenerationParams
     cache_id: str = ""
+    lane: str = ""  # the executor it runs on (Admission.lane)
     context: list[int] = field(default_factory=list)  # prompt + replayed outputs
     computed: int = 0  # tokens with committed KV (context, then context + new outputs)
     wait: object | None = None
@@ -626,8 +634,19 @@ class SchedulerStats:
 
 
 @dataclass(slots=True)
+class _Lane:
+    """One executor's steps: its requests are planned together, its steps pipelined on their
+    own, with its own step-cost fit and first-token hold, whatever the other lanes do."""
+
+    key: str
+    in_flight: deque[_InFlight] = field(default_factory=deque)
+    cost: StepCostModel = field(default_factory=StepCostModel)  # for target_step_ms
+    held_since: float | None = None  # when a prompt was first held (align_first_tokens)
+
+
+@dataclass(slots=True)
 class _InFlight:
-    result: Awaitable[StepResult]
+    result: asyncio.Future[StepResult]
     members: list[_Request]
     record: StepRecord
     # Tokens each member's item carried, and whether it selects a token if it runs whole.
@@ -651,8 +670,9 @@ class Scheduler:
         )
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
-        self.cost = StepCostModel()  # step time vs tokens, for target_step_ms
-        self._held_since: float | None = None  # when a prompt was first held (align_first_tokens)
+        # One lane per executor the running requests are on ("" for a single executor).
+        self._lanes: dict[str, _Lane] = {"": _Lane("")}
+        self.cost = self._lanes[""].cost  # a single executor's step time vs tokens
         self._limits = StepLimits()  # the executor's, known once the backend is open
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -709,11 +729,10 @@ class Scheduler:
             self._by_index[index] = request
             pending.append((offsets[index], request))
         pending = deque(sorted(pending, key=lambda entry: entry[0]))
-        in_flight: deque[_InFlight] = deque()
         start = time.perf_counter()
         self._limits = await self.backend.open()
         try:
-            while pending or self._waiting or self._running or in_flight:
+            while pending or self._waiting or self._running or self._steps_in_flight:
                 now = time.perf_counter()
                 while pending and start + pending[0][0] <= now:
                     request = pending.popleft()[1]
@@ -723,16 +742,18 @@ class Scheduler:
                 self._fail_over()
                 await self._admit()
                 await self._renew_idle_leases()
-                if self._blocked and not in_flight:
+                if self._blocked and not self._steps_in_flight:
                     await self._handle_blocked(self._take_blocked())
-                while len(in_flight) < self._depth and not self._blocked:
-                    step = self._plan(len(in_flight))
-                    if step is None:
-                        break
-                    in_flight.append(step)
-                self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
-                if in_flight:
-                    for event in await self._finish(in_flight.popleft()):
+                for lane in self._active_lanes():
+                    while len(lane.in_flight) < self._depth and not self._blocked:
+                        step = self._plan(lane)
+                        if step is None:
+                            break
+                        lane.in_flight.append(step)
+                    self.stats.max_in_flight = max(self.stats.max_in_flight, len(lane.in_flight))
+                if self._steps_in_flight:
+                    lane = await self._next_answered()
+                    for event in await self._finish(lane.in_flight.popleft(), lane):
                         yield event
                 elif (self._waiting and self._waiting[0].wait is not None) or self._parked():
                     await self._wait_for_capacity()
@@ -772,8 +793,11 @@ class Scheduler:
     # -- admission --------------------------------------------------------------------------
 
     async def _admit(self) -> None:
-        # Every running request must fit one step, or a full set of decodes would starve prefill.
-        while self._waiting and len(self._running) < min(self.config.max_running, self._max_items):
+        # Every running request must fit one step, or a full set of decodes would starve prefill;
+        # over several executors, one step of each (placement spreads them by load).
+        width = self._failover.width() if self._failover is not None else 1
+        cap = min(self.config.max_running, self._max_items) * max(1, width)
+        while self._waiting and len(self._running) < cap:
             request = self._waiting[0]
             if request.wait is not None:
                 return  # still waiting on its capacity sources
@@ -786,6 +810,7 @@ class Scheduler:
             if decision.kind == "admitted":
                 self._waiting.popleft()
                 request.cache_id = decision.cache_id
+                request.lane = decision.lane
                 request.computed = decision.cached_prompt_tokens
                 request.touched_s = time.monotonic()
                 request.maintenance_rounds = 0
@@ -905,21 +930,53 @@ class Scheduler:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _plan(self, steps_in_flight: int) -> _InFlight | None:
-        """Build and submit the next step from requests not already in flight."""
+    @property
+    def _steps_in_flight(self) -> bool:
+        return any(lane.in_flight for lane in self._lanes.values())
+
+    def _active_lanes(self) -> list[_Lane]:
+        """The lanes with running requests or steps in flight, in order of first use; a lane
+        left with neither (its executor finished its work, or was lost) is dropped."""
+        keys = dict.fromkeys(r.lane for r in self._running)
+        for key, lane in list(self._lanes.items()):
+            if lane.in_flight:
+                keys[key] = None
+            elif key not in keys and key:
+                del self._lanes[key]
+        return [self._lanes.setdefault(key, _Lane(key)) for key in keys]
+
+    async def _next_answered(self) -> _Lane:
+        """The lane whose oldest step in flight is answered first (steps of one lane are
+        applied in order; lanes never wait for each other)."""
+        lanes = [lane for lane in self._lanes.values() if lane.in_flight]
+        done = [lane for lane in lanes if lane.in_flight[0].result.done()]
+        if not done:
+            heads = {lane.in_flight[0].result for lane in lanes}
+            await asyncio.wait(heads, return_when=asyncio.FIRST_COMPLETED)
+            done = [lane for lane in lanes if lane.in_flight[0].result.done()]
+        return done[0]
+
+    def _plan(self, lane: _Lane) -> _InFlight | None:
+        """Build and submit the lane's next step from its requests not already in flight."""
+        running = [r for r in self._running if r.lane == lane.key]
         if self._continuing:
-            return self._plan_continued()
+            return self._plan_continued(lane, running)
         config = self.config
         items: list[PlannedItem] = []
         members: list[_Request] = []
-        decoding = sum(1 for r in self._running if not r.in_prefill)
-        if config.align_first_tokens and decoding == 0 and not self._first_tokens_due():
-            return self._plan_held_prefill()
-        budget = planned = self._step_budget(decoding)
+        decoding = sum(1 for r in running if not r.in_prefill)
+        if (
+            config.align_first_tokens
+            and decoding == 0
+            and not self._first_tokens_due(lane, running)
+        ):
+            return self._plan_held_prefill(lane, running)
+        budget = planned = self._step_budget(decoding, lane)
         # Split decodes across the pipeline so consecutive steps carry alternating cohorts.
+        steps_in_flight = len(lane.in_flight)
         decode_cap = math.ceil(decoding / config.pipeline_depth) if steps_in_flight == 0 else None
         num_decodes = 0
-        for request in self._running:  # decodes first: they keep inter-token latency low
+        for request in running:  # decodes first: they keep inter-token latency low
             if request.in_flight or request.in_prefill or budget <= 0:
                 continue
             if decode_cap is not None and num_decodes >= decode_cap:
@@ -939,7 +996,7 @@ class Scheduler:
             members.append(request)
             budget -= 1
             num_decodes += 1
-        chunks, budget = self._add_chunks(items, members, budget, hold_last=False)
+        chunks, budget = self._add_chunks(items, members, budget, False, running)
         if not items:
             return None
         return self._submit(items, members, num_decodes, chunks, planned - budget)
@@ -958,21 +1015,25 @@ class Scheduler:
         completion's counts (prompt, outputs) match its committed length."""
         return 2 if self._continuing else self.config.pipeline_depth
 
-    def _plan_continued(self) -> _InFlight | None:
+    def _plan_continued(self, lane: _Lane, running: list[_Request]) -> _InFlight | None:
         """The next step with every running request that can decode, in flight or not (a
         continuation of its in-flight item, else a plain decode), then prefill chunks of the
         requests not in flight, first come first served."""
         decodes = [
             (request, item)
-            for request in self._running
+            for request in running
             if (item := self._decode_item(request)) is not None
         ]
-        decoding = any(not r.in_prefill or (r.in_flight and r.ahead_selects) for r in self._running)
-        if self.config.align_first_tokens and not decoding and not self._first_tokens_due():
-            return self._plan_held_prefill()
+        decoding = any(not r.in_prefill or (r.in_flight and r.ahead_selects) for r in running)
+        if (
+            self.config.align_first_tokens
+            and not decoding
+            and not self._first_tokens_due(lane, running)
+        ):
+            return self._plan_held_prefill(lane, running)
         items: list[PlannedItem] = []
         members: list[_Request] = []
-        budget = planned = self._step_budget(len(decodes))
+        budget = planned = self._step_budget(len(decodes), lane)
         for request, item in decodes:
             if budget <= 0 or len(items) >= self._max_items:
                 break
@@ -981,7 +1042,7 @@ class Scheduler:
             budget -= 1
             self.stats.continuations += item.continuation
         num_decodes = len(items)
-        chunks, budget = self._add_chunks(items, members, budget, hold_last=False)
+        chunks, budget = self._add_chunks(items, members, budget, False, running)
         if not items:
             return None
         return self._submit(items, members, num_decodes, chunks, planned - budget)
@@ -1020,12 +1081,18 @@ class Scheduler:
         )
 
     def _add_chunks(
-        self, items: list[PlannedItem], members: list[_Request], budget: int, hold_last: bool
+        self,
+        items: list[PlannedItem],
+        members: list[_Request],
+        budget: int,
+        hold_last: bool,
+        running: list[_Request],
     ) -> tuple[list[int], int]:
-        """Prefill chunks, first come first served, within `budget` tokens; with `hold_last`
-        each prompt stops short of its last token. Returns (chunk sizes, budget left)."""
+        """Prefill chunks of `running`, first come first served, within `budget` tokens; with
+        `hold_last` each prompt stops short of its last token. Returns (chunk sizes, budget
+        left)."""
         chunks: list[int] = []
-        for request in self._running:
+        for request in running:
             if budget <= 0 or len(items) >= self._max_items:
                 break
             end = len(request.context) - 1 if hold_last else len(request.context)
@@ -1080,29 +1147,31 @@ class Scheduler:
             timing=StepTiming(),
         )
         sizes = [len(item.tokens) for item in items]
-        return _InFlight(self.backend.submit(items), members, record, sizes, selects)
+        # A task, so the loop can wait for whichever lane answers first.
+        answer = asyncio.ensure_future(self.backend.submit(items))
+        return _InFlight(answer, members, record, sizes, selects)
 
-    def _first_tokens_due(self) -> bool:
-        """With nothing decoding: whether the running prompts start now, none being in flight:
-        all of them are held at their last token, or what is left of them fits the next
-        plain step, or the first was held max_first_token_hold_ms ago."""
-        if any(r.in_flight for r in self._running):
+    def _first_tokens_due(self, lane: _Lane, running: list[_Request]) -> bool:
+        """With nothing decoding on the lane: whether its running prompts start now, none
+        being in flight: all of them are held at their last token, or what is left of them
+        fits the next plain step, or the first was held max_first_token_hold_ms ago."""
+        if any(r.in_flight for r in running):
             return False
-        remaining = sum(len(r.context) - r.computed for r in self._running)
-        if remaining <= len(self._running) or remaining <= self._step_budget(0):
-            self._held_since = None
+        remaining = sum(len(r.context) - r.computed for r in running)
+        if remaining <= len(running) or remaining <= self._step_budget(0, lane):
+            lane.held_since = None
             return True
-        if not any(r.computed >= len(r.context) - 1 for r in self._running):
+        if not any(r.computed >= len(r.context) - 1 for r in running):
             return False
         now = time.perf_counter()
-        if self._held_since is None:
-            self._held_since = now
-        if (now - self._held_since) * 1e3 >= self.config.max_first_token_hold_ms:
-            self._held_since = None
+        if lane.held_since is None:
+            lane.held_since = now
+        if (now - lane.held_since) * 1e3 >= self.config.max_first_token_hold_ms:
+            lane.held_since = None
             return True
         return False
 
-    def _plan_held_prefill(self) -> _InFlight | None:
+    def _plan_held_prefill(self, lane: _Lane, running: list[_Request]) -> _InFlight | None:
         """Nothing is decoding, so no inter-token latency is at stake: steps of max_step_tokens
         prefill each prompt up to, not including, its last token. The prompts then start
         together (``_first_tokens_due``): one plain step computes every last token and the
@@ -1111,19 +1180,20 @@ class Scheduler:
         items: list[PlannedItem] = []
         members: list[_Request] = []
         budget = self._max_tokens
-        chunks, left = self._add_chunks(items, members, budget, hold_last=True)
+        chunks, left = self._add_chunks(items, members, budget, True, running)
         if not items:
             return None
         return self._submit(items, members, 0, chunks, budget - left)
 
-    def _step_budget(self, decoding: int) -> int:
-        """Tokens the next step may hold: max_step_tokens, or what the step-time target allows
-        (never so few that running decodes are left out or prefill stops advancing)."""
+    def _step_budget(self, decoding: int, lane: _Lane) -> int:
+        """Tokens the lane's next step may hold: max_step_tokens, or what the step-time target
+        allows on its executor (never so few that running decodes are left out or prefill
+        stops advancing)."""
         config, ceiling = self.config, self._max_tokens
         if config.target_step_ms <= 0:
             return ceiling
         floor = min(ceiling, decoding + MIN_PREFILL_TOKENS)
-        return self.cost.budget(config.target_step_ms / 1e3, ceiling, floor)
+        return lane.cost.budget(config.target_step_ms / 1e3, ceiling, floor)
 
     @property
     def _max_tokens(self) -> int:
@@ -1136,20 +1206,20 @@ class Scheduler:
         """Items (decodes plus chunks) the executor accepts in one forward."""
         return self._limits.max_items or sys.maxsize
 
-    def _observe_cost(self, record: StepRecord) -> None:
+    def _observe_cost(self, record: StepRecord, lane: _Lane) -> None:
         timing = record.timing
         # The executor's own time for the step; the round trip only when it reports none.
         engine_ns = timing.forward_ns + timing.sample_ns
         seconds = engine_ns / 1e9 if engine_ns > 0 else record.finished_s - record.submitted_s
-        self.cost.observe(record.num_decodes + record.num_prefill_tokens, seconds)
+        lane.cost.observe(record.num_decodes + record.num_prefill_tokens, seconds)
 
-    async def _finish(self, step: _InFlight) -> list[tuple[int, int]]:
+    async def _finish(self, step: _InFlight, lane: _Lane) -> list[tuple[int, int]]:
         """Apply one step's results: record tokens, retire finished requests, preempt."""
         result = await step.result
         now = time.perf_counter()
         record = dataclasses.replace(step.record, finished_s=now, timing=result.timing)
         self.stats.records.append(record)
-        self._observe_cost(record)
+        self._observe_cost(record, lane)
         events: list[tuple[int, int]] = []
         blocked: list[tuple[_Request, frozenset[SourceKey], object | None]] = []
         statuses, committed, tokens = result.statuses, result.committed_tokens, result.token_ids

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import json
 import pathlib
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -172,6 +173,41 @@ def test_an_executor_answering_unavailable_mid_step_fails_over_and_rejoins(
     assert faulted["lost"] == 1 and faulted["joined"] == 2, metrics
     assert faulted["admitted"] > faulted["failed_over"], metrics  # it got work after rejoining
     assert tally.blocks_leaked == 0
+
+
+def test_each_executor_runs_its_own_steps_so_a_slow_one_holds_back_only_its_requests(
+    servers: list[InProcessServer], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One lane per executor: the requests on a fast executor finish at its pace while a slow
+    one (every forward delayed 0.2 s) is still on its first tokens; in one lock-step loop they
+    would all finish together, at the slow one's pace."""
+    prompts = _prompts(8, seed=6)
+    params = GenerationParams(max_new_tokens=12)
+    plan = tmp_path / "faults.json"
+    plan.write_text(json.dumps({"rules": [{"kind": "slow", "delay_s": 0.2}]}))
+    monkeypatch.setenv(faults.ENABLE_ENV, "1")
+    monkeypatch.setenv(faults.PLAN_ENV, str(plan))
+    with serve_in_process(ENGINE) as slow:
+        monkeypatch.delenv(faults.ENABLE_ENV)
+
+        async def scenario() -> tuple[list[Any], list[GenerationResult], float]:
+            reference = await _single(servers[0].target, prompts, params)
+            async with ExecutorFleet([servers[0].target, slow.target]) as fleet:
+                async with asyncio.timeout(30):
+                    while len(fleet.serving()) < 2:
+                        await fleet.wait_for_change(fleet.generation, None)
+                start = time.perf_counter()
+                results = await Scheduler(FleetBackend(fleet), CONFIG).generate(prompts, params)
+            return reference, results, start
+
+        reference, results, start = run_scenario(scenario(), 240)
+    assert [r.output_ids for r in results] == reference
+    fast_done = [r.finished_s - start for r in results if r.executor == servers[0].target]
+    slow_done = [r.finished_s - start for r in results if r.executor == slow.target]
+    assert fast_done and slow_done  # placement spread them by load
+    # The slow executor needs at least 13 forwards of 0.2 s for its requests.
+    assert min(slow_done) > 2.5
+    assert max(fast_done) < 0.5 * min(slow_done), (fast_done, slow_done)
 
 
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_executor(
