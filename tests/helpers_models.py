@@ -134,16 +134,24 @@ class PagedRunner:
 
 
 def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [n, H, D] (the last n of ctx positions), k/v [ctx, Hkv, D] -> [n, H, D], in float64.
-    window > 0: a query at position p sees only keys in (p - window, p]."""
+    window > 0: a query at position p sees only keys in (p - window, p]. softcap > 0: scores s
+    become softcap * tanh(s / softcap) before the softmax."""
     n, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     k = k.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
     v = v.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
     scores = torch.einsum("nhd,chd->hnc", q.double(), k) * scale  # [H, n, ctx]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(ctx - n, ctx)[:, None]  # [n, 1]
     allowed = torch.arange(ctx)[None, :] <= q_pos  # [n, ctx]
     if window:
@@ -222,11 +230,12 @@ def random_paged_batch(
     spare_fill: float | None = None,
     device: torch.device | str = "cpu",
     window: int = 0,
+    softcap: float = 0.0,
 ) -> PagedBatch:
     """Items' histories go straight into a pool of shuffled blocks, then this step's K/V are
     written as the model would; `spare_blocks` unowned blocks hold random values, or
     `spare_fill` (e.g. NaN, so that any read of them shows). `window` > 0: the dense answer
-    is sliding-window attention."""
+    is sliding-window attention; `softcap` > 0: with soft-capped scores."""
     from ferrum_kernels.attention import write_kv
 
     torch.manual_seed(seed)
@@ -261,7 +270,7 @@ def random_paged_batch(
     scale = head_dim**-0.5
     reference = torch.cat(
         [
-            dense_reference(q, k, v, scale, window)
+            dense_reference(q, k, v, scale, window, softcap)
             for q, k, v in zip(queries, full_k, full_v, strict=True)
         ]
     )

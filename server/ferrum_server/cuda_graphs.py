@@ -161,10 +161,11 @@ class _BoundAttention:
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         # Written before attending so each new token sees its own K/V.
         self._write_kv(kv_layer, key, value, meta.slot_mapping)
-        return self._attend(query, kv_layer, scale, window)
+        return self._attend(query, kv_layer, scale, window, softcap)
 
 
 class DecodeGraphs:
