@@ -32,7 +32,7 @@ import torch
 from ferrum_kernels.attention import AttentionMetadata, DecodeAttentionFn, DecodeBatch
 from ferrum_kernels.backend import KernelBackend, WriteKvFn
 
-from ferrum_server.models import LlamaForCausalLM
+from ferrum_server.models import CausalLM
 
 DEFAULT_MAX_BATCH = 256
 # Rows of the static scalar input buffer.
@@ -173,7 +173,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         layout: DecodeGraphLayout,
         backend: KernelBackend,

@@ -1,8 +1,9 @@
 """Model hyper-parameters parsed from (and written back to) a Hugging Face ``config.json``.
 
-Only the dense Llama family is supported: Llama (1-3.x), Mistral, Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm). Anything else is rejected up front with a message naming the offending
-field, rather than producing silently wrong logits later.
+Supported: the dense Llama family, Llama (1-3.x), Mistral, Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm); and Gemma 2 / Gemma 3 text models, whose extra hyper-parameters live
+in ``ModelConfig.gemma`` (``gemma_spec.GemmaSpec``). Anything else is rejected up front with a
+message naming the offending field, rather than producing silently wrong logits later.
 
 Sliding-window attention is read exactly as transformers reads it: Mistral windows every layer
 with ``sliding_window`` (4096 when the field is absent, as in ``MistralConfig``); Qwen2/Qwen3
@@ -20,12 +21,16 @@ from typing import Any
 
 import torch
 
+from ferrum_server.models.gemma_spec import GEMMA_MODEL_TYPES, GemmaSpec
+
 # HF architecture class name -> model_type, for the families this executor can run.
 _ARCH_TO_MODEL_TYPE: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 _MODEL_TYPE_TO_ARCH: dict[str, str] = {v: k for k, v in _ARCH_TO_MODEL_TYPE.items()}
 
@@ -94,6 +99,8 @@ class ModelConfig:
     # Per layer: the sliding window (a query at p sees keys in (p - w, p]), 0 for global
     # attention. Empty means every layer is global.
     sliding_windows: tuple[int, ...] = ()
+    # Gemma 2 / Gemma 3 only: (1 + w) norms, GeGLU, soft-caps, local/global RoPE (see gemma_spec).
+    gemma: GemmaSpec | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in _ARCH_TO_MODEL_TYPE:
@@ -115,6 +122,13 @@ class ModelConfig:
             )
         if any(w < 0 for w in self.sliding_windows):
             raise ValueError(f"sliding windows must be >= 0, got {self.sliding_windows}")
+        if (self.gemma is not None) != (self.model_type in GEMMA_MODEL_TYPES):
+            raise ValueError(f"{self.architecture} needs a Gemma spec exactly when it is Gemma")
+        if self.gemma is not None and len(self.gemma.sliding_layers) != self.num_layers:
+            raise ValueError(
+                f"the Gemma spec lists {len(self.gemma.sliding_layers)} layer types for "
+                f"{self.num_layers} layers"
+            )
 
     def layer_window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window, 0 for global attention."""
@@ -140,21 +154,31 @@ class ModelConfig:
                 raise ValueError(f"config.json for {architecture} is missing required {key!r}")
             return d[key]
 
+        gemma = model_type in GEMMA_MODEL_TYPES
         hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
+        if hidden_act != "silu" and not gemma:  # Gemma reads hidden_activation (gemma_spec)
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is supported")
         if d.get("mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported")
 
         hidden_size = int(req("hidden_size"))
         num_heads = int(req("num_attention_heads"))
-        num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
-        head_dim = int(d.get("head_dim") or hidden_size // num_heads)
+        # Gemma's config classes default these to fixed numbers (head_dim 256, 4 KV heads),
+        # not to the Llama rule below: a Gemma config.json must state them.
+        num_kv_heads = int(
+            req("num_key_value_heads") if gemma else d.get("num_key_value_heads") or num_heads
+        )
+        head_dim = int(req("head_dim") if gemma else d.get("head_dim") or hidden_size // num_heads)
         max_pos = int(req("max_position_embeddings"))
-
-        rope_theta, rope_scaling = _parse_rope(d)
         num_layers = int(req("num_hidden_layers"))
-        windows = _sliding_windows(d, model_type, num_layers, max_pos)
+
+        gemma_spec: GemmaSpec | None = None
+        if gemma:
+            rope_theta, gemma_spec = GemmaSpec.from_hf(d, model_type, num_layers)
+            rope_scaling = None  # Gemma's linear scaling lives in the spec
+        else:
+            rope_theta, rope_scaling = _parse_rope(d)
+        windows = _sliding_windows(d, model_type, num_layers, max_pos, gemma_spec)
 
         eos = d.get("eos_token_id")
         eos_ids: tuple[int, ...]
@@ -179,13 +203,15 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Gemma's config classes tie the LM head unless told otherwise.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             # Qwen2 hard-codes bias on q/k/v; the others read the (rare) attention_bias flag.
             attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             sliding_windows=windows,
+            gemma=gemma_spec,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -210,8 +236,12 @@ class ModelConfig:
             "eos_token_id": _eos_to_hf(self.eos_token_ids),
             "torch_dtype": "float32",
         }
-        if self.model_type in ("llama", "qwen3"):
+        if self.model_type in ("llama", "qwen3", *GEMMA_MODEL_TYPES):
             d["attention_bias"] = self.attention_bias
+        if self.gemma is not None:
+            del d["hidden_act"]
+            d.update(self.gemma.to_hf(self.model_type, self.rope_theta))
+            return d
         d.update(self._sliding_window_to_hf())
         return d
 
@@ -257,7 +287,8 @@ class ModelConfig:
             attn += h
         if self.qk_norm:
             attn += 2 * d
-        per_layer = attn + 3 * h * i + 2 * h  # + two RMSNorm weights
+        norms = 4 if self.gemma is not None else 2  # Gemma adds pre/post-feedforward norms
+        per_layer = attn + 3 * h * i + norms * h  # + the RMSNorm weights
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return embed + self.num_layers * per_layer + h + head
@@ -315,11 +346,18 @@ _LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 def _sliding_windows(
-    d: Mapping[str, Any], model_type: str, num_layers: int, max_pos: int
+    d: Mapping[str, Any],
+    model_type: str,
+    num_layers: int,
+    max_pos: int,
+    gemma: GemmaSpec | None = None,
 ) -> tuple[int, ...]:
     """Per-layer windows (0 = global) as transformers applies them; () when all are global."""
     raw = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
-    if model_type == "mistral":
+    if gemma is not None:
+        # Gemma windows the layers its layer_types (or pattern) names "sliding_attention".
+        windowed = list(gemma.sliding_layers)
+    elif model_type == "mistral":
         # MistralModel windows every layer with config.sliding_window (layer_types is ignored).
         windowed = [True] * num_layers
     elif model_type in ("qwen2", "qwen3"):
