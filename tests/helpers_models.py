@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata
+from ferrum_server.models.causal_lm import CausalLM
 from ferrum_server.models.config import ModelConfig
-from ferrum_server.models.llama import LlamaForCausalLM
 
 
 class BlockAllocator:
@@ -72,7 +72,7 @@ class PagedRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         config: ModelConfig,
         *,
         num_blocks: int,
@@ -311,3 +311,72 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
         )
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
+
+
+# Gemma test checkpoints: small, windows well inside a 20-token prompt, and every Gemma
+# hyper-parameter set to a value that changes the logits (a model ignoring one fails parity).
+GEMMA_WINDOW = 6
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+
+
+def gemma_hf_config(family: str, vocab: int = 256, **extra: Any) -> Any:
+    """A small transformers Gemma2Config / Gemma3TextConfig.
+
+    gemma2: 3 layers (sliding, global, sliding), attention and final logit soft-caps small
+    enough to bite, q/k/v/o biases. gemma3: 4 layers (sliding, sliding, global, sliding:
+    sliding_window_pattern 3), q/k norms, RoPE base 1000 on sliding layers and 100000 with
+    linear scaling x4 on the global one. Both: query_pre_attn_scalar 24 (not head_dim), GQA 2.
+    """
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.08,
+        "sliding_window": GEMMA_WINDOW,
+        "query_pre_attn_scalar": 24,
+    }
+    common.update(extra)
+    if family == "gemma2":
+        return Gemma2Config(
+            **common,
+            num_hidden_layers=3,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            attention_bias=True,
+        )
+    if family == "gemma3":
+        return Gemma3TextConfig(
+            **common,
+            num_hidden_layers=4,
+            sliding_window_pattern=3,
+            rope_theta=100_000.0,
+            rope_local_base_freq=1_000.0,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        )
+    raise ValueError(f"unknown Gemma family {family!r}")
+
+
+@torch.no_grad()
+def save_gemma(folder: Path, family: str, vocab: int = 256, **extra: Any) -> torch.nn.Module:
+    """A random Gemma (seed 0) saved to `folder`; its norm weights and biases are randomised
+    (transformers initialises them to 0, which would hide a (1 + w) or bias mistake)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(
+        gemma_hf_config(family, vocab, **extra), dtype=torch.float32
+    )
+    for name, p in hf.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(0.2 * torch.randn_like(p))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf.eval()
