@@ -157,9 +157,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
             "rope": (cfg.rope_theta, spec.rope_global_factor),
             "rope_local": (spec.rope_local_theta, spec.rope_local_factor),
         }
+        built: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = {}
         for prefix, (theta, factor) in tables.items():
-            inv_freq = linear_rope_inv_freq(cfg.head_dim, theta, factor)  # [D/2] on CPU
-            cos, sin = rope_tables(inv_freq, cfg.max_position_embeddings, device)
+            if (theta, factor) not in built:  # Gemma 2: one pair of tables serves every layer
+                inv_freq = linear_rope_inv_freq(cfg.head_dim, theta, factor)  # [D/2] on CPU
+                built[theta, factor] = rope_tables(inv_freq, cfg.max_position_embeddings, device)
+            cos, sin = built[theta, factor]
             # Registered (again) so .to() moves them; float32, cast to the activations at use.
             self.register_buffer(f"{prefix}_cos", cos, persistent=False)
             self.register_buffer(f"{prefix}_sin", sin, persistent=False)
