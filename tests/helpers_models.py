@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata
+from ferrum_server.models.causal_lm import CausalLM
 from ferrum_server.models.config import ModelConfig
-from ferrum_server.models.llama import LlamaForCausalLM
 
 
 class BlockAllocator:
@@ -72,7 +72,7 @@ class PagedRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         config: ModelConfig,
         *,
         num_blocks: int,
@@ -134,16 +134,24 @@ class PagedRunner:
 
 
 def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [n, H, D] (the last n of ctx positions), k/v [ctx, Hkv, D] -> [n, H, D], in float64.
-    window > 0: a query at position p sees only keys in (p - window, p]."""
+    window > 0: a query at position p sees only keys in (p - window, p]. softcap > 0: scores s
+    become softcap * tanh(s / softcap) before the softmax."""
     n, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     k = k.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
     v = v.double().repeat_interleave(group, dim=1)  # [ctx, H, D]
     scores = torch.einsum("nhd,chd->hnc", q.double(), k) * scale  # [H, n, ctx]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(ctx - n, ctx)[:, None]  # [n, 1]
     allowed = torch.arange(ctx)[None, :] <= q_pos  # [n, ctx]
     if window:
@@ -222,11 +230,12 @@ def random_paged_batch(
     spare_fill: float | None = None,
     device: torch.device | str = "cpu",
     window: int = 0,
+    softcap: float = 0.0,
 ) -> PagedBatch:
     """Items' histories go straight into a pool of shuffled blocks, then this step's K/V are
     written as the model would; `spare_blocks` unowned blocks hold random values, or
     `spare_fill` (e.g. NaN, so that any read of them shows). `window` > 0: the dense answer
-    is sliding-window attention."""
+    is sliding-window attention; `softcap` > 0: with soft-capped scores."""
     from ferrum_kernels.attention import write_kv
 
     torch.manual_seed(seed)
@@ -261,7 +270,7 @@ def random_paged_batch(
     scale = head_dim**-0.5
     reference = torch.cat(
         [
-            dense_reference(q, k, v, scale, window)
+            dense_reference(q, k, v, scale, window, softcap)
             for q, k, v in zip(queries, full_k, full_v, strict=True)
         ]
     )
@@ -347,3 +356,72 @@ def save_phi3(folder: Path, vocab: int = 256, **extra: Any) -> torch.nn.Module:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
     hf.save_pretrained(folder, safe_serialization=True)
     return hf
+
+
+# Gemma test checkpoints: small, windows well inside a 20-token prompt, and every Gemma
+# hyper-parameter set to a value that changes the logits (a model ignoring one fails parity).
+GEMMA_WINDOW = 6
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+
+
+def gemma_hf_config(family: str, vocab: int = 256, **extra: Any) -> Any:
+    """A small transformers Gemma2Config / Gemma3TextConfig.
+
+    gemma2: 3 layers (sliding, global, sliding), attention and final logit soft-caps small
+    enough to bite, q/k/v/o biases. gemma3: 4 layers (sliding, sliding, global, sliding:
+    sliding_window_pattern 3), q/k norms, RoPE base 1000 on sliding layers and 100000 with
+    linear scaling x4 on the global one. Both: query_pre_attn_scalar 24 (not head_dim), GQA 2.
+    """
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.08,
+        "sliding_window": GEMMA_WINDOW,
+        "query_pre_attn_scalar": 24,
+    }
+    common.update(extra)
+    if family == "gemma2":
+        return Gemma2Config(
+            **common,
+            num_hidden_layers=3,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            attention_bias=True,
+        )
+    if family == "gemma3":
+        return Gemma3TextConfig(
+            **common,
+            num_hidden_layers=4,
+            sliding_window_pattern=3,
+            rope_theta=100_000.0,
+            rope_local_base_freq=1_000.0,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        )
+    raise ValueError(f"unknown Gemma family {family!r}")
+
+
+@torch.no_grad()
+def save_gemma(folder: Path, family: str, vocab: int = 256, **extra: Any) -> torch.nn.Module:
+    """A random Gemma (seed 0) saved to `folder`; its norm weights and biases are randomised
+    (transformers initialises them to 0, which would hide a (1 + w) or bias mistake)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(
+        gemma_hf_config(family, vocab, **extra), dtype=torch.float32
+    )
+    for name, p in hf.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(0.2 * torch.randn_like(p))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf.eval()

@@ -13,6 +13,11 @@ only the keys at positions ``(p - window, p]``, i.e. the last ``window`` keys wi
 included (transformers' ``kv_idx > q_idx - sliding_window``). The window is a per-call argument
 rather than a field of the metadata, because every layer of a forward shares one metadata
 object while the window is a property of the layer (Gemma alternates local and global layers).
+
+Layers with attention logit soft-capping (Gemma 2) pass ``softcap`` (0 = off): each scaled
+score s becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax, in
+transformers' op order. SDPA has no soft-cap, so those calls score with two matmuls and a
+float32 softmax (transformers' "eager" attention, the only one it runs Gemma 2 with).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ __all__ = [
     "AttentionMetadata",
     "DecodeAttentionFn",
     "DecodeBatch",
+    "check_softcap",
     "check_window",
     "decode_attention_reference",
     "paged_attention",
@@ -174,21 +180,48 @@ def check_window(window: int) -> None:
         raise ValueError(f"sliding window must be >= 0 (0 = global attention), got {window}")
 
 
+def check_softcap(softcap: float) -> None:
+    """Raise for a soft-cap no layer can have (0 means none)."""
+    if not softcap >= 0.0 or math.isinf(softcap):
+        raise ValueError(f"attention softcap must be finite and >= 0 (0 = off), got {softcap}")
+
+
+def _attend(
+    q: torch.Tensor,  # [..., n, D]
+    k: torch.Tensor,  # [..., S, D]
+    v: torch.Tensor,  # [..., S, D]
+    mask: torch.Tensor,  # broadcastable to [..., n, S], True = visible
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Masked attention -> [..., n, D]: SDPA, or transformers' eager order with a soft-cap."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., n, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each item's query rows over its own paged KV history.
 
     query:    [T, num_heads, head_dim]
     kv_layer: [2, num_blocks, block_size, num_kv_heads, head_dim], already holding this step's K/V
     window:   0 for global attention, else a query at position p sees keys in (p - window, p]
+    softcap:  0 for none, else scores s become softcap * tanh(s / softcap) before the softmax
     returns   [T, num_heads, head_dim] in query's dtype
     """
     check_window(window)
+    check_softcap(softcap)
     num_tokens, num_heads = query.shape[0], query.shape[1]
     block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     if num_heads % num_kv_heads != 0:
@@ -204,7 +237,9 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     if meta.decode_items:
-        out[meta.decode_rows] = _decode_attention(query, kv_layer, meta, scale, group, window)
+        out[meta.decode_rows] = _decode_attention(
+            query, kv_layer, meta, scale, group, window, softcap
+        )
     for i in meta.prefill_items:
         start, end = meta.query_start[i], meta.query_start[i + 1]
         out[start:end] = _chunk_attention(
@@ -215,6 +250,7 @@ def paged_attention(
             scale,
             group,
             window,
+            softcap,
         )
     return out
 
@@ -226,6 +262,7 @@ def _decode_attention(
     scale: float,
     group: int,
     window: int,
+    softcap: float,
 ) -> torch.Tensor:
     """All single-token items in one padded, masked SDPA call -> [D, num_heads, head_dim]."""
     block_size, num_kv_heads, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
@@ -244,7 +281,7 @@ def _decode_attention(
     if window:
         # The query sits at position context_len - 1 and sees (context_len - 1 - window, ...].
         mask &= positions[None, :] >= meta.decode_context_lens[:, None] - window
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    o = _attend(q, k, v, mask[:, None, None, :], scale, softcap)  # [D, Hkv, G, Dh]
     return o.reshape(num_decodes, num_kv_heads * group, head_dim)  # [D, H, Dh]
 
 
@@ -256,6 +293,7 @@ def _chunk_attention(
     scale: float,
     group: int,
     window: int,
+    softcap: float,
 ) -> torch.Tensor:
     """One item's n query rows over its first context_len cached positions -> [n, H, Dh]."""
     n, num_heads, head_dim = query.shape
@@ -275,7 +313,7 @@ def _chunk_attention(
     if window:
         mask &= positions[None, :] > last_visible[:, None] - window
     mask = mask.repeat_interleave(group, dim=0)  # [n*G, ctx]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [Hkv, n*G, Dh]
+    o = _attend(q, k, v, mask, scale, softcap)  # [Hkv, n*G, Dh]
     o = o.view(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3)  # [n, Hkv, G, Dh]
     return o.reshape(n, num_heads, head_dim)
 
@@ -315,11 +353,16 @@ class DecodeBatch:
 
 
 class DecodeAttentionFn(Protocol):
-    """(query [B, H, D], kv_layer [2, NB, BS, Hkv, D], scale, window=0) -> [B, H, D]; window as
-    in ``paged_attention`` (0 = global)."""
+    """(query [B, H, D], kv_layer [2, NB, BS, Hkv, D], scale, window=0, softcap=0.0) -> [B, H, D];
+    window and softcap as in ``paged_attention`` (0 = global / none)."""
 
     def __call__(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, scale: float, window: int = 0
+        self,
+        query: torch.Tensor,
+        kv_layer: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor: ...
 
 
@@ -329,6 +372,7 @@ def decode_attention_reference(
     batch: DecodeBatch,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Torch reference of graph-safe decode attention: every item over its whole table width.
 
@@ -337,10 +381,11 @@ def decode_attention_reference(
     tests and tiny models, too slow for production graphs (the Triton path reads in place).
 
     query:   [B, num_heads, head_dim], one row per item
-    window:  as in ``paged_attention`` (0 = global)
+    window, softcap: as in ``paged_attention`` (0 = global / none)
     returns  [B, num_heads, head_dim] in query's dtype
     """
     check_window(window)
+    check_softcap(softcap)
     num_items, num_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
     group = num_heads // num_kv_heads
@@ -353,7 +398,7 @@ def decode_attention_reference(
     mask = positions[None, :] < batch.context_lens[:, None]  # [B, S]
     if window:
         mask &= positions[None, :] >= batch.context_lens[:, None] - window
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    o = _attend(q, k, v, mask[:, None, None, :], scale, softcap)  # [B, Hkv, G, Dh]
     return o.reshape(num_items, num_heads, head_dim)  # [B, H, Dh]
 
 
@@ -365,8 +410,12 @@ def reference_decode_attention(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
 
     def attend(
-        query: torch.Tensor, kv_layer: torch.Tensor, scale: float, window: int = 0
+        query: torch.Tensor,
+        kv_layer: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        return decode_attention_reference(query, kv_layer, batch, scale, window)
+        return decode_attention_reference(query, kv_layer, batch, scale, window, softcap)
 
     return attend

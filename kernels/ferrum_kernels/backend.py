@@ -25,7 +25,7 @@ Every implementation has the torch reference's semantics, so the model code call
 functions whatever was selected:
 
     attention(query [T,H,D], key [T,Hkv,D], value [T,Hkv,D], kv_layer, meta, scale,
-              window=0) -> [T,H,D]
+              window=0, softcap=0.0) -> [T,H,D]
         writes this step's key/value into kv_layer [2,NB,BS,Hkv,D] at meta.slot_mapping, then
         attends every item's query rows over its paged history (its new tokens included), so
         the model never writes K/V itself; a backend may keep per-forward state keyed on the
@@ -116,8 +116,9 @@ __all__ = [
 
 
 class AttentionFn(Protocol):
-    """(query, key, value, kv_layer, meta, scale, window=0) -> output; writes key/value into
-    kv_layer first. window: the layer's sliding window, 0 = global."""
+    """(query, key, value, kv_layer, meta, scale, window=0, softcap=0.0) -> output; writes
+    key/value into kv_layer first. window: the layer's sliding window, 0 = global; softcap: its
+    attention logit soft-cap, 0 = none."""
 
     def __call__(
         self,
@@ -128,12 +129,13 @@ class AttentionFn(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor: ...
 
 
 class PagedAttentionFn(Protocol):
-    """(query, kv_layer, meta, scale, window=0) -> output, over a pool that already holds this
-    step's K/V."""
+    """(query, kv_layer, meta, scale, window=0, softcap=0.0) -> output, over a pool that already
+    holds this step's K/V."""
 
     def __call__(
         self,
@@ -142,6 +144,7 @@ class PagedAttentionFn(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor: ...
 
 
@@ -194,10 +197,11 @@ class WriteThenAttend:
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         # Written before attending so each new token sees its own K/V.
         self.write_kv(kv_layer, key, value, meta.slot_mapping)
-        return self.paged_attention(query, kv_layer, meta, scale, window)
+        return self.paged_attention(query, kv_layer, meta, scale, window, softcap)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ Sliding-window layers (``window > 0``: a query at p sees keys in (p - window, p]
   queries scored over only the keys its rows can see, with a float32 softmax.
 Without the native decode kernel, a windowed layer runs the torch reference
 (``attention.paged_attention`` with the window).
+
+Soft-capped layers (``softcap > 0``, Gemma 2) run the torch reference
+(``attention.paged_attention`` with the window and the cap): neither native kernel applies a
+tanh to the scores, and the reference's eager path already has transformers' op order.
 """
 
 from __future__ import annotations
@@ -553,9 +557,10 @@ def _native_prefill(
 
 
 class CpuAttention:
-    """The CPU backend's attention, ``(query, key, value, kv_layer, meta, scale, window=0) ->
-    [T, H, D]``: writes this step's K/V into the pool, then runs ``cpu_paged_attention``
-    (``cpu_windowed_attention`` for a sliding-window layer).
+    """The CPU backend's attention, ``(query, key, value, kv_layer, meta, scale, window=0,
+    softcap=0.0) -> [T, H, D]``: writes this step's K/V into the pool, then runs
+    ``cpu_paged_attention`` (``cpu_windowed_attention`` for a sliding-window layer, the torch
+    reference for a soft-capped one).
 
     It owns what that needs beyond its arguments: a ``Workspace`` (grown once, reused by every
     layer and step) and the current forward's ``CpuAttentionPlan``. Every layer of a forward
@@ -587,11 +592,14 @@ class CpuAttention:
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         # Written before attending so each new token sees its own K/V.
         write_kv(kv_layer, key, value, meta.slot_mapping)
-        if kv_layer.device.type != "cpu":  # a pool elsewhere: the reference serves it
-            return paged_attention(query, kv_layer, meta, scale, window)
+        # A pool elsewhere, or a soft-capped layer (no native kernel caps its scores): the
+        # reference serves it.
+        if kv_layer.device.type != "cpu" or softcap:
+            return paged_attention(query, kv_layer, meta, scale, window, softcap)
         plan = self.plan(meta, kv_layer.shape[2])
         if window:
             check_window(window)

@@ -23,6 +23,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(variance + eps)).to(input_dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dim: ``x / rms(x) * (1 + weight)``, all in float32 and cast
+    back to the input dtype once at the end (transformers' ``Gemma2RMSNorm`` order; Llama's
+    casts before the weight, and a precomputed ``1 + weight`` stored in bfloat16 would round)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` in transformers' op order (divide, tanh, multiply)."""
+    return torch.tanh(x / cap) * cap
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX-style ("rotate_half") rotary embedding.
 
@@ -44,6 +58,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [.., 2 * I] gate/up projection output -> [.., I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh-approximated GELU (``gelu_pytorch_tanh``) on a fused [.., 2 * I]
+    gate/up projection output -> [.., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class TiedLinear(nn.Module):

@@ -30,6 +30,11 @@ compiled kernel per WINDOWED flag) limits a query at position p to keys in (p - 
 tile starts its KV loop at the first position its earliest query can see, so a decode far past
 the window reads only ``window`` positions, and splits share that shorter range.
 
+Soft-capping: ``softcap > 0`` (Gemma 2; a compile-time SOFTCAP flag plus the runtime cap)
+turns each scaled score s into ``softcap * tanh(s / softcap)`` before the mask and the online
+softmax. ``tanh`` is written as ``1 - 2 / (exp(2x) + 1)`` (exact at both saturations, about
+1e-7 absolute near 0), since ``tl`` has no portable tanh that also runs in the interpreter.
+
 Constraints (checked by the wrappers):
   * any pool block size >= 1 (positions are mapped to blocks per KV position, so block sizes need
     not be powers of two or match the kernel's KV tile);
@@ -53,6 +58,7 @@ from ferrum_kernels.attention import (
     AttentionMetadata,
     DecodeAttentionFn,
     DecodeBatch,
+    check_softcap,
     check_window,
 )
 
@@ -226,7 +232,8 @@ def _unified_attention_kernel(
     context_lens_ptr,  # [B] int32
     tile_item_ptr,  # [num_tiles] int32
     tile_q_start_ptr,  # [num_tiles] int32
-    scale_log2,  # softmax scale * log2(e): scores live in the exp2 domain
+    qk_scale,  # scale * log2(e) (scores live in the exp2 domain); scale / softcap with SOFTCAP
+    softcap_log2,  # softcap * log2(e); ignored unless SOFTCAP
     stride_qt,
     stride_qh,
     stride_ot,
@@ -253,6 +260,7 @@ def _unified_attention_kernel(
     SPLIT: tl.constexpr,
     SPAN_FROM_CONTEXT: tl.constexpr,  # derive each tile's split span from its context (graphs)
     WINDOWED: tl.constexpr,  # a sliding-window layer
+    SOFTCAP: tl.constexpr,  # attention logit soft-capping
     DOT_F32: tl.constexpr,  # upcast dot operands (fp32 inputs, or the CPU interpreter)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -333,7 +341,10 @@ def _unified_attention_kernel(
             # The reference casts the pool to the query dtype before attending.
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        if SOFTCAP:
+            # s is (q.k * scale) / softcap here: tanh it, then back to softcap units, log2 domain.
+            s = (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634)) + 1.0)) * softcap_log2
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]  # [M, N]
         if WINDOWED:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -518,6 +529,7 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -526,10 +538,12 @@ def paged_attention_triton(
     query:      [T, num_heads, head_dim]
     kv_layer:   [2, num_blocks, block_size, num_kv_heads, head_dim], already holding this step's K/V
     window:     0 for global attention, else a query at position p sees keys in (p - window, p]
+    softcap:    0 for none, else scores s become softcap * tanh(s / softcap) before the softmax
     num_splits: force the KV partition count (1 = never split); None = heuristic
     returns     [T, num_heads, head_dim] in query's dtype
     """
     check_window(window)
+    check_softcap(softcap)
     num_tokens, num_heads, _ = query.shape
     block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     _check_shapes(query, kv_layer)
@@ -565,7 +579,15 @@ def paged_attention_triton(
     else:
         kv_span = _NO_SPLIT_SPAN
     return _launch(
-        query, kv_layer, derived, scale, num_splits, kv_span, window, span_from_context=False
+        query,
+        kv_layer,
+        derived,
+        scale,
+        num_splits,
+        kv_span,
+        window,
+        softcap,
+        span_from_context=False,
     )
 
 
@@ -576,7 +598,8 @@ def prepare_decode_triton(
 
     The per-item index tensors are built once (not per call) and the split count is chosen for
     the longest context the tables allow; the kernel then divides each item's actual context
-    among the splits itself. The returned ``attend(query [B, H, D], kv_layer, scale, window=0)``
+    among the splits itself. The returned ``attend(query [B, H, D], kv_layer, scale, window=0,
+    softcap=0.0)``
     makes no host->device copy and reads no device value on the host, so it can be captured in a
     CUDA graph and replayed after new values are copied into ``batch``'s tensors.
     """
@@ -602,14 +625,27 @@ def prepare_decode_triton(
     splits = max(1, min(num_splits, max_context))
 
     def attend(
-        query: torch.Tensor, kv_layer: torch.Tensor, scale: float, window: int = 0
+        query: torch.Tensor,
+        kv_layer: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         check_window(window)
+        check_softcap(softcap)
         _check_shapes(query, kv_layer)
         if query.shape[0] != num_items:
             raise ValueError(f"query has {query.shape[0]} rows but the batch has {num_items}")
         return _launch(
-            query, kv_layer, derived, scale, splits, _NO_SPLIT_SPAN, window, span_from_context=True
+            query,
+            kv_layer,
+            derived,
+            scale,
+            splits,
+            _NO_SPLIT_SPAN,
+            window,
+            softcap,
+            span_from_context=True,
         )
 
     return attend
@@ -642,6 +678,7 @@ def _launch(
     num_splits: int,
     kv_span: int,
     window: int,
+    softcap: float,
     *,
     span_from_context: bool,
 ) -> torch.Tensor:
@@ -680,7 +717,8 @@ def _launch(
         derived.context_lens,
         derived.tile_item,
         derived.tile_q_start,
-        scale * _LOG2E,
+        scale / softcap if softcap else scale * _LOG2E,
+        softcap * _LOG2E,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -707,6 +745,7 @@ def _launch(
         SPLIT=split,
         SPAN_FROM_CONTEXT=span_from_context and split,
         WINDOWED=window > 0,
+        SOFTCAP=softcap > 0,
         # The interpreter's dot is wrong for bf16 operands, so it always computes in fp32.
         DOT_F32=fp32 or interpret,
         # fp32 models (tests, CPU parity) must not silently drop to TF32 on Ampere+.

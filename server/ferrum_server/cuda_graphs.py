@@ -32,7 +32,7 @@ import torch
 from ferrum_kernels.attention import AttentionMetadata, DecodeAttentionFn, DecodeBatch
 from ferrum_kernels.backend import KernelBackend, WriteKvFn
 
-from ferrum_server.models import LlamaForCausalLM
+from ferrum_server.models import CausalLM
 
 DEFAULT_MAX_BATCH = 256
 # Rows of the static scalar input buffer.
@@ -161,10 +161,11 @@ class _BoundAttention:
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         # Written before attending so each new token sees its own K/V.
         self._write_kv(kv_layer, key, value, meta.slot_mapping)
-        return self._attend(query, kv_layer, scale, window)
+        return self._attend(query, kv_layer, scale, window, softcap)
 
 
 class DecodeGraphs:
@@ -172,7 +173,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         layout: DecodeGraphLayout,
         backend: KernelBackend,

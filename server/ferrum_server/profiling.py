@@ -20,7 +20,7 @@ from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.domain import ItemKind, Sampling, StepItem
 from ferrum_server.kv.manager import Cache
 from ferrum_server.memory_plan import estimate_graph_bytes
-from ferrum_server.models import LlamaForCausalLM, ModelConfig
+from ferrum_server.models import CausalLM, ModelConfig
 from ferrum_server.runner import ModelRunner
 
 # (KV pool, scratch block, bucket sizes) -> graphs over that pool, not yet captured
@@ -89,7 +89,7 @@ def device_peak_bytes(device: torch.device) -> int | None:
 
 
 def profile_startup(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     config: ModelConfig,
     kernels: KernelBackend,
     *,

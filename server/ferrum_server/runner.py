@@ -20,7 +20,7 @@ from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors
 from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.domain import ItemKind, OutputPolicy, PenaltyScope, StepItem
 from ferrum_server.kv.manager import Cache
-from ferrum_server.models import LlamaForCausalLM
+from ferrum_server.models import CausalLM
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class ForwardOutput:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         block_size: int,
         vocab_size: int,

@@ -24,7 +24,7 @@ from ferrum_server.cuda_graphs import (
 )
 from ferrum_server.kv.manager import KvManager
 from ferrum_server.memory_plan import MemoryPlan, plan_memory
-from ferrum_server.models import LlamaForCausalLM, ModelConfig, load_model
+from ferrum_server.models import CausalLM, ModelConfig, load_model
 from ferrum_server.profiling import (
     ProfileShape,
     StartupProfile,
@@ -50,7 +50,7 @@ class BuiltParts:
 
     device: torch.device
     dtype: torch.dtype
-    model: LlamaForCausalLM
+    model: CausalLM
     model_config: ModelConfig
     max_sequence_length: int
     kernels: KernelBackend
@@ -151,7 +151,7 @@ def _graph_capturer(
 
 
 def _decode_graphs(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     kernels: KernelBackend,
     capturer: GraphCapturer,
     kv_cache: torch.Tensor,
@@ -170,7 +170,7 @@ def _decode_graphs(
 
 def _capture_graphs(
     runner: ModelRunner,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     kernels: KernelBackend,
     capturer: GraphCapturer,
     kv_cache: torch.Tensor,
@@ -198,7 +198,7 @@ def _capture_graphs(
 
 def _plan_memory(
     config: EngineConfig,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     model_config: ModelConfig,
     kernels: KernelBackend,
     capturer: GraphCapturer | None,
@@ -234,7 +234,7 @@ def _plan_memory(
 
 def _profile(
     config: EngineConfig,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     model_config: ModelConfig,
     kernels: KernelBackend,
     capturer: GraphCapturer | None,

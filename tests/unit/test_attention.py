@@ -216,3 +216,32 @@ def test_cuda_matches_dense(dtype: torch.dtype) -> None:
         device="cuda",
     )
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_softcap_matches_dense(block_size: int, window: int) -> None:
+    """Soft-capped scores (Gemma 2), decodes and chunks, with and without a window."""
+    kwargs = dict(block_size=block_size, num_kv_heads=2, group=2, head_dim=16, seed=5)
+    batch = random_paged_batch(
+        _WINDOWED,
+        dtype=torch.float32,
+        window=window,
+        softcap=0.5,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    query = torch.cat(batch.queries)
+    out = paged_attention(query, batch.kv_layer, batch.meta, batch.scale, window, 0.5)
+    torch.testing.assert_close(out.double(), batch.reference, atol=1e-5, rtol=1e-5)
+    # The cap matters here: uncapped attention gives other answers.
+    plain = paged_attention(query, batch.kv_layer, batch.meta, batch.scale, window)
+    assert (plain - out).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("inf"), float("nan")])
+def test_bad_softcap_is_rejected(softcap: float) -> None:
+    batch = random_paged_batch(
+        [(3, 2)], block_size=4, num_kv_heads=1, group=1, head_dim=16, dtype=torch.float32, seed=0
+    )
+    with pytest.raises(ValueError, match="softcap"):
+        paged_attention(torch.cat(batch.queries), batch.kv_layer, batch.meta, 1.0, 0, softcap)

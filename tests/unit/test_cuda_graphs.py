@@ -11,6 +11,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +30,16 @@ from ferrum_server.cuda_graphs import (
 )
 from ferrum_server.domain import ItemKind, OutputPolicy, Sampling, StepItem
 from ferrum_server.kv.manager import Cache
-from ferrum_server.models import tiny_config
+from ferrum_server.models import CausalLM, ModelConfig, load_model, tiny_config
 from ferrum_server.models.tiny import build_tiny
 from ferrum_server.runner import ModelRunner
 from helpers_engine import greedy_decode
+from helpers_models import save_gemma
 
 BLOCK = 4
 MAX_SEQ = 48  # -> static block tables of 12 columns
 LOGITS = Sampling(policy=OutputPolicy.LOGITS)
+_CPU_FLOAT32 = {"dtype": torch.float32, "device": torch.device("cpu")}
 
 
 def _graph_backend() -> KernelBackend:
@@ -87,12 +90,19 @@ class _Pool:
     """The tiny model, a KV pool whose last block is the scratch block, and live sequences."""
 
     def __init__(
-        self, num_blocks: int = 320, max_batch: int = 8, windows: tuple[int, ...] = ()
+        self,
+        num_blocks: int = 320,
+        max_batch: int = 8,
+        windows: tuple[int, ...] = (),
+        model: tuple[CausalLM, ModelConfig] | None = None,  # default: the tiny model
     ) -> None:
-        self.config = replace(tiny_config(), sliding_windows=windows)
-        self.model = build_tiny(torch.float32, "cpu")
-        for layer, window in zip(self.model.layers, windows, strict=False):
-            layer.window = window
+        if model is None:
+            self.config = replace(tiny_config(), sliding_windows=windows)
+            self.model = build_tiny(torch.float32, "cpu")
+            for layer, window in zip(self.model.layers, windows, strict=False):
+                layer.window = window
+        else:
+            self.model, self.config = model
         c = self.config
         self.num_blocks = num_blocks
         self.kv = torch.zeros(
@@ -245,6 +255,24 @@ def test_sliding_window_layers_replay_like_the_eager_forward() -> None:
     p = _Pool(num_blocks=64, max_batch=4, windows=(5, 0))
     p.graphs.capture()
     seqs = [p.open(prompt_len=n, seed=1400 + n) for n in (3, 17, 30)]
+    for step in range(2):
+        items = p.decode_items(seqs, step)
+        p.runner.graphs = p.graphs
+        graphed = p.runner.run(items, seqs)
+        p.runner.graphs = None
+        eager = p.runner.run(items, seqs)
+        assert graphed.graphed
+        torch.testing.assert_close(_logits(graphed), _logits(eager), atol=1e-5, rtol=1e-5)
+        p.commit(seqs, items)
+
+
+def test_gemma_soft_capped_layers_replay_like_the_eager_forward(tmp_path: Path) -> None:
+    """Gemma 2 (attention soft-cap, windowed and global layers): the captured decode passes
+    each layer's soft-cap to the graph-safe attention."""
+    save_gemma(tmp_path, "gemma2")
+    p = _Pool(num_blocks=64, max_batch=4, model=load_model(str(tmp_path), **_CPU_FLOAT32))
+    p.graphs.capture()
+    seqs = [p.open(prompt_len=n, seed=1500 + n) for n in (3, 17)]
     for step in range(2):
         items = p.decode_items(seqs, step)
         p.runner.graphs = p.graphs

@@ -80,6 +80,31 @@ def test_attention_writes_this_steps_kv_then_attends(
 
 @pytest.mark.parametrize("make", [torch_backend, cpu_backend], ids=["torch", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 5])
+def test_soft_capped_layers_between_plain_ones(
+    make: Callable[[], KernelBackend], dtype: torch.dtype, window: int
+) -> None:
+    # Gemma 2's soft-capped layers (the CPU backend routes them to the reference) beside plain
+    # ones under one metadata object: each call gets its own scores, the plan stays right.
+    items = [(0, 11), (5, 6), (30, 1), (9, 1), (2, 1), (17, 9), (0, 1)]
+    kwargs = dict(block_size=4, num_kv_heads=2, group=2, head_dim=64, dtype=dtype, seed=8)
+    capped = random_paged_batch(items, **kwargs, window=window, softcap=1.0)  # type: ignore[arg-type]
+    plain = random_paged_batch(items, **kwargs, window=window)  # type: ignore[arg-type]
+    assert (capped.reference - plain.reference).abs().max().item() > 0.05  # the cap matters
+    backend = make()
+    query, meta, scale = torch.cat(capped.queries), capped.meta, capped.scale
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    for softcap, want in ((1.0, capped.reference), (0.0, plain.reference), (1.0, capped.reference)):
+        pool = _pool_without_this_step(capped.kv_layer, meta)
+        out = backend.attention(
+            query, capped.key, capped.value, pool, meta, scale, window, softcap=softcap
+        )
+        assert torch.equal(pool, capped.kv_layer)
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("make", [torch_backend, cpu_backend], ids=["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 5])
 def test_sliding_window_layers_between_global_ones(
     make: Callable[[], KernelBackend],

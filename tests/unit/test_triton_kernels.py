@@ -195,6 +195,35 @@ def test_sliding_window_attention_matches_reference(
     assert (paged_attention(q, kv, meta, 0.3) - want).abs().max().item() > 0.05
 
 
+@pytest.mark.parametrize(
+    ("softcap", "window", "num_splits", "dtype"),
+    [
+        (1.0, 0, 1, torch.float32),
+        (0.5, 5, 1, torch.float32),  # a soft-capped sliding-window layer (Gemma 2)
+        (2.0, 0, 3, torch.float32),  # split-K: the partial outputs carry capped scores
+        (1.0, 6, 2, torch.bfloat16),
+    ],
+)
+def test_softcap_attention_matches_reference(
+    softcap: float, window: int, num_splits: int, dtype: torch.dtype
+) -> None:
+    q, kv, meta = _paged_case(
+        block_size=4,
+        num_kv_heads=2,
+        group=2,
+        head_dim=16,
+        items=_WINDOWED,
+        dtype=dtype,
+        seed=int(softcap * 10) + window,
+    )
+    scale = 0.5  # scores of a few units: the cap changes them
+    got = paged_attention_triton(q, kv, meta, scale, window, softcap, num_splits=num_splits)
+    want = paged_attention(q, kv, meta, scale, window, softcap)
+    torch.testing.assert_close(got.float(), want.float(), **_TOL[dtype])
+    # The cap changes the answer here, so a kernel that ignored it would fail above.
+    assert (paged_attention(q, kv, meta, scale, window) - want).abs().max().item() > 0.05
+
+
 def _decode_batch(
     contexts: list[int], width: int, block_size: int, num_blocks: int, seed: int
 ) -> tuple[DecodeBatch, list[list[int]]]:
@@ -279,6 +308,34 @@ def test_graph_decode_entry_with_sliding_window(num_splits: int, window: int) ->
     )
     torch.testing.assert_close(want, paged_attention(q, kv, meta, 0.25, window), atol=1e-6, rtol=0)
     assert (decode_attention_reference(q, kv, batch, 0.25) - want).abs().max().item() > 0.05
+
+
+@pytest.mark.parametrize(("num_splits", "window"), [(1, 0), (3, 6)])
+def test_graph_decode_entry_with_softcap(num_splits: int, window: int) -> None:
+    """The graph-safe decode entry with soft-capped scores (Gemma 2 decodes under CUDA graphs),
+    against the graph-safe reference and the unified reference."""
+    block_size, num_kv_heads, group, head_dim = 4, 2, 2, 16
+    contexts = [1, 37, 70, 4, 9]
+    width = 20
+    num_blocks = sum(math.ceil(c / block_size) for c in contexts) + 3
+    gen = torch.Generator().manual_seed(num_splits)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    batch, rows = _decode_batch(contexts, width, block_size, num_blocks, seed=num_splits)
+    q = torch.randn(len(contexts), num_kv_heads * group, head_dim, generator=gen)
+    attend = prepare_decode_triton(batch, num_kv_heads * group, num_kv_heads, num_splits=num_splits)
+    got = attend(q, kv, 0.5, window, 1.0)
+    want = decode_attention_reference(q, kv, batch, 0.5, window, 1.0)
+    torch.testing.assert_close(got, want, **_TOL[torch.float32])
+    meta = build_meta(
+        [r[: math.ceil(c / block_size)] for r, c in zip(rows, contexts, strict=True)],
+        [1] * len(contexts),
+        contexts,
+        block_size,
+    )
+    torch.testing.assert_close(
+        want, paged_attention(q, kv, meta, 0.5, window, 1.0), atol=1e-6, rtol=0
+    )
+    assert (decode_attention_reference(q, kv, batch, 0.5, window) - want).abs().max().item() > 0.05
 
 
 def test_graph_decode_entry_checks_its_inputs() -> None:

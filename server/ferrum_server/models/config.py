@@ -1,10 +1,12 @@
 """Model hyper-parameters parsed from (and written back to) a Hugging Face ``config.json``.
 
-Only the Llama family is supported: Llama (1-3.x), Mistral, Qwen2 (q/k/v bias), Qwen3
-(per-head q/k RMSNorm) and Phi-3 (fused qkv / gate-up checkpoint tensors, LongRoPE), and the
-mixture-of-experts relatives Mixtral (Mistral attention) and Qwen3-MoE (Qwen3 attention), whose
-expert hyper-parameters are one ``MoeSpec`` (``moe_config``). Anything else is rejected up front
-with a message naming the offending field, rather than producing silently wrong logits later.
+Supported: the Llama family, Llama (1-3.x), Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k
+RMSNorm) and Phi-3 (fused qkv / gate-up checkpoint tensors, LongRoPE); the mixture-of-experts
+relatives Mixtral (Mistral attention) and Qwen3-MoE (Qwen3 attention), whose expert
+hyper-parameters are one ``MoeSpec`` (``moe_config``); and Gemma 2 / Gemma 3 text models, whose
+extra hyper-parameters live in ``ModelConfig.gemma`` (``gemma_spec.GemmaSpec``). Anything else
+is rejected up front with a message naming the offending field, rather than producing silently
+wrong logits later.
 
 Sliding-window attention is read exactly as transformers reads it: Mistral windows every layer
 with ``sliding_window`` (4096 when the field is absent, as in ``MistralConfig``); Mixtral and
@@ -25,6 +27,7 @@ from typing import Any, ClassVar, TypeAlias
 
 import torch
 
+from ferrum_server.models.gemma_spec import GEMMA_MODEL_TYPES, GemmaSpec
 from ferrum_server.models.moe_config import MOE_MODEL_TYPES, REFUSED_ARCHITECTURES, MoeSpec
 
 # HF architecture class name -> model_type, for the families this executor can run.
@@ -36,6 +39,8 @@ _ARCH_TO_MODEL_TYPE: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 _MODEL_TYPE_TO_ARCH: dict[str, str] = {v: k for k, v in _ARCH_TO_MODEL_TYPE.items()}
 
@@ -176,6 +181,8 @@ class ModelConfig:
     sliding_windows: tuple[int, ...] = ()
     # The experts of a mixture-of-experts model (Mixtral, Qwen3-MoE); None for a dense one.
     moe: MoeSpec | None = None
+    # Gemma 2 / Gemma 3 only: (1 + w) norms, GeGLU, soft-caps, local/global RoPE (see gemma_spec).
+    gemma: GemmaSpec | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in _ARCH_TO_MODEL_TYPE:
@@ -205,6 +212,13 @@ class ModelConfig:
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` runs experts (a MoE model's sparse layer) or a dense MLP."""
         return self.moe is not None and self.moe.is_sparse(layer)
+        if (self.gemma is not None) != (self.model_type in GEMMA_MODEL_TYPES):
+            raise ValueError(f"{self.architecture} needs a Gemma spec exactly when it is Gemma")
+        if self.gemma is not None and len(self.gemma.sliding_layers) != self.num_layers:
+            raise ValueError(
+                f"the Gemma spec lists {len(self.gemma.sliding_layers)} layer types for "
+                f"{self.num_layers} layers"
+            )
 
     def layer_window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window, 0 for global attention."""
@@ -230,21 +244,31 @@ class ModelConfig:
                 raise ValueError(f"config.json for {architecture} is missing required {key!r}")
             return d[key]
 
+        gemma = model_type in GEMMA_MODEL_TYPES
         hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
+        if hidden_act != "silu" and not gemma:  # Gemma reads hidden_activation (gemma_spec)
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is supported")
         if d.get("mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported")
 
         hidden_size = int(req("hidden_size"))
         num_heads = int(req("num_attention_heads"))
-        num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
-        head_dim = int(d.get("head_dim") or hidden_size // num_heads)
+        # Gemma's config classes default these to fixed numbers (head_dim 256, 4 KV heads),
+        # not to the Llama rule below: a Gemma config.json must state them.
+        num_kv_heads = int(
+            req("num_key_value_heads") if gemma else d.get("num_key_value_heads") or num_heads
+        )
+        head_dim = int(req("head_dim") if gemma else d.get("head_dim") or hidden_size // num_heads)
         max_pos = int(req("max_position_embeddings"))
-
-        rope_theta, rope_scaling = _parse_rope(d, model_type, head_dim, max_pos)
         num_layers = int(req("num_hidden_layers"))
-        windows = _sliding_windows(d, model_type, num_layers, max_pos)
+
+        gemma_spec: GemmaSpec | None = None
+        if gemma:
+            rope_theta, gemma_spec = GemmaSpec.from_hf(d, model_type, num_layers)
+            rope_scaling = None  # Gemma's linear scaling lives in the spec
+        else:
+            rope_theta, rope_scaling = _parse_rope(d, model_type, head_dim, max_pos)
+        windows = _sliding_windows(d, model_type, num_layers, max_pos, gemma_spec)
 
         eos = d.get("eos_token_id")
         eos_ids: tuple[int, ...]
@@ -269,13 +293,15 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Gemma's config classes tie the LM head unless told otherwise.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=_attention_bias(d, model_type),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             sliding_windows=windows,
             moe=MoeSpec.from_hf(d, model_type, int(req("intermediate_size"))),
+            gemma=gemma_spec,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -301,8 +327,12 @@ class ModelConfig:
             "eos_token_id": _eos_to_hf(self.eos_token_ids),
             "torch_dtype": "float32",
         }
-        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_MODEL_TYPES):
             d["attention_bias"] = self.attention_bias
+        if self.gemma is not None:
+            del d["hidden_act"]
+            d.update(self.gemma.to_hf(self.model_type, self.rope_theta))
+            return d
         d.update(self._sliding_window_to_hf())
         if self.moe is not None:
             d.update(self.moe.to_hf(self.model_type))
@@ -359,7 +389,8 @@ class ModelConfig:
             attn += h
         if self.qk_norm:
             attn += 2 * d
-        per_layer = attn + 2 * h  # + two RMSNorm weights
+        norms = 4 if self.gemma is not None else 2  # Gemma adds pre/post-feedforward norms
+        per_layer = attn + norms * h  # + the RMSNorm weights
         mlps = sum(self._mlp_parameters(layer) for layer in range(self.num_layers))
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
@@ -475,11 +506,18 @@ _LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 def _sliding_windows(
-    d: Mapping[str, Any], model_type: str, num_layers: int, max_pos: int
+    d: Mapping[str, Any],
+    model_type: str,
+    num_layers: int,
+    max_pos: int,
+    gemma: GemmaSpec | None = None,
 ) -> tuple[int, ...]:
     """Per-layer windows (0 = global) as transformers applies them; () when all are global."""
     raw = d.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
-    if model_type in ("mistral", "mixtral", "phi3"):
+    if gemma is not None:
+        # Gemma windows the layers its layer_types (or pattern) names "sliding_attention".
+        windowed = list(gemma.sliding_layers)
+    elif model_type in ("mistral", "mixtral", "phi3"):
         # They window every layer with config.sliding_window (layer_types is ignored);
         # MixtralConfig's and Phi3Config's default is no window.
         if model_type in ("mixtral", "phi3"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata
@@ -23,6 +24,7 @@ from ferrum_kernels.backend import KernelBackend, torch_backend
 from ferrum_kernels.layers import TiedLinear, rms_norm
 from torch import nn
 
+from ferrum_server.models.causal_lm import CausalLM
 from ferrum_server.models.config import Llama3RopeScaling, LongRopeScaling, ModelConfig
 from ferrum_server.models.moe import SparseMoeBlock, expert_tensor_names
 
@@ -115,12 +117,11 @@ def _expert_entries(config: ModelConfig, ours: str, hf: str) -> list[WeightEntry
     ]
 
 
-def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name the model needs, with its expected shape."""
-    model = LlamaForCausalLM(config, device=torch.device("meta"))
+def hf_tensor_shapes_of(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name ``model`` needs (build it on the meta device), with its shape."""
     params = dict(model.named_parameters())
     shapes: dict[str, tuple[int, ...]] = {}
-    for entry in weight_map(config):
+    for entry in model.weight_map():
         full = tuple(params[entry.name].shape)
         if len(entry.hf_names) == 1:
             shapes[entry.hf_names[0]] = full
@@ -171,6 +172,19 @@ def _llama3_scale(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_tables(
+    inv_freq: torch.Tensor, max_positions: int, device: torch.device, scaling: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [max_positions, D/2] float32 tables of one set of inverse frequencies, times
+    the attention scaling of a rope variant (LongRoPE's; 1.0 otherwise)."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    if scaling != 1.0:  # as transformers scales them: in float32, before any cast
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(device), sin.to(device)
+
+
 # What a model runs with until a backend is bound: transformers' numerics on any device.
 _REFERENCE = torch_backend()
 
@@ -188,6 +202,8 @@ class RMSNorm(nn.Module):
 class DecoderLayer(nn.Module):
     # The model's backend, set by LlamaForCausalLM.bind_backend (a plain attribute, not state).
     backend: KernelBackend
+    # The norm every RMSNorm of the layer is built with (Gemma's layers use their (1 + w) kind).
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
 
     def __init__(
         self,
@@ -205,7 +221,8 @@ class DecoderLayer(nn.Module):
         self.scale = d**-0.5
         # This layer's sliding window (0 = global), handed to every attention call.
         self.window = window
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
+        norm = self.norm_class
+        self.input_layernorm = norm(h, config.rms_norm_eps, dtype=dtype, device=device)
         self.qkv_proj = nn.Linear(
             h,
             (config.num_heads + 2 * config.num_kv_heads) * d,
@@ -219,9 +236,9 @@ class DecoderLayer(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
+            self.q_norm = norm(d, config.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = norm(d, config.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = norm(h, config.rms_norm_eps, dtype=dtype, device=device)
         # The MLP: a sparse layer's experts (moe), else the dense gate/up and down projections.
         self.moe: SparseMoeBlock | None = None
         self.gate_up_proj: nn.Linear | None = None
@@ -281,13 +298,27 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = kernels.rotary(q, k, cos, sin)  # may rotate in place (q, k are views of qkv)
-        # [T, H, D]; writes K/V
-        o = kernels.attention(q, k, v, kv_layer, meta, self.scale, window=self.window)
+        o = self._attend(q, k, v, kv_layer, meta)  # [T, H, D]; writes K/V
         out: torch.Tensor = self.o_proj(o.reshape(t, h * d))  # [T, hidden]
         return out
 
+    def _attend(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The backend's attention (KV write included) with this layer's scale and window."""
+        return self.backend.attention(q, k, v, kv_layer, meta, self.scale, window=self.window)
 
-class LlamaForCausalLM(nn.Module):
+
+class LlamaForCausalLM(CausalLM):
+    # What the layers and the final norm are built from (the Gemma model swaps both).
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
+
     def __init__(
         self,
         config: ModelConfig,
@@ -301,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(
+            self.layer_class(
                 config,
                 dtype=dtype,
                 device=device,
@@ -310,7 +341,9 @@ class LlamaForCausalLM(nn.Module):
             )
             for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = self.norm_class(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
+        )
         self.lm_head: nn.Linear | None = None
         self.tied_head: TiedLinear | None = None  # the embedding table as the LM head
         if config.tie_word_embeddings:
@@ -360,14 +393,12 @@ class LlamaForCausalLM(nn.Module):
             self.max_sequence_length = max_sequence_length
         # [D/2], always on CPU so every device agrees
         inv_freq = rope_inv_freq(self.config, self.max_sequence_length)
-        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        scaling = rope_attention_scaling(self.config)
-        if scaling != 1.0:  # as transformers scales them: in float32, before any cast
-            cos, sin = cos * scaling, sin * scaling
-        self.rope_cos = cos.to(device)
-        self.rope_sin = sin.to(device)
+        self.rope_cos, self.rope_sin = rope_tables(
+            inv_freq,
+            self.config.max_position_embeddings,
+            device,
+            rope_attention_scaling(self.config),
+        )
 
     def forward(
         self,
@@ -393,11 +424,15 @@ class LlamaForCausalLM(nn.Module):
         logits: torch.Tensor = head(hidden)
         return logits.float()
 
+    def weight_map(self) -> list[WeightEntry]:
+        """Our parameter names with the HF tensors behind each (see ``weight_map``)."""
+        return weight_map(self.config)
+
     @torch.no_grad()
     def load_hf_weights(self, get_tensor: Callable[[str], torch.Tensor]) -> None:
         """Fill every parameter from HF-named tensors (names/shapes validated by the caller)."""
         params = dict(self.named_parameters())
-        for entry in weight_map(self.config):
+        for entry in self.weight_map():
             param = params[entry.name]
             if len(entry.hf_names) == 1:
                 param.copy_(get_tensor(entry.hf_names[0]))
@@ -412,7 +447,7 @@ class LlamaForCausalLM(nn.Module):
         """Parameters under HF names (fused tensors split back), as views of our weights."""
         params = dict(self.named_parameters())
         out: dict[str, torch.Tensor] = {}
-        for entry in weight_map(self.config):
+        for entry in self.weight_map():
             param = params[entry.name].detach()
             if len(entry.hf_names) == 1:
                 out[entry.hf_names[0]] = param

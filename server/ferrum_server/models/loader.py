@@ -17,8 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ferrum_server.models.causal_lm import CausalLM
 from ferrum_server.models.config import ModelConfig
-from ferrum_server.models.llama import LlamaForCausalLM, hf_tensor_shapes
+from ferrum_server.models.registry import hf_tensor_shapes, model_class
 from ferrum_server.models.tiny import build_tiny, tiny_config
 
 CONFIG_FILE = "config.json"
@@ -29,7 +30,7 @@ _MAX_LISTED = 5  # names quoted in an error before "and N more"
 
 def load_model(
     source: str, *, dtype: torch.dtype, device: torch.device
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """``source`` is ``"tiny"`` or a path to a HF model folder."""
     if source == "tiny":
         return build_tiny(dtype, device), tiny_config()
@@ -46,7 +47,7 @@ def load_model(
         }
         _check_tensors(folder, expected, name_to_file, handles)
         # Build without initialising (meta), then allocate straight on the target device.
-        model = LlamaForCausalLM(config, dtype=dtype, device=torch.device("meta"))
+        model = model_class(config)(config, dtype=dtype, device=torch.device("meta"))
         model = model.to_empty(device=device)
         model.reset_rope_cache(device)
         model.load_hf_weights(lambda name: handles[name_to_file[name]].get_tensor(name))
@@ -122,7 +123,7 @@ def _listed(items: list[str]) -> str:
 
 
 def save_hf_folder(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     config: ModelConfig,
     path: str | Path,
     *,

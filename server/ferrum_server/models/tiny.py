@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ferrum_server.models.config import ModelConfig
-from ferrum_server.models.llama import LlamaForCausalLM, hf_tensor_shapes
+from ferrum_server.models.llama import LlamaForCausalLM
+from ferrum_server.models.registry import hf_tensor_shapes
 
 _INIT_STD = 0.02
 
