@@ -12,6 +12,11 @@ weight export are unchanged) and keeps a packed copy beside them; a tied LM head
 (``layers.TiedLinear``) gets a packed copy of the embedding table. It is the CPU backend's
 ``prepare_model`` step, and idempotent. A weight modified in place after packing (its version
 counter moved) is re-packed on the next call, so packing early is never wrong, only wasted.
+
+A serving model does not need the plain copy beside the packed one: ``release_plain_weights``
+frees it (the engine's runner does, on CPU), halving the memory of every packed linear. The
+module then runs only its packed GEMM: it cannot be trained, moved, cast or exported any more
+(each of those raises a clear error rather than computing with an empty weight).
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ from torch import nn
 
 from ferrum_kernels.layers import TiedLinear
 
-__all__ = ["PackedLinear", "mkldnn_linear_available", "packed_linear", "prepack_linears"]
+__all__ = [
+    "PackedLinear",
+    "mkldnn_linear_available",
+    "packed_linear",
+    "prepack_linears",
+    "release_plain_weights",
+]
 
 # M the packed layout is tuned for: a typical unified step (a prefill chunk plus decodes).
 DEFAULT_BATCH_HINT = 256
@@ -50,7 +61,7 @@ def mkldnn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
 class PackedWeight:
     """A weight (and optional bias) with its oneDNN-packed copy, re-packed when it changes."""
 
-    __slots__ = ("_batch_hint", "_packed", "_version", "bias", "weight")
+    __slots__ = ("_batch_hint", "_packed", "_version", "bias", "released", "weight")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = DEFAULT_BATCH_HINT
@@ -60,8 +71,13 @@ class PackedWeight:
         self._batch_hint = batch_hint
         self._packed: torch.Tensor | None = None
         self._version = -1
+        # The plain weight's storage was freed (release_plain): the packed copy is all there is.
+        self.released = False
 
     def packed(self) -> torch.Tensor:
+        if self.released:
+            assert self._packed is not None  # packed before the plain copy was freed
+            return self._packed
         version = self.weight._version
         if self._packed is None or version != self._version:
             with torch.no_grad():
@@ -70,6 +86,19 @@ class PackedWeight:
                 )
             self._version = version
         return self._packed
+
+    def release_plain(self) -> int:
+        """Pack (if not yet), then free the plain weight's storage; returns the bytes freed.
+        The Parameter stays (empty), so the module's structure and names are unchanged."""
+        if self.released:
+            return 0
+        self.packed()
+        weight = self.weight
+        freed = weight.numel() * weight.element_size()
+        with torch.no_grad():
+            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        self.released = True
+        return freed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
@@ -110,6 +139,15 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pack = getattr(self, "_pack", None)
+        if pack is not None and pack.released:
+            # Only the packed copy exists: it serves CPU inference and nothing else.
+            if x.device.type != "cpu" or x.dtype != pack.packed().dtype:
+                raise RuntimeError(
+                    f"this linear keeps only its oneDNN-packed {pack.packed().dtype} weight "
+                    f"(release_plain_weights); it cannot run {x.dtype} on {x.device.type}"
+                )
+            out_packed: torch.Tensor = pack(x)
+            return out_packed
         # Autograd does not flow through the packed op: fall back when a gradient is wanted.
         if pack is None or (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
@@ -132,3 +170,14 @@ def prepack_linears(module: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> 
                 child.packed = packed_linear(child.weight)
                 count += int(child.packed is not None)
     return count
+
+
+def release_plain_weights(module: nn.Module) -> int:
+    """Free the plain weight of every packed linear below ``module`` (see the module docstring);
+    returns the bytes freed. For a serving model only: after it the model runs CPU inference
+    in its dtype and nothing else. Tied heads keep theirs (the table is also the embedding)."""
+    return sum(
+        child._pack.release_plain()
+        for child in module.modules()
+        if isinstance(child, PackedLinear) and child._pack is not None
+    )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from ferrum_kernels.backend import KernelBackend, select_backend
+from ferrum_kernels.cpu_linear import release_plain_weights
 
 from ferrum_server import logs
 from ferrum_server.config import EngineConfig
@@ -101,6 +102,10 @@ def build_parts(config: EngineConfig, instance_id: int) -> BuiltParts:
     )
     if capturer is not None:
         plan = _capture_graphs(runner, model, kernels, capturer, kv_cache, plan, shapes)
+    if device.type == "cpu":
+        # The served model runs only its packed linears: their plain copies are dead weight.
+        freed = release_plain_weights(model)
+        _LOG.info("plain_weights_released", mib=round(freed / 1024**2, 1))
     limits = Limits(
         vocab_size=model_config.vocab_size,
         max_sequence_length=max_len,

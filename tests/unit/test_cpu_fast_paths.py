@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from ferrum_kernels.backend import cpu_backend
-from ferrum_kernels.cpu_linear import PackedLinear, mkldnn_linear_available, prepack_linears
+from ferrum_kernels.cpu_linear import (
+    PackedLinear,
+    mkldnn_linear_available,
+    prepack_linears,
+    release_plain_weights,
+)
 from ferrum_server.models import build_tiny, tiny_config
 from transformers import LlamaConfig
 
@@ -76,6 +81,40 @@ def _mixed_steps(runner: PagedRunner, vocab: int) -> list[torch.Tensor]:
         tokens = {i: int(g[-1].argmax()) for i, g in zip(tokens, got, strict=False)}
         prompts[4] = prompts[4][:30] + prompts[4][31:]
     return outputs
+
+
+@needs_mkldnn
+@torch.no_grad()
+def test_released_plain_weights_keep_the_outputs_and_free_their_bytes() -> None:
+    model = build_tiny(torch.float32, "cpu")
+    model.bind_backend(cpu_backend())
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    plain = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    prompt = [3, 1, 4, 1, 5]
+    before = PagedRunner(model, tiny_config(), num_blocks=8, block_size=4).step([(0, prompt)])[0]
+    assert release_plain_weights(model) == plain > 0
+    assert all(m.weight.numel() == 0 for m in linears)
+    assert release_plain_weights(model) == 0  # idempotent
+    after = PagedRunner(model, tiny_config(), num_blocks=8, block_size=4).step([(0, prompt)])[0]
+    assert torch.equal(before, after)  # the same packed GEMMs ran
+    with pytest.raises(RuntimeError, match="cannot be exported"):
+        model.hf_state_dict()
+    with pytest.raises(RuntimeError, match="only its oneDNN-packed"):
+        linears[0](torch.ones(1, linears[0].in_features, dtype=torch.float64))
+
+
+def test_a_served_cpu_model_keeps_no_plain_copy_of_its_packed_linears() -> None:
+    from ferrum_server.config import EngineConfig
+    from ferrum_server.engine import Engine
+
+    engine = Engine(EngineConfig(block_size=4, kv_cache_bytes=1 << 20))
+    try:
+        linears = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+        if mkldnn_linear_available():
+            assert linears and all(m.weight.numel() == 0 for m in linears)
+        assert engine.warmup(16).deferral is None  # and it still runs
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -449,6 +449,11 @@ class LlamaForCausalLM(CausalLM):
         out: dict[str, torch.Tensor] = {}
         for entry in self.weight_map():
             param = params[entry.name].detach()
+            if param.numel() == 0:
+                raise RuntimeError(
+                    f"{entry.name} holds no plain weight: this model was prepared for serving "
+                    "(release_plain_weights) and cannot be exported"
+                )
             if len(entry.hf_names) == 1:
                 out[entry.hf_names[0]] = param
                 continue
