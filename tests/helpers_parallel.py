@@ -150,11 +150,11 @@ def _rank_main(
     rank: int, world_size: int, init_file: str, cases: list[tuple[str, str, int]], out_dir: str
 ) -> None:
     import torch.distributed as dist
-    from ferrum_server.parallel import TensorParallel
+    from ferrum_server.parallel import TensorParallel, collective_backend
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group(
-        "gloo",
+        collective_backend(torch.device("cpu")),
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,

@@ -14,10 +14,16 @@ from typing import Any
 
 import pytest
 import torch
+from ferrum_kernels.backend import cpu_backend
 from ferrum_server.models import ModelConfig, load_model
 from ferrum_server.models.llama import LlamaForCausalLM
 from ferrum_server.models.weight_shards import shard_weight_map
-from ferrum_server.parallel import SINGLE_RANK, TensorParallel, check_tensor_parallel
+from ferrum_server.parallel import (
+    SINGLE_RANK,
+    TensorParallel,
+    check_tensor_parallel,
+    collective_backend,
+)
 from ferrum_server.parallel.sharding import attention_shard, vocab_shard
 from helpers_parallel import (
     GREEDY_STEPS,
@@ -176,3 +182,29 @@ def test_each_rank_reads_its_heads_of_the_fused_qkv() -> None:
     got = [(s.hf_name.rsplit(".", 2)[-2], s.start, s.length) for s in qkv.slices]
     assert got == [("q_proj", 32, 32), ("k_proj", 16, 16), ("v_proj", 16, 16)]
     assert vocab_shard(251, 1, 2) == vocab_shard(252, 1, 2)  # padded to 252: rows 126..251
+
+
+def test_one_rank_builds_the_plain_modules_and_packs_them() -> None:
+    # The single-rank model is the model as it was: plain nn.Linear / nn.Embedding, every
+    # linear pre-packed by the CPU backend; split, the shards are packed too.
+    from torch import nn
+
+    whole = LlamaForCausalLM(_config(attention_bias=True))
+    layer = whole.layers[0]
+    assert type(whole.embed_tokens) is nn.Embedding and type(whole.lm_head) is nn.Linear
+    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        assert type(linear) is nn.Linear
+    assert whole.kv_heads == 4
+    assert whole.bind_backend(cpu_backend()) == 4 * 2 + 1
+    split = LlamaForCausalLM(_config(attention_bias=True), tp=TensorParallel(1, 2))
+    assert split.kv_heads == 2
+    assert split.bind_backend(cpu_backend()) == 4 * 2 + 1
+
+
+def test_collectives_run_on_gloo_for_cpu_and_nccl_for_gpus() -> None:
+    assert collective_backend(torch.device("cpu")) == "gloo"
+    assert collective_backend(torch.device("cuda", 1)) == "nccl"
+    x = torch.ones(3)
+    assert SINGLE_RANK.all_reduce(x) is x and SINGLE_RANK.all_gather(x) is x
+    with pytest.raises(ValueError, match="rank must be in"):
+        TensorParallel(rank=2, world_size=2)

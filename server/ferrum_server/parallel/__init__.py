@@ -6,7 +6,7 @@ MLP columns and vocabulary rows each rank holds (and refuses what cannot be spli
 models package, which builds on it.
 """
 
-from ferrum_server.parallel.group import SINGLE_RANK, TensorParallel
+from ferrum_server.parallel.group import SINGLE_RANK, TensorParallel, collective_backend
 from ferrum_server.parallel.sharding import check_tensor_parallel
 
-__all__ = ["SINGLE_RANK", "TensorParallel", "check_tensor_parallel"]
+__all__ = ["SINGLE_RANK", "TensorParallel", "check_tensor_parallel", "collective_backend"]

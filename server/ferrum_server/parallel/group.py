@@ -60,3 +60,8 @@ class TensorParallel:
 
 # The description of a model that is not split: every collective is a no-op.
 SINGLE_RANK = TensorParallel(rank=0, world_size=1)
+
+
+def collective_backend(device: torch.device) -> str:
+    """The torch.distributed backend for ranks on ``device``: NCCL between GPUs, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
