@@ -88,7 +88,7 @@ class PagedRunner:
             2,
             num_blocks,
             block_size,
-            config.num_kv_heads,
+            model.kv_heads,  # this rank's KV heads (config.num_kv_heads unless split)
             config.head_dim,
             dtype=self.dtype,
             device=self.device,

@@ -15,6 +15,7 @@ from ferrum_kernels.backend import KernelBackend
 from torch import nn
 
 from ferrum_server.models.config import ModelConfig
+from ferrum_server.parallel.group import TensorParallel
 
 
 class CausalLM(nn.Module):
@@ -22,6 +23,8 @@ class CausalLM(nn.Module):
 
     config: ModelConfig
     embed_tokens: nn.Embedding  # its weight's device and dtype are the model's
+    tp: TensorParallel  # this process's rank of the group the model is split over
+    kv_heads: int  # KV heads per layer in this rank's pool (config.num_kv_heads on one rank)
 
     @property
     def backend(self) -> KernelBackend:

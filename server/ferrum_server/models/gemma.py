@@ -38,6 +38,7 @@ from ferrum_server.models.llama import (
     rope_tables,
     weight_map,
 )
+from ferrum_server.parallel.group import SINGLE_RANK, TensorParallel
 
 __all__ = ["GemmaDecoderLayer", "GemmaForCausalLM", "GemmaRMSNorm", "gemma_weight_map"]
 
@@ -95,8 +96,10 @@ class GemmaDecoderLayer(DecoderLayer):
         device: torch.device | None,
         window: int = 0,
         sparse: bool = False,
+        tp: TensorParallel = SINGLE_RANK,
     ) -> None:
-        super().__init__(config, dtype=dtype, device=device, window=window, sparse=sparse)
+        # Gemma runs on one rank: LlamaForCausalLM refuses it at tp world size > 1.
+        super().__init__(config, dtype=dtype, device=device, window=window, sparse=sparse, tp=tp)
         spec = _spec(config)
         self.scale = spec.attention_scale
         self.softcap = spec.attn_logit_softcap  # 0 = none

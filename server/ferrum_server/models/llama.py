@@ -27,6 +27,14 @@ from torch import nn
 from ferrum_server.models.causal_lm import CausalLM
 from ferrum_server.models.config import Llama3RopeScaling, LongRopeScaling, ModelConfig
 from ferrum_server.models.moe import SparseMoeBlock, expert_tensor_names
+from ferrum_server.parallel.group import SINGLE_RANK, TensorParallel
+from ferrum_server.parallel.layers import (
+    ParallelLMHead,
+    column_linear,
+    row_linear,
+    vocab_embedding,
+)
+from ferrum_server.parallel.sharding import attention_shard, check_tensor_parallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,25 +221,32 @@ class DecoderLayer(nn.Module):
         device: torch.device | None,
         window: int = 0,
         sparse: bool = False,
+        tp: TensorParallel = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.backend = _REFERENCE
         h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        # This rank's heads (all of them on one rank): query heads split evenly, KV heads split
+        # or replicated so that every local query head's KV head is local (parallel.sharding).
+        heads = attention_shard(config.num_heads, config.num_kv_heads, tp.rank, tp.world_size)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.q_heads, heads.kv_heads, d
+        inter = config.intermediate_size // tp.world_size
         self.scale = d**-0.5
         # This layer's sliding window (0 = global), handed to every attention call.
         self.window = window
         norm = self.norm_class
         self.input_layernorm = norm(h, config.rms_norm_eps, dtype=dtype, device=device)
-        self.qkv_proj = nn.Linear(
+        # Column-parallel q/k/v (this rank's heads), row-parallel o: one all-reduce per layer.
+        self.qkv_proj = column_linear(
             h,
-            (config.num_heads + 2 * config.num_kv_heads) * d,
+            (self.num_heads + 2 * self.num_kv_heads) * d,
             bias=config.attention_bias,
+            tp=tp,
             dtype=dtype,
             device=device,
         )
-        self.o_proj = nn.Linear(
-            config.num_heads * d, h, bias=config.o_proj_bias, dtype=dtype, device=device
+        self.o_proj = row_linear(
+            self.num_heads * d, h, bias=config.o_proj_bias, tp=tp, dtype=dtype, device=device
         )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -240,19 +255,20 @@ class DecoderLayer(nn.Module):
             self.k_norm = norm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = norm(h, config.rms_norm_eps, dtype=dtype, device=device)
         # The MLP: a sparse layer's experts (moe), else the dense gate/up and down projections.
+        # Split over the ranks (check_tensor_parallel refuses MoE models at world size > 1).
         self.moe: SparseMoeBlock | None = None
-        self.gate_up_proj: nn.Linear | None = None
-        self.down_proj: nn.Linear | None = None
+        self.gate_up_proj: nn.Module | None = None
+        self.down_proj: nn.Module | None = None
         if sparse:
             assert config.moe is not None
             self.moe = SparseMoeBlock(config.moe, h, dtype=dtype, device=device)
         else:
-            self.gate_up_proj = nn.Linear(
-                h, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device
+            # Column-parallel gate/up (this rank's gate rows, then its up rows), row-parallel
+            # down: SwiGLU runs on the local columns, one all-reduce after down.
+            self.gate_up_proj = column_linear(
+                h, 2 * inter, bias=False, tp=tp, dtype=dtype, device=device
             )
-            self.down_proj = nn.Linear(
-                config.intermediate_size, h, bias=False, dtype=dtype, device=device
-            )
+            self.down_proj = row_linear(inter, h, bias=False, tp=tp, dtype=dtype, device=device)
 
     def forward(
         self,
@@ -325,11 +341,14 @@ class LlamaForCausalLM(CausalLM):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
+        tp: TensorParallel = SINGLE_RANK,
     ) -> None:
         super().__init__()
+        check_tensor_parallel(config, tp.world_size)
         self.config = config
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        self.tp = tp
+        self.embed_tokens = vocab_embedding(
+            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
             self.layer_class(
@@ -338,15 +357,33 @@ class LlamaForCausalLM(CausalLM):
                 device=device,
                 window=config.layer_window(i),
                 sparse=config.is_sparse_layer(i),
+                tp=tp,
             )
             for i in range(config.num_layers)
         )
+        self.kv_heads = attention_shard(
+            config.num_heads, config.num_kv_heads, tp.rank, tp.world_size
+        ).kv_heads
         self.norm = self.norm_class(
             config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
         )
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: nn.Module | None = None
         self.tied_head: TiedLinear | None = None  # the embedding table as the LM head
-        if config.tie_word_embeddings:
+        if tp.is_parallel:
+            # This rank's vocabulary rows (its embedding shard when tied), logits gathered.
+            local: nn.Module = (
+                TiedLinear(self.embed_tokens)
+                if config.tie_word_embeddings
+                else nn.Linear(
+                    config.hidden_size,
+                    self.embed_tokens.num_embeddings,
+                    bias=False,
+                    dtype=dtype,
+                    device=device,
+                )
+            )
+            self.lm_head = ParallelLMHead(local, config.vocab_size, tp)
+        elif config.tie_word_embeddings:
             self.tied_head = TiedLinear(self.embed_tokens)
         else:
             self.lm_head = nn.Linear(
@@ -430,7 +467,9 @@ class LlamaForCausalLM(CausalLM):
 
     @torch.no_grad()
     def load_hf_weights(self, get_tensor: Callable[[str], torch.Tensor]) -> None:
-        """Fill every parameter from HF-named tensors (names/shapes validated by the caller)."""
+        """Fill every parameter from HF-named tensors (names/shapes validated by the caller).
+        A split model reads only its slices instead (``weight_shards.load_shards``)."""
+        self._require_whole("load_hf_weights")
         params = dict(self.named_parameters())
         for entry in self.weight_map():
             param = params[entry.name]
@@ -445,6 +484,7 @@ class LlamaForCausalLM(CausalLM):
     @torch.no_grad()
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters under HF names (fused tensors split back), as views of our weights."""
+        self._require_whole("hf_state_dict")
         params = dict(self.named_parameters())
         out: dict[str, torch.Tensor] = {}
         for entry in self.weight_map():
@@ -460,3 +500,10 @@ class LlamaForCausalLM(CausalLM):
             parts = torch.split(param, list(entry.split_sizes), dim=0)
             out.update(zip(entry.hf_names, parts, strict=True))
         return out
+
+    def _require_whole(self, what: str) -> None:
+        if self.tp.is_parallel:
+            raise ValueError(
+                f"{what} needs the whole model; this is rank {self.tp.rank} of "
+                f"{self.tp.world_size} (load with weight_shards.load_shards)"
+            )

@@ -19,8 +19,12 @@ from safetensors.torch import save_file
 
 from ferrum_server.models.causal_lm import CausalLM
 from ferrum_server.models.config import ModelConfig
+from ferrum_server.models.llama import LlamaForCausalLM
 from ferrum_server.models.registry import hf_tensor_shapes, model_class
 from ferrum_server.models.tiny import build_tiny, tiny_config
+from ferrum_server.models.weight_shards import load_shards
+from ferrum_server.parallel.group import SINGLE_RANK, TensorParallel
+from ferrum_server.parallel.sharding import check_tensor_parallel
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -29,15 +33,24 @@ _MAX_LISTED = 5  # names quoted in an error before "and N more"
 
 
 def load_model(
-    source: str, *, dtype: torch.dtype, device: torch.device
+    source: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = SINGLE_RANK,
 ) -> tuple[CausalLM, ModelConfig]:
-    """``source`` is ``"tiny"`` or a path to a HF model folder."""
+    """``source`` is ``"tiny"`` or a path to a HF model folder. ``tp``: this process's rank of a
+    tensor-parallel group, which builds and reads only its shard (``weight_shards``); a model
+    that cannot be split over ``tp.world_size`` ranks is refused before any weight is read."""
     if source == "tiny":
+        if tp.is_parallel:
+            raise ValueError("the built-in tiny model runs on one rank (no tensor parallelism)")
         return build_tiny(dtype, device), tiny_config()
     folder = Path(source)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist (or is not a folder)")
     config = read_config(folder)
+    check_tensor_parallel(config, tp.world_size)
     name_to_file = _index_tensors(folder)
     expected = hf_tensor_shapes(config)
     with ExitStack() as stack:
@@ -47,10 +60,24 @@ def load_model(
         }
         _check_tensors(folder, expected, name_to_file, handles)
         # Build without initialising (meta), then allocate straight on the target device.
-        model = model_class(config)(config, dtype=dtype, device=torch.device("meta"))
+        model = model_class(config)(config, dtype=dtype, device=torch.device("meta"), tp=tp)
         model = model.to_empty(device=device)
         model.reset_rope_cache(device)
-        model.load_hf_weights(lambda name: handles[name_to_file[name]].get_tensor(name))
+        if tp.is_parallel:
+            assert isinstance(model, LlamaForCausalLM)  # the family check_tensor_parallel allows
+
+            def read_slice(name: str, dim: int, start: int, length: int | None) -> torch.Tensor:
+                # A safetensors slice reads only the rows/columns asked for from the file.
+                part = handles[name_to_file[name]].get_slice(name)
+                if length is None:
+                    return part[:]  # type: ignore[no-any-return]
+                if dim == 0:
+                    return part[start : start + length]  # type: ignore[no-any-return]
+                return part[:, start : start + length]  # type: ignore[no-any-return]
+
+            load_shards(model, read_slice)
+        else:
+            model.load_hf_weights(lambda name: handles[name_to_file[name]].get_tensor(name))
     return model.requires_grad_(False).eval(), config
 
 

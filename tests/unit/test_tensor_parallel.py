@@ -1,0 +1,210 @@
+"""Tensor parallelism (issue #16, first slice): the split model against the whole one.
+
+Two gloo ranks (spawned once for every model) run the same paged step script as the whole
+model: float32 logits agree within 1e-4 with it and with transformers, and greedy decoding
+picks the same 32 tokens. The start-up check refuses, in one line naming the dimension and
+the numbers, every model that cannot be split, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ferrum_kernels.backend import cpu_backend
+from ferrum_server.models import ModelConfig, load_model
+from ferrum_server.models.llama import LlamaForCausalLM
+from ferrum_server.models.weight_shards import shard_weight_map
+from ferrum_server.parallel import (
+    SINGLE_RANK,
+    TensorParallel,
+    check_tensor_parallel,
+    collective_backend,
+)
+from ferrum_server.parallel.sharding import attention_shard, vocab_shard
+from helpers_parallel import (
+    GREEDY_STEPS,
+    hf_logits,
+    parallel_cases,
+    run_ranks,
+    run_script,
+    save_case,
+)
+
+TP_ATOL = 1e-4
+GREEDY_CASE = "llama-gqa"
+
+
+def test_two_ranks_match_one_rank_and_transformers(tmp_path: Path) -> None:
+    cases = []
+    whole: dict[str, list[torch.Tensor]] = {}
+    whole_greedy: list[int] = []
+    reference: dict[str, list[torch.Tensor]] = {}
+    for name, hf_config in parallel_cases().items():
+        folder = tmp_path / name
+        reference[name] = hf_logits(save_case(folder, hf_config))
+        greedy = GREEDY_STEPS if name == GREEDY_CASE else 0
+        result = run_script(folder, SINGLE_RANK, greedy)
+        whole[name] = result.logits
+        whole_greedy = result.greedy or whole_greedy
+        cases.append((name, folder, greedy))
+    ranks = run_ranks(2, cases, tmp_path / "ranks")
+    for name in whole:
+        for rank, results in enumerate(ranks):
+            split = results[name].logits
+            for seq, (ours, one, hf) in enumerate(
+                zip(split, whole[name], reference[name], strict=True)
+            ):
+                where = f"{name}, rank {rank}, sequence {seq}"
+                assert ours.shape == one.shape == hf.shape, where
+                assert (ours - one).abs().max().item() <= TP_ATOL, where
+                assert (ours - hf).abs().max().item() <= TP_ATOL, where
+    assert len(whole_greedy) == GREEDY_STEPS
+    assert [r[GREEDY_CASE].greedy for r in ranks] == [whole_greedy, whole_greedy]
+
+
+def _config(**changes: int) -> ModelConfig:
+    fields: dict[str, Any] = dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+    )
+    fields.update(changes)
+    return ModelConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    ("changes", "world_size", "message"),
+    [
+        (
+            {"num_heads": 6, "num_kv_heads": 2},
+            4,
+            "tensor parallelism over 4 ranks: num_attention_heads (6) is not divisible by 4",
+        ),
+        (
+            {"num_heads": 12, "num_kv_heads": 4},
+            6,
+            "tensor parallelism over 6 ranks: num_key_value_heads (4) neither divides nor is "
+            "divisible by 6",
+        ),
+        (
+            {"intermediate_size": 100},
+            8,
+            "tensor parallelism over 8 ranks: intermediate_size (100) is not divisible by 8",
+        ),
+    ],
+)
+def test_indivisible_dimensions_are_refused_in_one_line(
+    changes: dict[str, int], world_size: int, message: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        check_tensor_parallel(_config(**changes), world_size)
+    assert str(refused.value) == message
+    # The model itself refuses to be built split the same way.
+    with pytest.raises(ValueError, match="tensor parallelism over"):
+        LlamaForCausalLM(
+            _config(**changes),
+            device=torch.device("meta"),
+            tp=TensorParallel(rank=0, world_size=world_size),
+        )
+
+
+def test_splittable_dimensions_pass() -> None:
+    for world_size in (1, 2, 4, 8):  # 4 KV heads: split over 2 and 4, replicated over 8
+        check_tensor_parallel(_config(), world_size)
+    check_tensor_parallel(_config(vocab_size=251), 2)  # the vocabulary is padded, never refused
+
+
+def test_moe_and_gemma_run_on_one_rank_only() -> None:
+    from transformers import Gemma2Config, MixtralConfig
+
+    for hf in (
+        MixtralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2),
+        Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ):
+        config = ModelConfig.from_hf(hf.to_dict())
+        check_tensor_parallel(config, 1)
+        with pytest.raises(ValueError) as refused:
+            check_tensor_parallel(config, 2)
+        assert str(refused.value).startswith("tensor parallelism over 2 ranks: ")
+        assert "\n" not in str(refused.value)
+
+
+def test_refused_before_any_weight_is_read(tmp_path: Path) -> None:
+    # A config alone, without a single weight file: the split is refused first.
+    (tmp_path / "config.json").write_text(json.dumps(_config(num_heads=6, num_kv_heads=2).to_hf()))
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) is not divisible by 4"):
+        load_model(
+            str(tmp_path),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            tp=TensorParallel(rank=0, world_size=4),
+        )
+
+
+def test_kv_heads_replicate_when_ranks_outnumber_them() -> None:
+    # 8 ranks, 4 KV heads, 16 query heads: each KV head on 2 ranks, each rank 2 query heads
+    # of that KV head's GQA group (4 query heads per KV head).
+    shards = [attention_shard(16, 4, rank, 8) for rank in range(8)]
+    assert [s.kv_start for s in shards] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(s.kv_heads == 1 and s.q_heads == 2 for s in shards)
+    for s in shards:
+        assert all(q // 4 == s.kv_start for q in range(s.q_start, s.q_start + s.q_heads))
+    # 2 ranks, 4 KV heads: split, 2 each.
+    assert [(s.kv_start, s.kv_heads) for s in (attention_shard(8, 4, r, 2) for r in (0, 1))] == [
+        (0, 2),
+        (2, 2),
+    ]
+
+
+def test_each_rank_reads_its_heads_of_the_fused_qkv() -> None:
+    config = _config()  # 8 query heads, 4 KV heads of 8 dims
+    qkv = next(
+        e
+        for e in shard_weight_map(config, TensorParallel(1, 2))
+        if e.name == "layers.0.qkv_proj.weight"
+    )
+    got = [(s.hf_name.rsplit(".", 2)[-2], s.start, s.length) for s in qkv.slices]
+    assert got == [("q_proj", 32, 32), ("k_proj", 16, 16), ("v_proj", 16, 16)]
+    assert vocab_shard(251, 1, 2) == vocab_shard(252, 1, 2)  # padded to 252: rows 126..251
+
+
+def test_one_rank_builds_the_plain_modules_and_packs_them() -> None:
+    # The single-rank model is the model as it was: plain nn.Linear / nn.Embedding, every
+    # linear pre-packed by the CPU backend; split, the shards are packed too.
+    from torch import nn
+
+    whole = LlamaForCausalLM(_config(attention_bias=True))
+    layer = whole.layers[0]
+    assert type(whole.embed_tokens) is nn.Embedding and type(whole.lm_head) is nn.Linear
+    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        assert type(linear) is nn.Linear
+    assert whole.kv_heads == 4
+    assert whole.bind_backend(cpu_backend()) == 4 * 2 + 1
+    split = LlamaForCausalLM(_config(attention_bias=True), tp=TensorParallel(1, 2))
+    assert split.kv_heads == 2
+    assert split.bind_backend(cpu_backend()) == 4 * 2 + 1
+
+
+def test_collectives_run_on_gloo_for_cpu_and_nccl_for_gpus() -> None:
+    assert collective_backend(torch.device("cpu")) == "gloo"
+    assert collective_backend(torch.device("cuda", 1)) == "nccl"
+    x = torch.ones(3)
+    assert SINGLE_RANK.all_reduce(x) is x and SINGLE_RANK.all_gather(x) is x
+    with pytest.raises(ValueError, match="rank must be in"):
+        TensorParallel(rank=2, world_size=2)
