@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from ferrum_client import AsyncExecutorClient
-from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
-from helpers_models import hf_greedy, save_windowed_mistral
-from helpers_server import LiveServer, start_live_server
+from helpers_models import save_windowed_mistral
+from helpers_parity import check_scheduler_matches_transformers, random_prompts, serve_folder
+from helpers_server import LiveServer
 
 WINDOW = 6
 VOCAB = 256
-NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -28,40 +26,14 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module,
 
 @pytest.fixture(scope="module")
 def server(hf_model: tuple[torch.nn.Module, Path]) -> Iterator[LiveServer]:
-    yield from start_live_server(
-        model=str(hf_model[1]),
-        block_size=4,
-        kv_cache_bytes=4 * 1024**2,
-        max_batch_tokens=64,
-        max_batch_size=16,
-    )
+    yield from serve_folder(str(hf_model[1]))
 
 
-@torch.no_grad()
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_scheduler_over_grpc_matches_transformers(
     server: LiveServer, hf_model: tuple[torch.nn.Module, Path]
 ) -> None:
-    gen = torch.Generator().manual_seed(5)
-    prompts = [
-        torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 23, 4, 31, 14, 17)
-    ]
-    # Small steps: prompts arrive in chunks beside other requests' decodes.
-    config = SchedulerConfig(max_step_tokens=16, pipeline_depth=2, align_first_tokens=False)
-
-    async def scenario() -> tuple[list[list[int]], Scheduler]:
-        async with AsyncExecutorClient(server.target) as client:
-            scheduler = Scheduler(client, config)
-            results = await scheduler.generate(prompts, GenerationParams(max_new_tokens=NEW_TOKENS))
-        return [r.output_ids for r in results], scheduler
-
-    outputs, scheduler = server.run(scenario())  # type: ignore[misc]
-    for prompt, got in zip(prompts, outputs, strict=True):
-        assert got == hf_greedy(hf_model[0], prompt, NEW_TOKENS)
-    assert any(r.num_decodes and r.num_prefill_tokens for r in scheduler.stats.records)
+    prompts = random_prompts((9, 23, 4, 31, 14, 17), VOCAB)
+    check_scheduler_matches_transformers(server, hf_model[0], prompts)
     engine = server.engine
     assert engine.model_config.sliding_windows == (WINDOW, WINDOW)  # type: ignore[attr-defined]
-    # Windowed layers hold every block as a global model would: all of them come back.
-    kv = engine.kv  # type: ignore[attr-defined]
-    kv.check()
-    assert not kv.caches and kv.pool.num_available == kv.pool.num_blocks
