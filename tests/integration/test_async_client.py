@@ -110,9 +110,13 @@ def test_submit_after_the_server_died_fails_at_once_with_the_cause() -> None:
                 # A step sent as the server went away fails with the stream, never hangs ...
                 with pytest.raises(ExecutorError) as first:
                     await _submit_now(stream, _step("dying", [4]))
+                # The code is gRPC core's: UNAVAILABLE or CANCELLED, or INTERNAL ("Internal
+                # error from Core") when the stop cuts the stream mid-frame (seen once in 3 CI
+                # runs on a 2-core machine).
                 assert first.value.code in (
                     grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.INTERNAL,
                 ), first.value
                 # ... and once the stream has ended, submit raises at once, with the cause.
                 with pytest.raises(StreamClosedError) as later:
