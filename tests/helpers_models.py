@@ -425,3 +425,31 @@ def save_gemma(folder: Path, family: str, vocab: int = 256, **extra: Any) -> tor
             p.copy_(0.1 * torch.randn_like(p))
     hf.save_pretrained(folder, safe_serialization=True)
     return hf.eval()
+
+
+def check_chunking_and_batching_invariance(make_runner: Any) -> None:
+    """Chunked prefill of a 23-token prompt equals one piece, and a mixed batch (chunks on
+    history, decodes past it) equals each item alone. ``make_runner(**kw)`` builds a fresh
+    ``PagedRunner`` (kw: ``shuffle``, ``seed``). Uses torch's global seed (the caller sets it)."""
+    prompt = torch.randint(0, 256, (23,)).tolist()
+    whole = make_runner(shuffle=False).step([(0, prompt)])[0]
+    for chunks in ([12, 11], [5, 5, 5, 5, 3], [1, 7, 15]):
+        runner = make_runner(seed=5)
+        start, rows = 0, []
+        for n in chunks:
+            rows.append(runner.step([(0, prompt[start : start + n])])[0])
+            start += n
+        torch.testing.assert_close(torch.cat(rows), whole, atol=1e-4, rtol=0)
+
+    runner = make_runner()
+    plan = [(10, 1, 1), (11, 0, 9), (12, 4, 1), (13, 5, 8), (14, 30, 1), (15, 17, 3)]
+    for seq_id, hist, _ in plan:
+        if hist:
+            runner.step([(seq_id, torch.randint(0, 256, (hist,)).tolist())])
+    new = {seq_id: torch.randint(0, 256, (n,)).tolist() for seq_id, _, n in plan}
+    snap = runner.snapshot()
+    batched = runner.step([(seq_id, new[seq_id]) for seq_id, _, _ in plan])
+    for (seq_id, _, _), got in zip(plan, batched, strict=True):
+        runner.restore(snap)
+        alone = runner.step([(seq_id, new[seq_id])])[0]
+        torch.testing.assert_close(got, alone, atol=1e-4, rtol=0)

@@ -21,7 +21,11 @@ from transformers import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_models import PagedRunner, check_greedy_against_transformers
+from helpers_models import (
+    PagedRunner,
+    check_chunking_and_batching_invariance,
+    check_greedy_against_transformers,
+)
 
 PARITY_ATOL = 1e-3
 BLOCK_SIZE = 4
@@ -276,28 +280,7 @@ def test_sliding_window_chunking_and_batching_invariance(
     history, decodes far past the window) equals each item alone, for both CPU backends."""
     CASES[case](tmp_path)
     torch.manual_seed(2)
-    prompt = torch.randint(0, 256, (23,)).tolist()
-    whole = _sliding_runner(tmp_path, backend, shuffle=False).step([(0, prompt)])[0]
-    for chunks in ([12, 11], [5, 5, 5, 5, 3], [1, 7, 15]):
-        runner = _sliding_runner(tmp_path, backend, seed=5)
-        start, rows = 0, []
-        for n in chunks:
-            rows.append(runner.step([(0, prompt[start : start + n])])[0])
-            start += n
-        torch.testing.assert_close(torch.cat(rows), whole, atol=1e-4, rtol=0)
-
-    runner = _sliding_runner(tmp_path, backend)
-    plan = [(10, 1, 1), (11, 0, 9), (12, 4, 1), (13, 5, 8), (14, 30, 1), (15, 17, 3)]
-    for seq_id, hist, _ in plan:
-        if hist:
-            runner.step([(seq_id, torch.randint(0, 256, (hist,)).tolist())])
-    new = {seq_id: torch.randint(0, 256, (n,)).tolist() for seq_id, _, n in plan}
-    snap = runner.snapshot()
-    batched = runner.step([(seq_id, new[seq_id]) for seq_id, _, _ in plan])
-    for (seq_id, _, _), got in zip(plan, batched, strict=True):
-        runner.restore(snap)
-        alone = runner.step([(seq_id, new[seq_id])])[0]
-        torch.testing.assert_close(got, alone, atol=1e-4, rtol=0)
+    check_chunking_and_batching_invariance(lambda **kw: _sliding_runner(tmp_path, backend, **kw))
 
 
 @pytest.mark.gpu

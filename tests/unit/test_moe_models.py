@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_models import PagedRunner
+from helpers_models import PagedRunner, check_chunking_and_batching_invariance
 from helpers_moe import MIXTRAL_WINDOW, mixtral_config, qwen3_moe_config, save_moe
 
 PARITY_ATOL = 1e-3
@@ -92,28 +92,7 @@ def test_chunking_and_batching_invariance(family: str, backend: str, tmp_path: P
     equals each item alone: experts see different token groups, the rows must not care."""
     save_moe(tmp_path, FAMILIES[family]())
     torch.manual_seed(2)
-    prompt = torch.randint(0, 256, (23,)).tolist()
-    whole = _runner(tmp_path, backend, shuffle=False).step([(0, prompt)])[0]
-    for chunks in ([12, 11], [5, 5, 5, 5, 3], [1, 7, 15]):
-        runner = _runner(tmp_path, backend, seed=5)
-        start, rows = 0, []
-        for n in chunks:
-            rows.append(runner.step([(0, prompt[start : start + n])])[0])
-            start += n
-        torch.testing.assert_close(torch.cat(rows), whole, atol=1e-4, rtol=0)
-
-    runner = _runner(tmp_path, backend)
-    plan = [(10, 1, 1), (11, 0, 9), (12, 4, 1), (13, 5, 8), (14, 30, 1), (15, 17, 3)]
-    for seq_id, hist, _ in plan:
-        if hist:
-            runner.step([(seq_id, torch.randint(0, 256, (hist,)).tolist())])
-    new = {seq_id: torch.randint(0, 256, (n,)).tolist() for seq_id, _, n in plan}
-    snap = runner.snapshot()
-    batched = runner.step([(seq_id, new[seq_id]) for seq_id, _, _ in plan])
-    for (seq_id, _, _), got in zip(plan, batched, strict=True):
-        runner.restore(snap)
-        alone = runner.step([(seq_id, new[seq_id])])[0]
-        torch.testing.assert_close(got, alone, atol=1e-4, rtol=0)
+    check_chunking_and_batching_invariance(lambda **kw: _runner(tmp_path, backend, **kw))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
