@@ -110,6 +110,36 @@ class EngineConfig:
         metadata=flag("largest decode batch captured as a CUDA graph; larger steps run eagerly"),
     )
 
+    # Tensor parallelism (docs/parallelism.md). Spawn mode: this process is rank 0 of
+    # tensor_parallel_size and starts ranks 1..N-1 itself on this host.
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=flag(
+            "split the model over N ranks; this process is rank 0 and starts ranks 1..N-1 "
+            "itself (cuda:0..N-1, or N CPU processes sharing the cores)"
+        ),
+    )
+    # One process per rank (one container per GPU): every rank is started by the orchestrator
+    # with the same flags plus its --rank; they meet at --dist-init.
+    rank: int = field(
+        default=0,
+        metadata=flag("this process's rank with --world-size (0 serves gRPC; others follow)"),
+    )
+    world_size: int = field(
+        default=0,
+        metadata=flag("ranks started one per process (container); 0 = not this launch mode"),
+    )
+    dist_init: str = field(
+        default="",
+        metadata=flag("where the ranks meet: tcp://HOST:PORT (rank 0's address) with --world-size"),
+    )
+    # Every collective (each step's plan broadcast, the all-reduces) fails after this long, so a
+    # rank that hangs or dies never hangs the others; idle rank 0 sends a heartbeat well within.
+    collective_timeout_s: float = field(
+        default=120.0,
+        metadata=flag("seconds a tensor-parallel collective may wait before the executor fails"),
+    )
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -133,6 +163,7 @@ class EngineConfig:
             raise ValueError(f"cache lease must be in [0, {MAX_CACHE_LEASE_S:g}] s (0 = off)")
         if not 0 < self.prefix_pending_s <= MAX_PREFIX_PENDING_S:
             raise ValueError(f"prefix pending bound must be in (0, {MAX_PREFIX_PENDING_S:g}] s")
+        _check_parallel(self)
 
     @property
     def sweep_interval_s(self) -> float:
@@ -142,9 +173,38 @@ class EngineConfig:
         return min(LEASE_SWEEP_MAX_S, min(bounds) / 4)
 
     @property
+    def parallel_size(self) -> int:
+        """How many ranks the model is split over (1: not split)."""
+        return self.world_size or self.tensor_parallel_size
+
+    @property
+    def spawns_followers(self) -> bool:
+        """This process starts the other ranks itself (--tensor-parallel-size N > 1)."""
+        return self.tensor_parallel_size > 1 and not self.world_size
+
+    @property
     def graph_max_batch(self) -> int:
         """The largest captured decode batch: no step holds more than max_batch_size items."""
         return min(self.cuda_graph_max_batch, self.max_batch_size)
+
+
+def _check_parallel(config: EngineConfig) -> None:
+    """The two launch modes exclude each other; each one's numbers must make sense."""
+    if config.tensor_parallel_size < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, got {config.tensor_parallel_size}")
+    if config.world_size < 0:
+        raise ValueError(f"world size must be >= 0, got {config.world_size}")
+    if config.world_size and config.tensor_parallel_size not in (1, config.world_size):
+        raise ValueError(
+            f"--tensor-parallel-size {config.tensor_parallel_size} and --world-size "
+            f"{config.world_size} disagree (with --world-size each rank is its own process)"
+        )
+    if config.world_size and not 0 <= config.rank < config.world_size:
+        raise ValueError(f"rank must be in [0, {config.world_size}), got {config.rank}")
+    # That --rank comes with --world-size and where the ranks meet is checked at launch
+    # (parallel/launch.py), where the mode is chosen.
+    if config.collective_timeout_s <= 0:
+        raise ValueError(f"collective timeout must be > 0 s, got {config.collective_timeout_s:g}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,8 @@ FLAG_NAMES = {
     "max-concurrent-rpcs-per-caller", "step-stream-window",
     # Added since (issue #17).
     "step-ledger-max-bytes", "step-ledger-evicted-ids",
+    # Added since (issue #16).
+    "tensor-parallel-size", "rank", "world-size", "dist-init", "collective-timeout-s",
 }  # fmt: skip
 # Fields set in code only.
 NOT_FLAGS = {
@@ -61,6 +63,11 @@ def _samples(model_dir: Path) -> dict[str, tuple[str, Any]]:
         "prefix-pending-s": ("0.5", 0.5),
         "cuda-graphs": ("off", False),
         "cuda-graph-max-batch": ("8", 8),
+        "tensor-parallel-size": ("2", 2),
+        "rank": ("1", 1),
+        "world-size": ("2", 2),
+        "dist-init": ("tcp://10.0.0.1:29500", "tcp://10.0.0.1:29500"),
+        "collective-timeout-s": ("30", 30.0),
         "host": ("0.0.0.0", "0.0.0.0"),
         "port": ("50052", 50052),
         "grace-s": ("5", 5.0),
