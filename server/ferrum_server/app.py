@@ -7,7 +7,7 @@ import dataclasses
 import importlib.util
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -34,6 +34,11 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # A drain's closing phase gives the calls in flight at least this long, even when the finishing
 # phase used the whole grace period (a step started just before the deadline still answers).
 CLOSE_GRACE_MIN_S = 2.0
+# A split model's ranks prove each other alive at least this often while idle (and a quarter of
+# the collective timeout at most), so a dead follower is found within seconds.
+GROUP_PING_MAX_S = 2.0
+# After a split model's group failed: how long the calls in flight get to send their answers.
+ABORT_GRACE_S = 1.0
 
 
 _GRPC_MAX_MESSAGE = 2**31 - 1
@@ -93,6 +98,11 @@ class RunningServer:
     health_port: int = -1
     _watchdog: asyncio.Task[None] | None = None
     _sweeper: asyncio.Task[None] | None = None
+    _group_keeper: asyncio.Task[None] | None = None
+    # Set when a split model's group failed (a rank died or hung): the process must exit
+    # non-zero so the orchestrator restarts every rank (see `abort`).
+    group_failed: asyncio.Event = field(default_factory=asyncio.Event)
+    _fault_reported: bool = False
 
     async def warm_up(self) -> None:
         """Run a real forward, start the liveness watchdog and the lease sweep, then report
@@ -116,6 +126,9 @@ class RunningServer:
             self.watch_engine(config.liveness_interval_s, config.liveness_timeout_s)
         )
         self._sweeper = asyncio.ensure_future(self.sweep_leases(engine.config.sweep_interval_s))
+        if engine.tp.is_parallel:
+            interval = min(GROUP_PING_MAX_S, engine.config.collective_timeout_s / 4)
+            self._group_keeper = asyncio.ensure_future(self.keep_group(interval))
         await self.mark_serving()
 
     async def mark_serving(self) -> None:
@@ -152,6 +165,8 @@ class RunningServer:
             self._watchdog.cancel()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._group_keeper is not None:
+            self._group_keeper.cancel()
         released = await self.engine.call(self.engine.release_all)
         self.engine.shutdown()
         self.metrics.stop_http_server()
@@ -204,11 +219,48 @@ class RunningServer:
 
     async def report_fault(self) -> None:
         """The executor faulted: readiness and liveness NOT_SERVING, so traffic leaves and the
-        orchestrator restarts the process."""
+        orchestrator restarts the process. A split model's process also exits (`abort`): its
+        group is gone for good, and so are the followers."""
+        if self._fault_reported:
+            return
+        self._fault_reported = True
         for name in ("", SERVICE_NAME, LIVENESS_SERVICE):
             await self.health.set(name, _NOT_SERVING)
         self.metrics.set_ready(False)
         _LOG.error("lifecycle", state="faulted", error=self.engine.fault)
+        if self.engine.tp.is_parallel:
+            self.group_failed.set()
+
+    async def keep_group(self, interval_s: float) -> None:
+        """Every interval_s, a collective with every rank (Engine.ping_group): it keeps idle
+        followers within their collective timeout and finds a dead or hung rank while no step
+        runs. A failure faults the executor at once."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.engine.call(self.engine.ping_group)
+            except Exception:
+                if self.engine.fault is not None:
+                    await self.report_fault()
+                    return
+
+    async def abort(self) -> None:
+        """Stop at once after the group failed: the calls in flight get their answers (the
+        step that met the failure INTERNAL, later ones UNAVAILABLE), then everything closes;
+        the caller exits non-zero."""
+        self.servicer.begin_finishing()
+        self.servicer.begin_drain()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(ABORT_GRACE_S)
+        for task in (self._watchdog, self._sweeper, self._group_keeper):
+            if task is not None:
+                task.cancel()
+        self.servicer.close()
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+        self.engine.shutdown()
+        self.metrics.stop_http_server()
+        _LOG.error("lifecycle", state="aborted", error=self.engine.fault)
 
     async def sweep_leases(self, interval_s: float) -> None:
         """Every interval_s, on the engine thread (which owns the KV state): release caches
@@ -291,6 +343,8 @@ async def bind_server(
     metrics = engine.recorder.metrics
     metrics.set_cache_config(engine.kv.block_size, engine.kv.pool.num_blocks)
     metrics.set_memory_plan(engine.memory_plan.parts(), len(engine.graph_batch_sizes))
+    metrics.set_rank_memory_plans(engine.rank_plans)
+    metrics.set_tensor_parallel_size(engine.tp.world_size)
     _LOG.info(
         "memory_plan",
         **{f"{part}_bytes": value for part, value in engine.memory_plan.parts().items()},

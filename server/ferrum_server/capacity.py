@@ -16,8 +16,6 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-import torch
-
 from ferrum_server import logs
 from ferrum_server.domain import (
     CapacityDeferral,
@@ -32,6 +30,7 @@ from ferrum_server.domain import (
 from ferrum_server.errors import AlreadyExists, InvalidArgument, NotFound
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS, Epochs, SourceKey
 from ferrum_server.kv.manager import Cache, KvManager, Retirement
+from ferrum_server.kv.storage import HostKv, KvStorage
 from ferrum_server.recorder import Recorder
 from ferrum_server.validate import Limits, check_instance, check_opener
 
@@ -115,13 +114,13 @@ class SwappedKv:
     """A preempted sequence's committed KV, parked in host memory."""
 
     token_ids: list[int]
-    host_kv: torch.Tensor  # [L, 2, num_blocks, block_size, kv_heads, head_dim] on the CPU
+    host_kv: HostKv  # this rank's shard on the CPU; the other ranks keep theirs by its key
     # When it was swapped out (monotonic): swapped KV expires with the cache lease.
     swapped_s: float = field(default_factory=time.monotonic)
 
     @property
     def num_bytes(self) -> int:
-        return self.host_kv.numel() * self.host_kv.element_size()
+        return self.host_kv.num_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,14 +164,14 @@ class CapacityManager:
     def __init__(
         self,
         kv: KvManager,
-        kv_cache: torch.Tensor,
+        storage: KvStorage,
         limits: Limits,
         swap_space_bytes: int,
         recorder: Recorder,
         prefix_pending_s: float = 2.0,
     ) -> None:
         self.kv = kv
-        self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.storage = storage  # the pool tensor: block copies and swaps go through it
         self.limits = limits
         self.swap_space_bytes = swap_space_bytes
         # How long an admitted request's first chunk may keep others waiting on its prefix.
@@ -584,6 +583,7 @@ class CapacityManager:
     def expire_swapped(self, lease_s: float, now: float) -> int:
         """Drop swapped-out KV not re-admitted within lease_s (its scheduler is likely gone)."""
         stale = [r for r, s in self.swapped.items() if now - s.swapped_s >= lease_s]
+        self.storage.drop([self.swapped[r].host_kv for r in stale])
         for request_id in stale:
             del self.swapped[request_id]
             _LOG.info("swapped_kv_expired", request_id=request_id)
@@ -666,14 +666,14 @@ class CapacityManager:
         if cache.num_tokens == 0 or not cache.request_id:
             return False
         blocks = cache.block_ids[: self.kv.blocks_for(cache.num_tokens)]
-        per_block = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
-        needed = per_block * len(blocks)
+        needed = self.storage.block_bytes * len(blocks)
+        evicted: list[HostKv] = []
         while self.swapped and self._swap_bytes() + needed > self.swap_space_bytes:
-            self.swapped.popitem(last=False)
+            evicted.append(self.swapped.popitem(last=False)[1].host_kv)
+        self.storage.drop(evicted)
         if needed > self.swap_space_bytes:
             return False
-        index = torch.tensor(blocks, dtype=torch.int64, device=self.kv_cache.device)
-        host = self.kv_cache.index_select(2, index).to("cpu")
+        host = self.storage.swap_out(blocks)
         self.swapped[cache.request_id] = SwappedKv(token_ids=list(cache.token_ids), host_kv=host)
         self.stats.swaps_out += 1
         return True
@@ -711,11 +711,7 @@ class CapacityManager:
         kv.grow(cache, len(tokens))
         # Keep at least one token to run, so the scheduler gets logits for the next position.
         restored = min(len(swapped.token_ids), len(tokens) - 1)
-        num_blocks = swapped.host_kv.shape[2]
-        index = torch.tensor(
-            cache.block_ids[:num_blocks], dtype=torch.int64, device=self.kv_cache.device
-        )
-        self.kv_cache.index_copy_(2, index, swapped.host_kv.to(self.kv_cache.device))
+        self.storage.swap_in(swapped.host_kv, cache.block_ids)
         kv.commit(cache, tokens[:restored])
         cache.pending_admission = True
         self.stats.admitted += 1

@@ -213,9 +213,9 @@ def serve_configs(
     return ServeConfigs(engine, server, _build(LogConfig, args, env))
 
 
-async def _serve(
-    engine: EngineConfig, server: ServerConfig, port_file: pathlib.Path | None
-) -> None:
+async def _serve(engine: EngineConfig, server: ServerConfig, port_file: pathlib.Path | None) -> int:
+    """Serve until SIGTERM (drain; exit code 0) or until a split model's group fails (abort;
+    exit code 1, so the orchestrator restarts every rank)."""
     from ferrum_server import probe_file
     from ferrum_server.app import start_server
 
@@ -244,10 +244,18 @@ async def _serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    await stop.wait()
-    await running.drain(server.grace_s)
+    stopped = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(running.group_failed.wait())
+    await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    failed.cancel()
+    if running.group_failed.is_set():
+        await running.abort()
+    else:
+        await running.drain(server.grace_s)
     if server.probe_file:
         probe_file.remove(server.probe_file)
+    return 1 if running.group_failed.is_set() else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -262,11 +270,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logs.get("ferrum_server").info("startup", **startup_event(configs.engine, configs.server))
     try:
-        asyncio.run(_serve(configs.engine, configs.server, args.port_file))
+        if configs.engine.rank > 0:  # a follower of a split model (one process per rank)
+            from ferrum_server.parallel.follower import follow
+            from ferrum_server.startup import check_split
+
+            check_split(configs.engine)
+            return follow(configs.engine, configs.server)
+        return asyncio.run(_serve(configs.engine, configs.server, args.port_file))
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"ferrum-executor: cannot start: {exc}\n")
         return 2
-    return 0
 
 
 def add_serve_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -455,6 +455,7 @@ def timings_to_pb(timings: Timings) -> pb.StepTimings:
         forward_ns=timings.forward_ns,
         sample_ns=timings.sample_ns,
         total_ns=timings.total_ns,
+        collective_ns=timings.collective_ns,
     )
 
 

@@ -79,6 +79,9 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         attention_mechanisms=attention,
         supports_dynamic_batching=True,
         supports_continuous_batching=True,
+        supports_tensor_parallelism=True,
+        tensor_parallel_size=engine.tp.world_size,
+        rank_memory_plans=[_rank_plan(engine, plan) for plan in engine.rank_plans],
         supports_speculative_decoding=True,
         supported_dtypes=list(_DTYPES.values()),
         supported_devices=[pb.Device(kind=pb.DEVICE_KIND_CPU), pb.Device(kind=pb.DEVICE_KIND_CUDA)],
@@ -136,6 +139,23 @@ def memory_plan(engine: Engine) -> pb.MemoryPlan:
         cuda_graph_bytes=plan.cuda_graph_bytes,
         kv_cache_bytes=plan.kv_cache_bytes,
         kv_blocks=plan.num_blocks,
+        reserved_kv_blocks=plan.reserved_blocks,
+        explicit_kv_cache_bytes=plan.explicit_kv,
+    )
+
+
+def _rank_plan(engine: Engine, parts: dict[str, int]) -> pb.MemoryPlan:
+    """One rank's plan as gathered at start-up (MemoryPlan.parts() and its block count)."""
+    plan = engine.memory_plan
+    return pb.MemoryPlan(
+        total_bytes=parts["total"],
+        utilization=plan.utilization,
+        weights_bytes=parts["weights"],
+        activation_peak_bytes=parts["activation_peak"],
+        cuda_graph_reserved_bytes=parts["cuda_graphs_reserved"],
+        cuda_graph_bytes=parts["cuda_graphs"],
+        kv_cache_bytes=parts["kv_cache"],
+        kv_blocks=parts["num_blocks"],
         reserved_kv_blocks=plan.reserved_blocks,
         explicit_kv_cache_bytes=plan.explicit_kv,
     )
@@ -308,7 +328,7 @@ def resources_of(engine: Engine) -> Resources:
         kv=engine.kv.usage(),
         live_caches=len(caches),
         pending_admissions=sum(1 for c in caches if c.pending_admission),
-        swapped_blocks=sum(s.host_kv.shape[2] for s in swapped),
+        swapped_blocks=sum(s.host_kv.num_blocks for s in swapped),
         swapped_bytes=sum(s.num_bytes for s in swapped),
         epochs=engine.kv.clock.snapshot(),
     )

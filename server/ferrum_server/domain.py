@@ -250,6 +250,7 @@ class Timings:
     forward_ns: int = 0
     sample_ns: int = 0
     total_ns: int = 0
+    collective_ns: int = 0  # within forward_ns: tensor-parallel collectives on rank 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ The engine owns the thread and `execute`; the rest is delegated: start-up to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 import time
@@ -71,10 +72,13 @@ from ferrum_server.execution_events import (
 from ferrum_server.fair_queue import FairQueue, Job
 from ferrum_server.kv.epochs import Epochs, SourceKey
 from ferrum_server.kv.manager import Cache, ReleaseResult, Retirement
+from ferrum_server.kv.storage import KvStorage
 from ferrum_server.models import ModelConfig
+from ferrum_server.parallel.launch import FOLLOWER_EXIT_S, leave_group, open_group
+from ferrum_server.parallel.plan import PlanSender
 from ferrum_server.recorder import Recorder
 from ferrum_server.runner import ForwardOutput
-from ferrum_server.startup import build_parts
+from ferrum_server.startup import BuiltParts, build_parts, check_split
 from ferrum_server.tickets import Ticket
 from ferrum_server.validate import check_instance, validate_step
 
@@ -95,11 +99,27 @@ class Engine:
         # its spin-waits for all teams, which costs about a quarter of every forward.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-engine")
         self._turns = FairQueue()
+        # Under tensor parallelism: this rank's configuration (and, in spawn mode, the
+        # follower processes started for it); the engine is rank 0. A model that cannot be
+        # split is refused here, before any process starts or any weight is read.
+        check_split(config)
+        self.group = open_group(config)
+        config = self.config = self.group.config
         try:
-            parts = self._thread.submit(build_parts, config, self.instance_id).result()
+            parts = self._thread.submit(self._build_parts).result()
         except BaseException:
+            self._thread.submit(leave_group).result()
             self._thread.shutdown(wait=True)
+            self.group.stop_followers(timeout_s=0)
             raise
+        self.tp = parts.tp
+        self.rank_plans = parts.rank_plans
+        # Rank 0 sends the followers every forward and every block move, in order.
+        followers = (
+            PlanSender(parts.tp, parts.device, self._fault) if parts.tp.is_parallel else None
+        )
+        parts.runner.followers = followers
+        self.storage = KvStorage(parts.kv_cache, followers)
         self.device, self.dtype = parts.device, parts.dtype
         self.model, self.model_config = parts.model, parts.model_config
         self.max_sequence_length = parts.max_sequence_length
@@ -110,7 +130,7 @@ class Engine:
         self.stats = self.recorder.stats
         self.capacity = CapacityManager(
             self.kv,
-            self.kv_cache,
+            self.storage,
             self.limits,
             config.swap_space_bytes,
             self.recorder,
@@ -131,6 +151,9 @@ class Engine:
             self._event_stamp, on_drop=self.recorder.metrics.record_events_dropped
         )
         self.kv.release_listeners.append(self._on_release)
+
+    def _build_parts(self) -> BuiltParts:
+        return build_parts(self.config, self.instance_id, self.group.join())
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:
@@ -180,8 +203,34 @@ class Engine:
         return len(self._turns)
 
     def shutdown(self) -> None:
+        if self.tp.is_parallel:
+            # After everything queued: the followers stop (cleanly unless the group failed).
+            closing = self._thread.submit(self._close_group)
+            with contextlib.suppress(Exception):  # a hung engine thread: the followers time out
+                closing.result(timeout=FOLLOWER_EXIT_S)
         self._thread.shutdown(wait=True, cancel_futures=True)
         self._turns.abandon(Unavailable("the executor stopped before this call ran"))
+        if self.tp.is_parallel:
+            codes = self.group.stop_followers(timeout_s=0 if self.fault else FOLLOWER_EXIT_S)
+            _LOG.info("tensor_parallel_stopped", follower_exit_codes=codes)
+
+    def _close_group(self) -> None:
+        sender = self.runner.followers
+        if self.fault is None and sender is not None:
+            # A failure is recorded as the fault; the followers then exit on their own.
+            with contextlib.suppress(Exception):
+                sender.stop()
+        if self.fault is None:
+            leave_group()
+
+    def ping_group(self) -> None:
+        """Prove every rank of a split model is alive (a collective with all of them); a
+        failure faults the executor. Also keeps idle followers within their collective
+        timeout."""
+        self._check_healthy()
+        sender = self.runner.followers
+        if sender is not None:
+            sender.heartbeat()
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -240,6 +289,9 @@ class Engine:
             results[index] = _unrun(item, caches[index], failure=failure)
         forward_ns = sum(forward.forward_ns for _, forward in groups)
         sample_ns = sum(forward.sample_ns for _, forward in groups)
+        collective_ns = sum(forward.collective_ns for _, forward in groups)
+        if collective_ns:
+            self.recorder.metrics.record_collective(collective_ns / 1e9)
         graphed = any(forward.graphed for _, forward in groups)
         self.recorder.step(deferrals.values(), ran, forward_ns + sample_ns, graphed)
         self.publish_gauges()
@@ -251,6 +303,7 @@ class Engine:
             forward_ns=forward_ns,
             sample_ns=sample_ns,
             total_ns=time.perf_counter_ns() - started,
+            collective_ns=collective_ns,
         )
         return StepOutcome(results=[r for r in results if r is not None], timings=timings)
 
@@ -479,8 +532,7 @@ class Engine:
                 f"cannot truncate cache {cache_id!r} of {cache.num_tokens} tokens to {new_length}"
             )
         released, copies = self.kv.truncate(cache, new_length)
-        for source, target in copies:
-            self.kv_cache[:, :, target].copy_(self.kv_cache[:, :, source])
+        self.storage.copy_blocks(copies)
         return cache, released
 
     def try_admit(

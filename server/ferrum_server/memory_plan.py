@@ -17,6 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 GIB = 1024**3
+# The keys of MemoryPlan.parts(), in order.
+MEMORY_PLAN_PARTS = (
+    "total",
+    "budget",
+    "weights",
+    "activation_peak",
+    "cuda_graphs_reserved",
+    "cuda_graphs",
+    "kv_cache",
+)
 
 
 def _gib(num_bytes: int) -> str:
@@ -53,6 +63,16 @@ class MemoryPlan:
     @property
     def graphs_within_reservation(self) -> bool:
         return self.cuda_graph_bytes <= self.cuda_graph_reserved_bytes
+
+    def with_num_blocks(self, num_blocks: int) -> MemoryPlan:
+        """The same plan with fewer blocks (every tensor-parallel rank holds the smallest
+        count any of them can); the pool's bytes follow."""
+        if num_blocks == self.num_blocks:
+            return self
+        if num_blocks > self.num_blocks:
+            raise ValueError(f"cannot grow a plan of {self.num_blocks} blocks to {num_blocks}")
+        total = num_blocks + self.reserved_blocks
+        return replace(self, num_blocks=num_blocks, kv_cache_bytes=total * self.block_bytes)
 
     def with_cuda_graph_bytes(self, measured: int) -> MemoryPlan:
         """The same plan with the graph memory measured after capture."""

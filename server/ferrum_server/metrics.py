@@ -12,7 +12,7 @@ Names carry their unit; counters are listed with the `_total` suffix they are ex
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import prometheus_client
@@ -26,6 +26,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+
+from ferrum_server.memory_plan import MEMORY_PLAN_PARTS
 
 PREFIX = "ferrum_executor"
 TOKEN_KINDS = ("prefill", "decode", "verify")
@@ -46,15 +48,7 @@ COMPLETION_OUTCOMES = (
     "expired",
 )
 COMPLETED_TOKEN_KINDS = ("input", "output")
-MEMORY_PARTS = (
-    "total",
-    "budget",
-    "weights",
-    "activation_peak",
-    "cuda_graphs_reserved",
-    "cuda_graphs",
-    "kv_cache",
-)
+MEMORY_PARTS = MEMORY_PLAN_PARTS
 GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 
 # Buckets, in seconds or counts: from one fast decode step to a long prefill or a slow RPC.
@@ -96,6 +90,13 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
     (f"{PREFIX}_memory_plan_bytes", "gauge", ("part",),
      "Start-up memory plan: total, budget (total x utilisation), weights, activation_peak, "
      "cuda_graphs_reserved, cuda_graphs (measured), kv_cache. On CPU total is host memory."),
+    (f"{PREFIX}_rank_memory_plan_bytes", "gauge", ("rank", "part"),
+     "Each tensor-parallel rank's start-up memory plan (parts as memory_plan_bytes, plus "
+     "num_blocks, a count): rank 0 exports every rank's, a follower its own."),
+    (f"{PREFIX}_tensor_parallel_size", "gauge", (),
+     "Ranks the model is split over (1: not split)."),
+    (f"{PREFIX}_collective_seconds_total", "counter", (),
+     "Time the steps spent in tensor-parallel collectives on rank 0 (all-reduces, gathers)."),
     (f"{PREFIX}_cuda_graphs", "gauge", (),
      "Decode batch sizes captured as CUDA graphs (0 = every step runs eagerly)."),
     (f"{PREFIX}_ready", "gauge", (), "1 while the executor reports SERVING, else 0."),
@@ -214,6 +215,15 @@ class Metrics:
             ("part",),
             registry=self.registry,
         )
+        self.rank_memory_plan = Gauge(
+            f"{p}_rank_memory_plan_bytes",
+            _help(f"{p}_rank_memory_plan_bytes"),
+            ("rank", "part"),
+            registry=self.registry,
+        )
+        self.tensor_parallel_size = self._gauge(f"{p}_tensor_parallel_size")
+        self.tensor_parallel_size.set(1)
+        self.collective_seconds = self._counter(f"{p}_collective_seconds")
         self.cuda_graphs = self._gauge(f"{p}_cuda_graphs")
         self.ready = self._gauge(f"{p}_ready")
         self.faulted = self._gauge(f"{p}_faulted")
@@ -319,6 +329,18 @@ class Metrics:
         for part, value in parts.items():
             self.memory_plan.labels(_check(part, MEMORY_PARTS, "memory part")).set(value)
         self.cuda_graphs.set(num_cuda_graphs)
+
+    def set_rank_memory_plans(self, plans: Sequence[dict[str, int]], first_rank: int = 0) -> None:
+        """Ranks' plans (parts and num_blocks), ``plans[i]`` being rank first_rank + i's."""
+        for index, plan in enumerate(plans):
+            for part, value in plan.items():
+                self.rank_memory_plan.labels(str(first_rank + index), part).set(value)
+
+    def set_tensor_parallel_size(self, size: int) -> None:
+        self.tensor_parallel_size.set(size)
+
+    def record_collective(self, seconds: float) -> None:
+        self.collective_seconds.inc(seconds)
 
     def record_cuda_graph_replay(self) -> None:
         self.cuda_graph_replays.inc()

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.backend import KernelBackend, select_backend
 from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors
 
@@ -21,6 +20,7 @@ from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.domain import ItemKind, OutputPolicy, PenaltyScope, StepItem
 from ferrum_server.kv.manager import Cache
 from ferrum_server.models import CausalLM
+from ferrum_server.parallel.plan import ForwardPlan, PlanSender
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +33,7 @@ class ForwardOutput:
     forward_ns: int
     sample_ns: int
     graphed: bool = False  # the forward replayed a CUDA graph
+    collective_ns: int = 0  # in tensor-parallel collectives (0 on one rank)
 
 
 class ModelRunner:
@@ -58,6 +59,8 @@ class ModelRunner:
             _keep_freed_memory()
         # Captured decode forwards (set by the engine after capture); None = always eager.
         self.graphs: DecodeGraphs | None = None
+        # On rank 0 of a tensor-parallel group: where each forward's plan is sent first.
+        self.followers: PlanSender | None = None
 
     @torch.inference_mode()
     def run(self, items: list[StepItem], caches: list[Cache]) -> ForwardOutput:
@@ -65,50 +68,55 @@ class ModelRunner:
         started = time.perf_counter_ns()
         if self._graphable(items, caches):
             return self._run_graph(items, caches, started)
+        plan = self._plan(items, caches)
+        if self.followers is not None:
+            self.followers.forward(plan)  # the other ranks run the same forward on their shard
+        logits = self.run_plan(plan)  # [R, vocab] float32
+        if logits is None:
+            elapsed = time.perf_counter_ns() - started
+            return ForwardOutput(None, [], {}, elapsed, 0, collective_ns=self.model.tp.clock.take())
+        forwarded = time.perf_counter_ns()
+        sampled, token_rows, logits_rows = self._select(items, caches, logits)
+        finished = time.perf_counter_ns()
+        return ForwardOutput(
+            sampled,
+            token_rows,
+            logits_rows,
+            forwarded - started,
+            finished - forwarded,
+            collective_ns=self.model.tp.clock.take(),
+        )
+
+    def run_plan(self, plan: ForwardPlan) -> torch.Tensor | None:
+        """The forward itself, as every rank runs it: the logits [R, vocab] (float32) of the
+        plan's output rows, or None when it has none."""
+        input_ids, positions, meta = plan.inputs(self.block_size)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        if not plan.output_rows.numel():
+            return None
+        return self.model.compute_logits(hidden[plan.output_rows])
+
+    def _plan(self, items: list[StepItem], caches: list[Cache]) -> ForwardPlan:
+        """The step flattened into one token dimension, with the rows whose logits it needs."""
         counts = [len(item.token_ids) for item in items]
         query_start = [0, *itertools.accumulate(counts)]
-        context_lens = [item.end for item in items]
-        flat_tokens = list(itertools.chain.from_iterable(item.token_ids for item in items))
-
         device = self.device
-        input_ids = torch.tensor(flat_tokens, dtype=torch.int64, device=device)  # [T]
-        counts_t = torch.tensor(counts, dtype=torch.int64, device=device)  # [B]
-        starts_t = torch.tensor(query_start[:-1], dtype=torch.int64, device=device)  # [B]
-        offsets_t = torch.tensor(
-            [item.position for item in items], dtype=torch.int64, device=device
-        )  # [B]
-        item_of_token = torch.repeat_interleave(
-            torch.arange(len(items), device=device), counts_t
-        )  # [T]
-        positions = (
-            torch.arange(len(flat_tokens), device=device)
-            - starts_t[item_of_token]
-            + offsets_t[item_of_token]
-        )  # [T]
+        flat_tokens = list(itertools.chain.from_iterable(item.token_ids for item in items))
         width = max(len(cache.block_ids) for cache in caches)
         table_rows = [cache.block_ids + [0] * (width - len(cache.block_ids)) for cache in caches]
-        block_tables = torch.tensor(table_rows, dtype=torch.int64, device=device)  # [B, width]
-        block_of_token = block_tables[item_of_token, positions // self.block_size]  # [T]
-        slot_mapping = block_of_token * self.block_size + positions % self.block_size  # [T]
-        meta = AttentionMetadata.build(query_start, context_lens, block_tables, slot_mapping)
-
         output_rows: list[int] = []  # flat token rows that go through the LM head
         for index, item in enumerate(items):
             if item.kind == ItemKind.VERIFY:
                 output_rows.extend(range(query_start[index], query_start[index + 1]))
             elif item.is_final:
                 output_rows.append(query_start[index + 1] - 1)
-
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
-        if not output_rows:
-            return ForwardOutput(None, [], {}, time.perf_counter_ns() - started, 0)
-        rows_t = torch.tensor(output_rows, dtype=torch.int64, device=device)
-        logits = self.model.compute_logits(hidden[rows_t])  # [R, vocab] float32
-        forwarded = time.perf_counter_ns()
-        sampled, token_rows, logits_rows = self._select(items, caches, logits)
-        finished = time.perf_counter_ns()
-        return ForwardOutput(
-            sampled, token_rows, logits_rows, forwarded - started, finished - forwarded
+        return ForwardPlan(
+            token_ids=torch.tensor(flat_tokens, dtype=torch.int64, device=device),
+            query_start=query_start,
+            offsets=[item.position for item in items],
+            context_lens=[item.end for item in items],
+            block_tables=torch.tensor(table_rows, dtype=torch.int64, device=device),
+            output_rows=torch.tensor(output_rows, dtype=torch.int64, device=device),
         )
 
     def _graphable(self, items: list[StepItem], caches: list[Cache]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from ferrum_kernels.backend import KernelBackend, select_backend
@@ -24,8 +25,11 @@ from ferrum_server.cuda_graphs import (
     graph_capturer_for,
 )
 from ferrum_server.kv.manager import KvManager
-from ferrum_server.memory_plan import MemoryPlan, plan_memory
-from ferrum_server.models import CausalLM, ModelConfig, load_model
+from ferrum_server.memory_plan import MEMORY_PLAN_PARTS, MemoryPlan, plan_memory
+from ferrum_server.models import CausalLM, ModelConfig, load_model, read_config
+from ferrum_server.parallel import check_tensor_parallel
+from ferrum_server.parallel.group import SINGLE_RANK, TensorParallel
+from ferrum_server.parallel.launch import check_launch
 from ferrum_server.profiling import (
     ProfileShape,
     StartupProfile,
@@ -60,23 +64,35 @@ class BuiltParts:
     kv: KvManager
     runner: ModelRunner
     limits: Limits
+    tp: TensorParallel
+    # Every rank's plan (its memory_plan.parts() and block count), in rank order; one entry
+    # on one rank.
+    rank_plans: tuple[dict[str, int], ...]
 
 
-def build_parts(config: EngineConfig, instance_id: int) -> BuiltParts:
-    """load → pick kernels → plan memory → allocate the KV pool → runner → capture graphs."""
+def build_parts(
+    config: EngineConfig, instance_id: int, tp: TensorParallel = SINGLE_RANK
+) -> BuiltParts:
+    """load → pick kernels → plan memory → allocate the KV pool → runner → capture graphs.
+
+    Under tensor parallelism every rank runs this same recipe in step (the collectives of the
+    start-up profile and of the block-count agreement match up): each loads its shard, and
+    every pool gets the same block count, the smallest any rank can hold.
+    """
     if config.torch_threads:
         # Per thread under OpenMP: it must be set on the thread that runs the forwards.
         torch.set_num_threads(config.torch_threads)
     device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
-    model, model_config = load_model(config.model, dtype=dtype, device=device)
+    model, model_config = load_model(config.model, dtype=dtype, device=device, tp=tp)
     max_len = _max_sequence_length(config, model_config)
     # LongRoPE rotates with its long or short factors depending on the longest sequence served.
     model.reset_rope_cache(device, max_len)
     kernels = select_backend(device, config.kernel_backend)
-    capturer = _graph_capturer(config, device, kernels)
+    capturer = _graph_capturer(config, device, kernels, tp)
     graph_sizes = graph_batch_sizes(config.graph_max_batch) if capturer is not None else ()
     shapes = _GraphShapes(config.block_size, max_len, graph_sizes)
     plan = _plan_memory(config, model, model_config, kernels, capturer, shapes)
+    plan = plan.with_num_blocks(tp.agree_min(plan.num_blocks, device))
     kv_cache = torch.zeros(
         (
             model_config.num_layers,
@@ -84,7 +100,7 @@ def build_parts(config: EngineConfig, instance_id: int) -> BuiltParts:
             # Blocks past num_blocks (the graphs' scratch block) are never handed to a cache.
             plan.num_blocks + plan.reserved_blocks,
             config.block_size,
-            model_config.num_kv_heads,
+            model.kv_heads,  # this rank's own (all of them on one rank)
             model_config.head_dim,
         ),
         dtype=dtype,
@@ -115,9 +131,45 @@ def build_parts(config: EngineConfig, instance_id: int) -> BuiltParts:
         instance_id=instance_id,
         require_fencing=config.require_fencing,
     )
+    rank_plans = _gather_plans(tp, plan, device)
+    tp.clock.take()  # start-up's collectives are not any step's
     return BuiltParts(
-        device, dtype, model, model_config, max_len, kernels, plan, kv_cache, kv, runner, limits
+        device,
+        dtype,
+        model,
+        model_config,
+        max_len,
+        kernels,
+        plan,
+        kv_cache,
+        kv,
+        runner,
+        limits,
+        tp,
+        rank_plans,
     )
+
+
+_PLAN_FIELDS = (*MEMORY_PLAN_PARTS, "num_blocks")
+
+
+def _gather_plans(
+    tp: TensorParallel, plan: MemoryPlan, device: torch.device
+) -> tuple[dict[str, int], ...]:
+    """Every rank's memory plan, in rank order (rank 0 reports them all)."""
+    mine = {**plan.parts(), "num_blocks": plan.num_blocks}
+    if not tp.is_parallel:
+        return (mine,)
+    rows = tp.gather_ints([mine[name] for name in _PLAN_FIELDS], device)
+    return tuple(dict(zip(_PLAN_FIELDS, row, strict=True)) for row in rows)
+
+
+def check_split(config: EngineConfig) -> None:
+    """Refuse, in one line and before anything starts, a model that cannot be split over the
+    configured ranks (and a launch that is not complete)."""
+    check_launch(config)
+    if config.parallel_size > 1:
+        check_tensor_parallel(read_config(Path(config.model)), config.parallel_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +190,15 @@ def _max_sequence_length(config: EngineConfig, model_config: ModelConfig) -> int
 
 
 def _graph_capturer(
-    config: EngineConfig, device: torch.device, kernels: KernelBackend
+    config: EngineConfig, device: torch.device, kernels: KernelBackend, tp: TensorParallel
 ) -> GraphCapturer | None:
     """How decode graphs get captured here, or None to run every step eagerly."""
     if not config.cuda_graphs:
+        return None
+    if tp.is_parallel:
+        # A captured decode would hold the collectives too; until that is built and measured on
+        # GPUs, a split model runs every step eagerly (docs/parallelism.md).
+        _LOG.info("cuda_graphs_off", reason="tensor parallelism runs every step eagerly")
         return None
     capturer = graph_capturer_for(device)
     if capturer is None:
@@ -215,7 +272,7 @@ def _plan_memory(
     common = {
         "total_bytes": device_total_bytes(device),
         "weights_bytes": model_bytes(model),
-        "block_bytes": model_config.kv_bytes_per_token(dtype) * config.block_size,
+        "block_bytes": model_config.kv_bytes_per_token(dtype, model.kv_heads) * config.block_size,
         "reserved_blocks": 1 if capturer is not None else 0,  # the graphs' scratch block
     }
     if device.type != "cuda":

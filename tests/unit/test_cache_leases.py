@@ -19,6 +19,7 @@ from ferrum_server.engine import Engine
 from ferrum_server.errors import NotFound
 from ferrum_server.kv.epochs import KV_BLOCKS, SEQUENCE_SLOTS
 from ferrum_server.kv.manager import KvManager
+from ferrum_server.kv.storage import KvStorage
 from ferrum_server.recorder import Recorder
 from ferrum_server.validate import Limits
 from helpers_server import tiny_block_bytes
@@ -40,7 +41,7 @@ def _capacity(kv: KvManager, prefix_pending_s: float = 2.0) -> CapacityManager:
         instance_id=1,
     )
     kv_cache = torch.zeros(1, 2, kv.pool.num_blocks, BLOCK, 1, 1)
-    return CapacityManager(kv, kv_cache, limits, 0, Recorder(), prefix_pending_s)
+    return CapacityManager(kv, KvStorage(kv_cache), limits, 0, Recorder(), prefix_pending_s)
 
 
 def _admit(capacity: CapacityManager, request_id: str, tokens: list[int]) -> Admitted | Deferred:

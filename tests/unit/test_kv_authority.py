@@ -22,6 +22,7 @@ from ferrum_server.kv.manager import (
     context_digest,
     prefix_hash,
 )
+from ferrum_server.kv.storage import KvStorage
 from ferrum_server.recorder import Recorder
 from ferrum_server.validate import Limits, validate_step
 
@@ -38,7 +39,7 @@ LIMITS = Limits(
 
 def _capacity(prefix_caching: bool = True) -> CapacityManager:
     kv = KvManager(32, BLOCK, 6, coordinator_id=1, prefix_caching=prefix_caching)
-    return CapacityManager(kv, torch.zeros(1, 2, 32, BLOCK, 1, 1), LIMITS, 0, Recorder())
+    return CapacityManager(kv, KvStorage(torch.zeros(1, 2, 32, BLOCK, 1, 1)), LIMITS, 0, Recorder())
 
 
 def _chunk(

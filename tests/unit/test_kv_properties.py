@@ -18,6 +18,7 @@ from ferrum_server.capacity import Admitted, CapacityManager, PreemptionMode, Sl
 from ferrum_server.domain import DeferralMode, ItemKind, Step, StepItem
 from ferrum_server.errors import AlreadyExists, InvalidArgument
 from ferrum_server.kv.manager import KvManager
+from ferrum_server.kv.storage import KvStorage
 from ferrum_server.recorder import Recorder
 from ferrum_server.validate import Limits, validate_step
 from hypothesis import HealthCheck, settings
@@ -51,7 +52,11 @@ class KvMachine(RuleBasedStateMachine):
         )
         self.limits = limits
         self.capacity = CapacityManager(
-            self.kv, kv_cache, limits, swap_space_bytes=1 << 20 if swap else 0, recorder=Recorder()
+            self.kv,
+            KvStorage(kv_cache),
+            limits,
+            swap_space_bytes=1 << 20 if swap else 0,
+            recorder=Recorder(),
         )
         self.contexts: dict[str, list[int]] = {}  # cache id -> admitted context tokens
         self.counter = 0

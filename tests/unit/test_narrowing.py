@@ -14,6 +14,7 @@ from ferrum_server.capacity import Admitted, CapacityManager, Deferred
 from ferrum_server.domain import DeferralMode, ItemKind, Step, StepItem
 from ferrum_server.errors import InvalidArgument
 from ferrum_server.kv.manager import Cache, KvManager
+from ferrum_server.kv.storage import KvStorage
 from ferrum_server.recorder import Recorder
 from ferrum_server.validate import Limits
 
@@ -32,7 +33,7 @@ def _capacity(num_blocks: int = 8, *, prefix_caching: bool = False) -> CapacityM
         instance_id=1,
     )
     kv_cache = torch.zeros(1, 2, num_blocks, BLOCK, 1, 1)
-    return CapacityManager(kv, kv_cache, limits, 0, Recorder())
+    return CapacityManager(kv, KvStorage(kv_cache), limits, 0, Recorder())
 
 
 def _chunk(tokens: list[int], *, allow: bool, cache_id: str = "", position: int = 0) -> StepItem:

@@ -1042,6 +1042,8 @@ class ExecutorCapabilities(_message.Message):
     CACHE_LEASE_MS_FIELD_NUMBER: _builtins.int
     KV_CAPACITY_FIELD_NUMBER: _builtins.int
     SUPPORTS_DECODE_CONTINUATION_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    RANK_MEMORY_PLANS_FIELD_NUMBER: _builtins.int
     max_batch_size: _builtins.int
     """Most sequences in one forward."""
     max_sequence_length: _builtins.int
@@ -1053,7 +1055,9 @@ class ExecutorCapabilities(_message.Message):
     supports_speculative_decoding: _builtins.bool
     """ForwardVerify / TruncateKv are available."""
     supports_tensor_parallelism: _builtins.bool
-    """Tensor parallelism."""
+    """Tensor parallelism: the executor can split a model over ranks (tensor_parallel_size says
+    whether this one is).
+    """
     supports_pipeline_parallelism: _builtins.bool
     """Pipeline parallelism."""
     supports_native_unified_decode: _builtins.bool
@@ -1081,6 +1085,10 @@ class ExecutorCapabilities(_message.Message):
     supports_decode_continuation: _builtins.bool
     """BatchItems.continue_decode is understood: a decode may take the token its cache's last item
     selected as its input instead of carrying it (docs/protocol.md#decode-continuation).
+    """
+    tensor_parallel_size: _builtins.int
+    """Ranks the model is split over by tensor parallelism (1: one device). This executor (rank 0)
+    answers every call; the other ranks repeat its forwards on their shards.
     """
     @_builtins.property
     def attention_mechanisms(self) -> _containers.RepeatedScalarFieldContainer[Global___AttentionType.ValueType]:
@@ -1113,6 +1121,12 @@ class ExecutorCapabilities(_message.Message):
         steps run eagerly.
         """
 
+    @_builtins.property
+    def rank_memory_plans(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryPlan]:
+        """Each rank's start-up memory plan, in rank order (one entry when not split): weights and KV
+        pool per rank; kv_blocks is the same on every rank.
+        """
+
     def __init__(
         self,
         *,
@@ -1140,10 +1154,12 @@ class ExecutorCapabilities(_message.Message):
         cache_lease_ms: _builtins.int = ...,
         kv_capacity: _builtins.int = ...,
         supports_decode_continuation: _builtins.bool = ...,
+        tensor_parallel_size: _builtins.int = ...,
+        rank_memory_plans: _abc.Iterable[Global___MemoryPlan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cache_lease_ms", b"cache_lease_ms", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "kv_capacity", b"kv_capacity", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_decode_continuation", b"supports_decode_continuation", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cache_lease_ms", b"cache_lease_ms", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "kv_capacity", b"kv_capacity", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "rank_memory_plans", b"rank_memory_plans", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_decode_continuation", b"supports_decode_continuation", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2276,6 +2292,7 @@ class StepTimings(_message.Message):
     FORWARD_NS_FIELD_NUMBER: _builtins.int
     SAMPLE_NS_FIELD_NUMBER: _builtins.int
     TOTAL_NS_FIELD_NUMBER: _builtins.int
+    COLLECTIVE_NS_FIELD_NUMBER: _builtins.int
     queue_ns: _builtins.int
     """From receipt until the engine started it: conversion, and queued behind earlier steps."""
     forward_ns: _builtins.int
@@ -2284,6 +2301,10 @@ class StepTimings(_message.Message):
     """Sampling and copying results to the host."""
     total_ns: _builtins.int
     """Whole step inside the engine."""
+    collective_ns: _builtins.int
+    """Within forward_ns: time rank 0 spent in tensor-parallel collectives (all-reduces and
+    gathers; 0 when the model is not split).
+    """
     def __init__(
         self,
         *,
@@ -2291,10 +2312,11 @@ class StepTimings(_message.Message):
         forward_ns: _builtins.int = ...,
         sample_ns: _builtins.int = ...,
         total_ns: _builtins.int = ...,
+        collective_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["forward_ns", b"forward_ns", "queue_ns", b"queue_ns", "sample_ns", b"sample_ns", "total_ns", b"total_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective_ns", b"collective_ns", "forward_ns", b"forward_ns", "queue_ns", b"queue_ns", "sample_ns", b"sample_ns", "total_ns", b"total_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -373,10 +373,11 @@ class ModelConfig:
             raise ValueError(f"{self.architecture} has no sliding-window config fields")
         return {}
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of KV cache one token occupies across all layers (K and V)."""
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_heads: int = 0) -> int:
+        """Bytes of KV cache one token occupies across all layers (K and V), for ``kv_heads``
+        heads per layer (a tensor-parallel rank's own; 0 = all of the model's)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * (kv_heads or self.num_kv_heads) * self.head_dim * elem
 
     @property
     def num_parameters(self) -> int:

@@ -9,10 +9,30 @@ tensor parallelism existed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(slots=True)
+class CollectiveClock:
+    """Time this rank spent in collectives since the last ``take``: wall time on CPU (gloo
+    collectives block), CUDA event time on GPU (NCCL runs on the stream, asynchronously)."""
+
+    cpu_ns: int = 0
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def take(self) -> int:
+        """Nanoseconds accumulated, and start again (waits for the GPU events to complete)."""
+        total = self.cpu_ns
+        for start, end in self.events:
+            end.synchronize()
+            total += int(start.elapsed_time(end) * 1e6)
+        self.cpu_ns, self.events = 0, []
+        return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +44,7 @@ class TensorParallel:
     # The group the collectives run over; None is torch.distributed's default group (and is
     # never touched at world size 1, where nothing needs initialising).
     group: dist.ProcessGroup | None = None
+    clock: CollectiveClock = field(default_factory=CollectiveClock, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -45,7 +66,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
         if self.world_size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+            self._timed(x, lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group))
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -54,8 +75,35 @@ class TensorParallel:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
+        self._timed(x, lambda: dist.all_gather(parts, x, group=self.group))
         return torch.cat(parts, dim=dim)
+
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's ``value`` (e.g. the KV blocks every rank can hold)."""
+        if self.world_size == 1:
+            return value
+        x = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        return int(x.item())
+
+    def gather_ints(self, values: list[int], device: torch.device) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on each), in rank order."""
+        x = torch.tensor(values, dtype=torch.int64, device=device)
+        rows: list[list[int]] = self.all_gather(x.unsqueeze(0), dim=0).tolist()
+        return rows
+
+    def _timed(self, x: torch.Tensor, collective: Callable[[], object]) -> None:
+        if x.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            collective()
+            end.record()
+            self.clock.events.append((start, end))
+            return
+        began = time.perf_counter_ns()
+        collective()
+        self.clock.cpu_ns += time.perf_counter_ns() - began
 
 
 # The description of a model that is not split: every collective is a no-op.
