@@ -68,3 +68,37 @@ def tiny_block_bytes(block_size: int) -> int:
     from ferrum_server.models import tiny_config
 
     return tiny_config().kv_bytes_per_token(torch.float32) * block_size
+
+
+_TINY_FOLDERS: dict[str, str] = {}
+
+
+def tiny_folder() -> str:
+    """The built-in tiny model saved as a Hugging Face folder (once per test process): the same
+    weights, loadable by a split model (the built-in one runs on one rank)."""
+    if "tiny" not in _TINY_FOLDERS:
+        import atexit
+        import shutil
+        import tempfile
+
+        import torch
+        from ferrum_server.models import build_tiny, save_hf_folder, tiny_config
+
+        folder = tempfile.mkdtemp(prefix="ferrum-tiny-")
+        atexit.register(shutil.rmtree, folder, True)
+        save_hf_folder(build_tiny(torch.float32, "cpu"), tiny_config(), folder)
+        _TINY_FOLDERS["tiny"] = folder
+    return _TINY_FOLDERS["tiny"]
+
+
+def tiny_split(tp: int, blocks: int, block_size: int) -> dict[str, object]:
+    """start_live_server arguments for the tiny model split over `tp` ranks (1: the built-in
+    one) with a pool of `blocks` blocks on every rank (--kv-cache-bytes is per rank)."""
+    if tp == 1:
+        return {"kv_cache_bytes": blocks * tiny_block_bytes(block_size)}
+    return {
+        "model": tiny_folder(),
+        "tensor_parallel_size": tp,
+        # The tiny model's 2 KV heads: one per rank at tp 2, so a block is half the bytes.
+        "kv_cache_bytes": blocks * tiny_block_bytes(block_size) // min(tp, 2),
+    }

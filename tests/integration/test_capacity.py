@@ -18,17 +18,19 @@ from helpers_server import (
     random_prompts,
     start_live_server,
     tiny_block_bytes,
+    tiny_split,
 )
 
 
-@pytest.fixture(scope="module")
-def tight() -> Iterator[LiveServer]:
-    """24 blocks of 4 tokens: room for about three of the test's requests at once."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def tight(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    """24 blocks of 4 tokens: room for about three of the test's requests at once. Also as the
+    tiny model split over 2 ranks (the protocol must not change with tensor parallelism)."""
     yield from start_live_server(
         block_size=4,
-        kv_cache_bytes=24 * tiny_block_bytes(4),
         max_batch_tokens=256,
         max_batch_size=16,
+        **tiny_split(request.param, blocks=24, block_size=4),
     )
 
 

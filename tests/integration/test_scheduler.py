@@ -16,17 +16,19 @@ from helpers_server import (
     random_prompts,
     start_live_server,
     tiny_block_bytes,
+    tiny_split,
 )
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    """The tiny model on one rank, and split over 2 (the scheduler sees the same executor)."""
     yield from start_live_server(
         block_size=4,
-        kv_cache_bytes=2048 * tiny_block_bytes(4),
         max_batch_tokens=512,
         max_batch_size=64,
         prefix_caching=False,
+        **tiny_split(request.param, blocks=2048, block_size=4),
     )
 
 
@@ -341,7 +343,7 @@ def test_steps_stay_within_the_executors_limits(
 
 
 def test_a_prompt_that_does_not_fit_starts_with_the_narrower_chunk_the_executor_hints(
-    small: LiveServer, server: LiveServer
+    small: LiveServer, narrow: LiveServer
 ) -> None:
     """Another client's cache holds 30 of the 40 blocks. An 80-token prompt (20 blocks) is
     deferred with a hint of 40 tokens (the 10 free blocks); the scheduler re-probes with that
@@ -354,7 +356,8 @@ def test_a_prompt_that_does_not_fit_starts_with_the_narrower_chunk_the_executor_
     prompt = prompt[:80]
     params = GenerationParams(max_new_tokens=4)
     config = SchedulerConfig(max_step_tokens=128)
-    expected, _, _ = _generate(server, [prompt], params, config)
+    # The reference: the same prompt in a pool with room (in chunks of 24: the same tokens).
+    expected, _, _ = _generate(narrow, [prompt], params, SchedulerConfig())
     kv = small.engine.kv  # type: ignore[attr-defined]
 
     from ferrum_client.scheduler import GrpcBackend
