@@ -289,6 +289,36 @@ def test_one_rank_builds_the_plain_modules_and_packs_them() -> None:
     assert split.bind_backend(cpu_backend()) == 4 * 2 + 1
 
 
+@torch.no_grad()
+def test_expert_column_shards_sum_to_the_whole_experts_on_both_cpu_paths() -> None:
+    # Rank r's experts (gate/up rows and down columns r of 2), run by the torch reference and
+    # by the CPU backend's oneDNN-packed experts, add up to the whole experts' output: what
+    # the one all-reduce after a sparse layer relies on.
+    from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
+    from ferrum_kernels.moe import ExpertWeights, fused_moe_reference, route
+
+    torch.manual_seed(0)
+    e, h, i, world = 4, 64, 96, 2
+    whole = ExpertWeights(e, h, i, dtype=torch.float32, device=None)
+    whole.gate_up_proj.normal_(std=0.1)
+    whole.down_proj.normal_(std=0.1)
+    x = torch.randn(7, h)
+    weights, ids = route(torch.randn(7, e), 2, normalize=True)
+    expected = fused_moe_reference(x, whole, weights, ids)
+    parts = {"reference": torch.zeros_like(expected), "packed": torch.zeros_like(expected)}
+    for rank in range(world):
+        cols = slice(rank * i // world, (rank + 1) * i // world)
+        part = ExpertWeights(e, h, i // world, dtype=torch.float32, device=None)
+        gate_up = whole.gate_up_stack()  # [E, 2I, H]: gate rows, then up rows
+        part.gate_up_stack().copy_(torch.cat([gate_up[:, :i][:, cols], gate_up[:, i:][:, cols]], 1))
+        part.down_stack().copy_(whole.down_stack()[:, :, cols])
+        parts["reference"] += fused_moe_reference(x, part, weights, ids)
+        assert prepack_experts(part) == 2 * e  # the packed path really runs
+        parts["packed"] += fused_moe_cpu(x, part, weights, ids)
+    for path, total in parts.items():
+        assert (total - expected).abs().max().item() <= 1e-5, path
+
+
 def test_collectives_run_on_gloo_for_cpu_and_nccl_for_gpus() -> None:
     assert collective_backend(torch.device("cpu")) == "gloo"
     assert collective_backend(torch.device("cuda", 1)) == "nccl"
