@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from helpers_models import PagedRunner, phi3_config
+from helpers_models import PagedRunner, gemma_hf_config, phi3_config
+from helpers_moe import mixtral_config, qwen3_moe_config
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -80,6 +81,15 @@ def parallel_cases() -> dict[str, Any]:
         ),
         # Fused qkv / gate_up checkpoint tensors, 2 query heads and 1 (replicated) KV head.
         "phi3": phi3_config(vocab=256),
+        # Gemma 2: attention and final soft-caps, q/k/v/o biases, sliding and global layers,
+        # sqrt(hidden)-scaled embeddings and a head tied to them over an odd vocabulary.
+        "gemma2-odd-vocab": gemma_hf_config("gemma2", vocab=251),
+        # Gemma 3: per-head q/k norms, local and global RoPE, 1 KV head (replicated).
+        "gemma3-1kv": gemma_hf_config("gemma3", num_key_value_heads=1),
+        # Mixtral: 4 experts of intermediate 96 (48 columns per rank), top-2, window 6.
+        "mixtral": mixtral_config(),
+        # Qwen3-MoE: sparse layers of 6 experts of 48 (24 per rank) around a dense layer.
+        "qwen3-moe": qwen3_moe_config(),
     }
 
 

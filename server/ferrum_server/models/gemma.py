@@ -18,6 +18,15 @@ What differs from Llama, each in transformers' op order (``Gemma2*`` / ``Gemma3*
 The LM head is tied to the embeddings unless the config says otherwise (``LlamaForCausalLM``'s
 ``TiedLinear``), and the layers' linears are plain ``nn.Linear``, so the CPU backend's
 ``prepare_model`` packs them as it does Llama's.
+
+Split over tensor-parallel ranks (``tp``), everything is split as Llama's is, by the same
+``DecoderLayer`` code: heads (KV heads replicated when the ranks outnumber them), the GeGLU's
+gate/up rows and down columns, the vocabulary rows of the embedding and of the (tied) head.
+What Gemma adds is per element or per head, so it runs unchanged on a rank's part: the
+sqrt(hidden) scale multiplies the all-reduced embeddings, the attention soft-cap and the
+sliding windows apply per head, the q/k norms are one ``[head_dim]`` weight every head shares
+(whole on every rank), the four norms per layer see the whole hidden state, and the final
+soft-cap applies to the gathered logits.
 """
 
 from __future__ import annotations
@@ -98,7 +107,7 @@ class GemmaDecoderLayer(DecoderLayer):
         sparse: bool = False,
         tp: TensorParallel = SINGLE_RANK,
     ) -> None:
-        # Gemma runs on one rank: LlamaForCausalLM refuses it at tp world size > 1.
+        # Heads and MLP columns split over tp's ranks exactly as Llama's (DecoderLayer).
         super().__init__(config, dtype=dtype, device=device, window=window, sparse=sparse, tp=tp)
         spec = _spec(config)
         self.scale = spec.attention_scale

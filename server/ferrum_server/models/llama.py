@@ -255,13 +255,13 @@ class DecoderLayer(nn.Module):
             self.k_norm = norm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = norm(h, config.rms_norm_eps, dtype=dtype, device=device)
         # The MLP: a sparse layer's experts (moe), else the dense gate/up and down projections.
-        # Split over the ranks (check_tensor_parallel refuses MoE models at world size > 1).
+        # Both split over the ranks by intermediate columns, each with one all-reduce.
         self.moe: SparseMoeBlock | None = None
         self.gate_up_proj: nn.Module | None = None
         self.down_proj: nn.Module | None = None
         if sparse:
             assert config.moe is not None
-            self.moe = SparseMoeBlock(config.moe, h, dtype=dtype, device=device)
+            self.moe = SparseMoeBlock(config.moe, h, dtype=dtype, device=device, tp=tp)
         else:
             # Column-parallel gate/up (this rank's gate rows, then its up rows), row-parallel
             # down: SwiGLU runs on the local columns, one all-reduce after down.

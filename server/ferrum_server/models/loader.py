@@ -64,7 +64,7 @@ def load_model(
         model = model.to_empty(device=device)
         model.reset_rope_cache(device)
         if tp.is_parallel:
-            assert isinstance(model, LlamaForCausalLM)  # the family check_tensor_parallel allows
+            assert isinstance(model, LlamaForCausalLM)  # every family (Gemma builds on it)
 
             def read_slice(name: str, dim: int, start: int, length: int | None) -> torch.Tensor:
                 # A safetensors slice reads only the rows/columns asked for from the file.

@@ -13,6 +13,13 @@ splits its fused 3-D expert tensors back on save) and as Hub checkpoints are pub
                model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
 
 ``expert_tensor_names`` lists them in the row order of our stacked parameters.
+
+Split over tensor-parallel ranks (Megatron style, as a dense MLP is split), every rank holds
+every expert but only its ``I / N`` intermediate columns of each: the rows of gate and up
+(w1/w3) and the columns of down (w2). The router is whole on every rank, and since every
+rank's input is the same (the attention's all-reduce left the same sum everywhere) every rank
+routes each token to the same experts. Each rank's experts then yield a partial sum of the
+layer's output, and one all-reduce per layer (not one per expert) adds them up.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from ferrum_kernels.moe import ExpertWeights, route
 from torch import nn
 
 from ferrum_server.models.moe_config import MoeSpec
+from ferrum_server.parallel.group import SINGLE_RANK, TensorParallel
 
 # Per family: the sparse block's name under a layer and its (gate, up, down) expert weights.
 _HF_LAYOUT: dict[str, tuple[str, tuple[str, str, str]]] = {
@@ -54,19 +62,28 @@ def expert_tensor_names(model_type: str, layer_prefix: str, num_experts: int) ->
 
 
 class SparseMoeBlock(nn.Module):
-    """[T, hidden] -> [T, hidden]: the weighted sum of each token's top-k experts."""
+    """[T, hidden] -> [T, hidden]: the weighted sum of each token's top-k experts (on rank r
+    of N: every expert with its r-th ``I / N`` intermediate columns, summed over the ranks)."""
 
     def __init__(
-        self, spec: MoeSpec, hidden_size: int, *, dtype: torch.dtype, device: torch.device | None
+        self,
+        spec: MoeSpec,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | None,
+        tp: TensorParallel = SINGLE_RANK,
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.top_k = spec.num_experts_per_token
         self.normalize = spec.normalize_top_k
+        # Whole on every rank (check_tensor_parallel has checked the experts' split).
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=dtype, device=device)
         self.experts = ExpertWeights(
             spec.num_experts,
             hidden_size,
-            spec.expert_intermediate_size,
+            spec.expert_intermediate_size // tp.world_size,
             dtype=dtype,
             device=device,
         )
@@ -74,4 +91,5 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, fused_moe: FusedMoeFn) -> torch.Tensor:
         router_logits = self.gate(x)  # [T, E] in x's dtype, as transformers computes them
         weights, ids = route(router_logits, self.top_k, self.normalize)  # [T, K] each
-        return fused_moe(x, self.experts, weights, ids)  # [T, hidden]
+        out = fused_moe(x, self.experts, weights, ids)  # [T, hidden]: this rank's columns' part
+        return self.tp.all_reduce(out)  # one all-reduce for every expert (a no-op on one rank)

@@ -1,16 +1,21 @@
 """Which slices of the HF checkpoint tensors fill one rank's parameters, and the load itself.
 
-A split model (``LlamaForCausalLM(config, tp=...)`` at world size > 1) reads only its own
-rows or columns of each checkpoint tensor: through ``read_slice`` a safetensors file serves
-them without the whole tensor ever being materialised. Per parameter of ``weight_map``:
+A split model (``LlamaForCausalLM(config, tp=...)``, or ``GemmaForCausalLM``, at world size
+> 1) reads only its own rows or columns of each checkpoint tensor: through ``read_slice`` a
+safetensors file serves them without the whole tensor ever being materialised. Per parameter
+of the model's ``weight_map()``:
 
 * ``qkv_proj`` (weight and bias): this rank's query heads' rows of q, its KV heads' rows of k
   and of v, in that order (from the one fused tensor at its q/k/v offsets for Phi-3);
 * ``gate_up_proj``: this rank's rows of gate, then the same rows of up;
 * ``o_proj`` / ``down_proj`` weights: this rank's input columns (their bias is whole);
+* a sparse layer's ``moe.experts.gate_up_proj``: per expert, its rows of that expert's gate
+  (w1) then the same rows of its up (w3); ``moe.experts.down_proj``: per expert, its columns of
+  that expert's down (w2), stacked;
 * ``embed_tokens`` / ``lm_head``: this rank's block of vocabulary rows, the padding rows past
   the real vocabulary left zero;
-* everything else (norms, Qwen3's per-head q/k norm, which every head shares): whole.
+* everything else (norms, Gemma's four per layer, the per-head q/k norms every head shares, a
+  MoE router): whole.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrum_server.models.config import ModelConfig
-from ferrum_server.models.llama import LlamaForCausalLM, WeightEntry, weight_map
+from ferrum_server.models.llama import LlamaForCausalLM, WeightEntry
 from ferrum_server.parallel.group import TensorParallel
 from ferrum_server.parallel.sharding import (
     attention_shard,
@@ -47,17 +52,20 @@ class TensorSlice:
 
 @dataclass(frozen=True, slots=True)
 class ShardEntry:
-    """One parameter of a rank and the slices concatenated along dim 0 to fill it (a single
-    dim-1 slice for a row-parallel weight); rows past them are vocabulary padding."""
+    """One parameter of a rank and the slices concatenated along dim 0 to fill it (a dim-1
+    slice, a row-parallel weight's columns, brings all of its tensor's rows); rows past them
+    are vocabulary padding."""
 
     name: str
     slices: tuple[TensorSlice, ...]
 
 
-def shard_weight_map(config: ModelConfig, tp: TensorParallel) -> list[ShardEntry]:
-    """``weight_map(config)`` as rank ``tp.rank`` of ``tp.world_size`` reads it."""
+def shard_weight_map(model: LlamaForCausalLM) -> list[ShardEntry]:
+    """``model.weight_map()`` as rank ``model.tp.rank`` of ``model.tp.world_size`` reads it
+    (a meta-device model serves: only its config, split and parameter names are used)."""
+    config, tp = model.config, model.tp
     check_tensor_parallel(config, tp.world_size)
-    return [_shard(entry, config, tp) for entry in weight_map(config)]
+    return [_shard(entry, config, tp) for entry in model.weight_map()]
 
 
 def _shard(entry: WeightEntry, config: ModelConfig, tp: TensorParallel) -> ShardEntry:
@@ -96,6 +104,14 @@ def _shard(entry: WeightEntry, config: ModelConfig, tp: TensorParallel) -> Shard
         return ShardEntry(
             name, (rows(gate, inter_start, inter_len), rows(up, inter_start, inter_len))
         )
+    if name.endswith("moe.experts.gate_up_proj"):  # (gate, up) of expert 0, then of 1, ...
+        assert config.moe is not None
+        start, length = even_shard(config.moe.expert_intermediate_size, tp.rank, tp.world_size)
+        return ShardEntry(name, tuple(rows(n, start, length) for n in entry.hf_names))
+    if name.endswith("moe.experts.down_proj"):  # each expert's [hidden, I] down: its columns
+        assert config.moe is not None
+        start, length = even_shard(config.moe.expert_intermediate_size, tp.rank, tp.world_size)
+        return ShardEntry(name, tuple(TensorSlice(n, 1, start, length) for n in entry.hf_names))
     (hf_name,) = entry.hf_names
     if name.endswith("o_proj.weight"):
         return ShardEntry(name, (TensorSlice(hf_name, 1, heads.q_start * d, heads.q_heads * d),))
@@ -111,15 +127,11 @@ def _shard(entry: WeightEntry, config: ModelConfig, tp: TensorParallel) -> Shard
 @torch.no_grad()
 def load_shards(model: LlamaForCausalLM, read_slice: ReadSlice) -> None:
     """Fill every parameter of ``model`` (built for its ``tp``) from its checkpoint slices."""
-    for entry in shard_weight_map(model.config, model.tp):
+    for entry in shard_weight_map(model):
         param = model.get_parameter(entry.name)
-        if len(entry.slices) == 1 and entry.slices[0].dim == 1:
-            piece = entry.slices[0]
-            param.copy_(read_slice(piece.hf_name, 1, piece.start, piece.length))
-            continue
         offset = 0
         for piece in entry.slices:
-            tensor = read_slice(piece.hf_name, 0, piece.start, piece.length)
+            tensor = read_slice(piece.hf_name, piece.dim, piece.start, piece.length)
             param[offset : offset + tensor.shape[0]].copy_(tensor)
             offset += tensor.shape[0]
         if offset != param.shape[0]:

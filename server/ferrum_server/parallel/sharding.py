@@ -1,7 +1,8 @@
 """Which part of each split dimension a rank holds, and the check that a model can be split.
 
 Megatron-style tensor parallelism splits the query heads, the KV heads, the MLP's intermediate
-size and the (padded) vocabulary over the ranks; the hidden size is never split. KV heads are
+size (every expert's, for a mixture-of-experts model) and the (padded) vocabulary over the
+ranks; the hidden size, the norms and a MoE router are never split. KV heads are
 split when there are at least as many as ranks, and otherwise replicated: with N ranks and K < N
 KV heads, KV head j lives on ranks ``j * N/K .. (j+1) * N/K - 1``. Query heads are always split
 evenly, in order, which keeps every GQA group intact: rank r's query heads all read the KV
@@ -29,10 +30,6 @@ def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
     if world_size == 1:
         return
     where = f"tensor parallelism over {world_size} ranks"
-    if config.moe is not None:
-        raise ValueError(f"{where}: {config.architecture} (mixture of experts) runs on one rank")
-    if config.gemma is not None:
-        raise ValueError(f"{where}: {config.architecture} runs on one rank")
     if config.num_heads % world_size:
         raise ValueError(
             f"{where}: num_attention_heads ({config.num_heads}) is not divisible by {world_size}"
@@ -42,11 +39,25 @@ def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
         raise ValueError(
             f"{where}: num_key_value_heads ({kv}) neither divides nor is divisible by {world_size}"
         )
-    if config.intermediate_size % world_size:
+    # The dense MLP's columns (a MoE model with no dense layer has none to split).
+    dense = any(not config.is_sparse_layer(i) for i in range(config.num_layers))
+    if dense and config.intermediate_size % world_size:
         raise ValueError(
             f"{where}: intermediate_size ({config.intermediate_size}) is not divisible by "
             f"{world_size}"
         )
+    # Every expert's intermediate columns are split the same way (the router is whole).
+    if config.moe is not None and config.moe.expert_intermediate_size % world_size:
+        raise ValueError(
+            f"{where}: {expert_intermediate_field(config.model_type)} "
+            f"({config.moe.expert_intermediate_size}) is not divisible by {world_size}"
+        )
+
+
+def expert_intermediate_field(model_type: str) -> str:
+    """The config.json field that sizes a MoE model's experts (Mixtral: ``intermediate_size``,
+    Qwen3-MoE: ``moe_intermediate_size``)."""
+    return "intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"
 
 
 @dataclass(frozen=True, slots=True)
