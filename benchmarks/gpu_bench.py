@@ -495,7 +495,7 @@ def bench_kernels(plan: Plan) -> list[dict[str, Any]]:
 
 # How long the rank processes may take, all sections together, before they are killed: the
 # script must stay one command within the device run's 10 minutes.
-SPLIT_DEADLINE_S = 420.0
+SPLIT_DEADLINE_S = 300.0
 SPLIT_DEADLINE_DRY_S = 180.0
 
 
