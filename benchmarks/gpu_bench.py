@@ -20,20 +20,35 @@ Sections (each printed as a table row and stored in the JSON written to ``--out`
 * ``memory_plan``: how that engine divided device memory (total, budget, weights, peak
   activations, CUDA graphs reserved / measured, KV pool).
 
+* ``tensor_parallel`` (only with ``--tensor-parallel-size N``, N > 1): the same model split over N
+  GPUs (``ferrum_server.parallel``, NCCL; on the CPU dry run N gloo processes), one process per
+  rank started by this script on cuda:0..N-1. Eager decode steps at every batch and the prefill
+  step, each row labelled with its ``tp`` size, beside the same steps at TP=1 on cuda:0, and the
+  time of the step's collectives alone (2 all-reduces per layer, the embedding's all-reduce and
+  the logits' all-gather, at the step's shapes). Needs N visible GPUs; with fewer it says so and
+  exits 2. In this mode the kernel and engine sections are skipped (both are single-device: the
+  in-process engine takes one injected model), and so are CUDA graphs.
+
 The model runs whatever kernels ``ferrum_server`` wires in; the ``backend`` field records what
 ``select_backend`` picks on this device. ``--dry-run`` runs every code path on CPU with a tiny
 config in seconds (used by tests/unit/test_gpu_bench_dry_run.py).
 
     python benchmarks/gpu_bench.py --out bench.json
+    python benchmarks/gpu_bench.py --out bench-tp2.json --tensor-parallel-size 2
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import os
 import random
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -43,6 +58,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from ferrum_kernels.attention import AttentionMetadata, reference_decode_attention
 from ferrum_kernels.backend import KernelBackend, select_backend
 from ferrum_kernels.sampling import SamplingTensors, build_sampling_tensors
@@ -59,6 +75,8 @@ from ferrum_server.cuda_graphs import (
 )
 from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem
 from ferrum_server.models import LlamaForCausalLM, ModelConfig, tiny_config
+from ferrum_server.parallel import SINGLE_RANK, TensorParallel, collective_backend
+from ferrum_server.parallel.sharding import vocab_shard
 
 GIB = 1024**3
 
@@ -205,11 +223,11 @@ def measure_rates(plan: Plan) -> dict[str, float]:
     }
 
 
-def build_model(plan: Plan) -> LlamaForCausalLM:
+def build_model(plan: Plan, tp: TensorParallel = SINGLE_RANK) -> LlamaForCausalLM:
     """Random weights straight on the device: the nn.Linear/nn.Embedding default initialisers
-    run in place at construction, norms start at ones."""
+    run in place at construction, norms start at ones. ``tp``: build only that rank's shard."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(plan.config, dtype=plan.dtype, device=plan.device)
+    model = LlamaForCausalLM(plan.config, dtype=plan.dtype, device=plan.device, tp=tp)
     return model.requires_grad_(False).eval()
 
 
@@ -222,9 +240,11 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return config.num_layers * 2 * config.num_kv_heads * config.head_dim * elem
 
 
-def make_kv_cache(plan: Plan, num_blocks: int) -> torch.Tensor:
+def make_kv_cache(plan: Plan, num_blocks: int, kv_heads: int = 0) -> torch.Tensor:
+    """kv_heads: a rank's KV heads (``model.kv_heads``); 0 = all of the model's."""
     c = plan.config
-    shape = (c.num_layers, 2, num_blocks, plan.block_size, c.num_kv_heads, c.head_dim)
+    heads = kv_heads or c.num_kv_heads
+    shape = (c.num_layers, 2, num_blocks, plan.block_size, heads, c.head_dim)
     return torch.zeros(shape, dtype=plan.dtype, device=plan.device)
 
 
@@ -470,6 +490,168 @@ def bench_kernels(plan: Plan) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Tensor parallelism: the model split over N ranks (one process per GPU)
+# ----------------------------------------------------------------------------------------------
+
+# How long the rank processes may take, all sections together, before they are killed: the
+# script must stay one command within the device run's 10 minutes.
+SPLIT_DEADLINE_S = 300.0
+SPLIT_DEADLINE_DRY_S = 180.0
+
+
+def _collectives(plan: Plan, tp: TensorParallel, tokens: int, items: int) -> Callable[[], None]:
+    """The communication of one forward of ``tokens`` tokens and ``items`` sampled rows, alone:
+    the embedding's all-reduce, two per layer (o_proj, down_proj), the logits' all-gather."""
+    c = plan.config
+    hidden = torch.zeros(tokens, c.hidden_size, dtype=plan.dtype, device=plan.device)
+    local_vocab = vocab_shard(c.vocab_size, tp.rank, tp.world_size).rows
+    logits = torch.zeros(items, local_vocab, dtype=plan.dtype, device=plan.device)
+
+    def run() -> None:
+        for _ in range(2 * c.num_layers + 1):
+            tp.all_reduce(hidden)
+        tp.all_gather(logits)
+
+    return run
+
+
+def bench_split(plan: Plan, tp: TensorParallel) -> dict[str, list[dict[str, Any]]]:
+    """This rank's eager decode and prefill step times (every rank runs the same calls; the
+    collectives keep them in step), with the collectives' own time when split."""
+    backend = select_backend(plan.device)
+    model = build_model(plan, tp)
+    model.bind_backend(backend)
+    decode_items = [(plan.decode_context, 1)] * max(plan.decode_batches)
+    prefill_items = [(0, n) for n in plan.prefill_items]
+    num_blocks = max(blocks_for(plan, decode_items), blocks_for(plan, prefill_items))
+    kv = make_kv_cache(plan, num_blocks, model.kv_heads)
+    vocab = plan.config.vocab_size
+
+    def row(kind: str, batch: Batch, items: int, iters: int | None = None) -> dict[str, Any]:
+        step_s = time_it(lambda: run_step(model, kv, batch, backend), plan, iters)
+        tokens = int(batch.input_ids.shape[0])
+        out: dict[str, Any] = {"tp": tp.world_size, kind: items, "step_ms": step_s * 1e3}
+        out["tokens_per_s"] = (items if kind == "batch" else tokens) / step_s
+        if tp.is_parallel:
+            comm_s = time_it(_collectives(plan, tp, tokens, items), plan, iters)
+            out["collectives_ms"] = comm_s * 1e3
+            out["collectives_share"] = comm_s / step_s
+        return out
+
+    decode = []
+    for batch_size in plan.decode_batches:
+        torch.manual_seed(1)  # the same token ids on every rank
+        batch = make_batch(plan, [(plan.decode_context, 1)] * batch_size, vocab)
+        decode.append(row("batch", batch, batch_size))
+    torch.manual_seed(1)
+    batch = make_batch(plan, prefill_items, vocab)
+    prefill = row("prefill_tokens", batch, sum(plan.prefill_items), max(2, plan.iters // 4))
+    prefill.pop("prefill_tokens")
+    prefill = {"tokens": sum(plan.prefill_items), **prefill}
+    return {"decode": decode, "prefill": [prefill]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def split_rank_main(args: argparse.Namespace) -> int:
+    """One rank of the split benchmark (a process this script started): join the group, run
+    ``bench_split``, rank 0 writes the rows to ``--split-result``."""
+    rank, world = args.split_rank, args.tensor_parallel_size
+    plan = dry_plan(args) if args.dry_run else real_plan(args)
+    if plan.device.type == "cuda":
+        torch.cuda.set_device(rank)
+        plan = replace(plan, device=torch.device("cuda", rank))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        collective_backend(plan.device),
+        init_method=args.split_init,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        rows = bench_split(plan, TensorParallel.from_default_group())
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(args.split_result).write_text(json.dumps(rows))
+    return 0
+
+
+def run_split_ranks(plan: Plan, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Start ``world`` rank processes of this script (rank r on cuda:r), wait for them within
+    the deadline (killing them past it), and return rank 0's rows."""
+    deadline = SPLIT_DEADLINE_DRY_S if args.dry_run else SPLIT_DEADLINE_S
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    env = dict(os.environ)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo ranks (dry run) talk over loopback
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-tp-") as work:
+        result = Path(work) / "rank0.json"
+        common = [sys.executable, str(Path(__file__).resolve()), "--out", str(result)]
+        common += ["--tensor-parallel-size", str(world), "--requests", str(args.requests)]
+        common += ["--split-init", init, "--split-result", str(result)]
+        common += ["--dry-run"] if args.dry_run else []
+        logs = [Path(work) / f"rank{r}.log" for r in range(world)]
+        procs = []
+        for rank, log in enumerate(logs):
+            with log.open("wb") as out:
+                argv = [*common, "--split-rank", str(rank)]
+                procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=out))
+        ends = time.monotonic() + deadline
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > ends:
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        codes = [p.returncode for p in procs]
+        if any(codes) or not result.exists():
+            tails = "\n".join(
+                f"-- rank {r} (exit {c}):\n" + log.read_text(errors="replace")[-2000:]
+                for r, (c, log) in enumerate(zip(codes, logs, strict=True))
+            )
+            raise RuntimeError(
+                f"tensor-parallel ranks failed or passed the {deadline:.0f} s deadline "
+                f"(exit codes {codes}):\n{tails}"
+            )
+        rows: dict[str, Any] = json.loads(result.read_text())
+        return rows
+
+
+def compare_split(baseline: dict[str, Any], split: dict[str, Any]) -> dict[str, Any]:
+    """TP=1 and TP=N rows side by side, the TP=N rows with their speed-up over TP=1."""
+    out: dict[str, Any] = {}
+    for section in ("decode", "prefill"):
+        rows = []
+        for one, many in zip(baseline[section], split[section], strict=True):
+            rows += [one, {**many, "speedup_vs_tp1": one["step_ms"] / many["step_ms"]}]
+        out[section] = rows
+    return out
+
+
+def run_tensor_parallel(plan: Plan, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """TP=1 on the first device in this process, then TP=N in N rank processes."""
+    baseline = bench_split(plan, SINGLE_RANK)
+    if plan.device.type == "cuda":
+        torch.cuda.empty_cache()  # rank 0 needs cuda:0's memory back
+    report = {"size": world, **compare_split(baseline, run_split_ranks(plan, world, args))}
+    _print_table(f"decode step, TP=1 vs TP={world} (context ~512; eager)", report["decode"])
+    _print_table(f"prefill, TP=1 vs TP={world}", report["prefill"])
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
 # Offline throughput through the engine
 # ----------------------------------------------------------------------------------------------
 
@@ -639,15 +821,27 @@ def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
         _say(" | ".join(cells))
 
 
-def run(plan: Plan, *, skip_engine: bool = False) -> dict[str, Any]:
+def run(
+    plan: Plan, *, skip_engine: bool = False, tp_args: argparse.Namespace | None = None
+) -> dict[str, Any]:
+    """tp_args: the parsed flags of a ``--tensor-parallel-size N`` run (N > 1), else None."""
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else "cpu",
         "backend": select_backend(plan.device).name,
         "torch": torch.__version__,
+        "tensor_parallel_size": tp_args.tensor_parallel_size if tp_args else 1,
     }
     rates = measure_rates(plan)
     report["rates"] = rates
     _print_table("rates", [rates])
+    if tp_args is not None:
+        world = tp_args.tensor_parallel_size
+        report["tensor_parallel"] = run_tensor_parallel(plan, world, tp_args)
+        _say(
+            f"\n(TP={world}: kernels, CUDA graphs and the engine section are single-device "
+            "and skipped; run without --tensor-parallel-size for them)"
+        )
+        return report
 
     report["kernels"] = bench_kernels(plan)
     _print_table("kernels (torch vs triton)", report["kernels"])
@@ -688,15 +882,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of every code path")
     parser.add_argument("--requests", type=int, default=1000, help="offline workload size")
     parser.add_argument("--skip-engine", action="store_true", help="skip the offline section")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also time the model split over N GPUs (cuda:0..N-1; N gloo CPU ranks with "
+        "--dry-run) against TP=1; needs N visible GPUs",
+    )
+    # Internal: how this script starts itself as one rank of a --tensor-parallel-size run.
+    parser.add_argument("--split-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--split-init", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--split-result", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    world = args.tensor_parallel_size
+    if world < 1:
+        _say(f"--tensor-parallel-size must be >= 1, got {world}", file=sys.stderr)
+        return 2
+    if args.split_rank >= 0:
+        return split_rank_main(args)
     if args.dry_run:
         plan = dry_plan(args)
     else:
         if not torch.cuda.is_available():
             _say("no CUDA device: use --dry-run for the CPU smoke run", file=sys.stderr)
             return 2
+        visible = torch.cuda.device_count()
+        if visible < world:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+            _say(
+                f"--tensor-parallel-size {world} needs {world} GPUs, but torch sees {visible} "
+                f"(CUDA_VISIBLE_DEVICES={shown}); nothing was run",
+                file=sys.stderr,
+            )
+            return 2
         plan = real_plan(args)
-    report = run(plan, skip_engine=args.skip_engine)
+    report = run(plan, skip_engine=args.skip_engine, tp_args=args if world > 1 else None)
     report["dry_run"] = bool(args.dry_run)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str))

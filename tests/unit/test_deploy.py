@@ -29,17 +29,27 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from ferrum_server.cli import add_serve_args
+from ferrum_server.cli import add_serve_args, serve_configs
+from ferrum_server.config import EngineConfig
 from ferrum_server.metrics import METRIC_DOCS
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-OVERLAYS = ("gpu", "cpu", "gpu-2x")
+OVERLAYS = ("gpu", "cpu", "gpu-2x", "gpu-tp2")
 EXAMPLES = ("generate-job", "generate-job-2x")  # deploy/examples/*: applied beside an overlay
 # The example scheduler Job that drives each overlay's executors as a fleet.
-FLEET_JOB = {"gpu": "generate-job", "cpu": "generate-job", "gpu-2x": "generate-job-2x"}
+FLEET_JOB = {
+    "gpu": "generate-job",
+    "cpu": "generate-job",
+    "gpu-2x": "generate-job-2x",
+    "gpu-tp2": "generate-job",  # one executor per pod: rank 0 (its followers take no RPC)
+}
+# Executor containers per pod: independent executors (gpu-2x) or the ranks of one split model.
+EXECUTORS_PER_POD = {"gpu": 1, "cpu": 1, "gpu-2x": 2, "gpu-tp2": 2}
+# Overlays whose executors are the ranks of one model split over their GPUs (tensor parallel).
+SPLIT_OVERLAYS = ("gpu-tp2",)
 RENDERS = ("base", *OVERLAYS, *EXAMPLES)
 from ferrum_server.app import LIVENESS_SERVICE, SERVICE_NAME  # noqa: E402
 
@@ -214,6 +224,27 @@ def _executors(deployment: Doc) -> list[Doc]:
     return [c for c in containers if c["name"].startswith("executor")]
 
 
+def _engine_config(container: Doc) -> EngineConfig:
+    """The engine configuration `serve` builds from the container's args and env (flags win
+    over their FERRUM_* twins), validated by the real config. The model folder does not exist
+    here, so an existing folder stands in for it (the path itself is checked as text)."""
+    args = _serve_args(container)
+    args.model = str(DEPLOY)
+    return serve_configs(args, environ=_env(container)).engine
+
+
+def _is_follower(container: Doc) -> bool:
+    """A tensor-parallel rank > 0 (`--world-size N --rank R`): it serves only health and
+    metrics, never the executor's RPCs."""
+    config = _engine_config(container)
+    return config.world_size > 0 and config.rank > 0
+
+
+def _serving_executors(deployment: Doc) -> list[Doc]:
+    """The executors the scheduler talks to: all of them but tensor-parallel followers."""
+    return [c for c in _executors(deployment) if not _is_follower(c)]
+
+
 def _serve_args(container: Doc) -> argparse.Namespace:
     """Parse the container's args with the real `ferrum-executor serve` parser."""
     assert container.get("command") == ["ferrum-executor"]
@@ -345,7 +376,7 @@ def test_probes_ports_and_grace(name: str) -> None:
     assert len(names) == len(set(names))
     executors = _executors(deployment)
     assert executors == pod["containers"], "the Deployment runs executors only"
-    assert len(executors) == (2 if name == "gpu-2x" else 1)
+    assert len(executors) == EXECUTORS_PER_POD[name]
 
     all_ports = [p for c in pod["containers"] for p in c.get("ports", [])]
     assert len({p["name"] for p in all_ports}) == len(all_ports), "port names must be unique"
@@ -360,17 +391,26 @@ def test_probes_ports_and_grace(name: str) -> None:
         assert args.host == "0.0.0.0"
         assert args.model == "/models/current"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        grpc_name = next(n for n in ports if n.startswith("grpc"))
         metrics_name = next(n for n in ports if n.startswith("metrics"))
-        assert ports[grpc_name] == args.port
         assert ports[metrics_name] == int(_env(container)["FERRUM_METRICS_PORT"])
-        assert service_ports[grpc_name] == args.port
         assert service_ports[metrics_name] == ports[metrics_name]
         probes = {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
         for probe in probes.values():
             assert probe["grpc"]["port"] == args.port  # native probes need a number
-        assert probes["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
-        assert probes["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
+        if _is_follower(container):
+            # A tensor-parallel follower serves grpc.health.v1 alone, overall status only,
+            # on a port no Service offers (it takes no RPC).
+            (health_name,) = [n for n in ports if ports[n] == args.port]
+            assert health_name.startswith("health") and health_name not in service_ports
+            assert not any(n.startswith("grpc") for n in ports)
+            for probe in probes.values():
+                assert probe["grpc"].get("service", "") == ""
+        else:
+            grpc_name = next(n for n in ports if n.startswith("grpc"))
+            assert ports[grpc_name] == args.port
+            assert service_ports[grpc_name] == args.port
+            assert probes["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+            assert probes["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
         startup = probes["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model load"
 
@@ -419,6 +459,67 @@ def test_devices_and_images(name: str) -> None:
         assert "nvidia.com/gpu" not in json.dumps(pod)
     else:
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+# -- a split model: the ranks of one tensor-parallel group in one pod ------------------------
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_split_model_ranks_form_one_group(name: str) -> None:
+    """The sidecar-per-GPU launch mode: one container per rank, each with one GPU, all loading
+    the same model in the same dtype, ranks 0..N-1 each once, meeting at the same --dist-init
+    on 127.0.0.1 (the pod's shared network namespace) at a port rank 0 declares and nothing
+    else uses. Only rank 0 is offered to clients; every rank shares the pod's memory-backed
+    /dev/shm (NCCL's shared-memory transport between containers). Overlays without
+    --world-size run no split model at all."""
+    docs = render(name)
+    deployment = _one(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    executors = _executors(deployment)
+    configs = [_engine_config(c) for c in executors]
+    if name not in SPLIT_OVERLAYS:
+        assert all(c.world_size == 0 and c.parallel_size == 1 for c in configs), name
+        return
+    (world,) = {c.world_size for c in configs}
+    assert world == len(executors) >= 2, "one container per rank"
+    assert sorted(c.rank for c in configs) == list(range(world)), "ranks 0..N-1, each once"
+    assert all(c.tensor_parallel_size == 1 for c in configs), "not the spawn mode as well"
+    assert len({(c.model, c.dtype, c.device) for c in configs}) == 1
+    assert {_serve_args(c).model for c in executors} == {"/models/current"}
+    assert len({_serve_args(c).dtype for c in executors}) == 1
+    (dist_init,) = {c.dist_init for c in configs}
+    match = re.fullmatch(r"tcp://127\.0\.0\.1:(\d+)", dist_init)
+    assert match, f"{dist_init}: the ranks share the pod's network namespace"
+    rendezvous = int(match.group(1))
+    by_rank = dict(zip((c.rank for c in configs), executors, strict=True))
+    declared = {p["containerPort"]: p for c in pod["containers"] for p in c["ports"]}
+    assert rendezvous in {p["containerPort"] for p in by_rank[0]["ports"]}, "rank 0 listens"
+    assert declared[rendezvous]["name"] == "tp-rendezvous"
+    for container, config in zip(executors, configs, strict=True):
+        resources = container["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == 1, container["name"]
+        assert resources["limits"]["nvidia.com/gpu"] == 1, container["name"]
+        assert config.device == "cuda", "each container sees its one GPU as cuda:0"
+        assert _serve_args(container).port != rendezvous
+        assert int(_env(container)["FERRUM_METRICS_PORT"]) != rendezvous
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts["/dev/shm"] == "dshm", "every rank shares the pod's /dev/shm"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    tmp_volumes = [
+        {m["mountPath"]: m["name"] for m in c["volumeMounts"]}["/tmp"] for c in executors
+    ]
+    assert len(set(tmp_volumes)) == len(tmp_volumes), "each rank's probe file and caches apart"
+    # Clients reach rank 0 alone: the Services offer its gRPC port and no follower's.
+    followers = [c for c in executors if _is_follower(c)]
+    assert [c["name"] for c in followers] == [by_rank[r]["name"] for r in range(1, world)]
+    assert _serving_executors(deployment) == [by_rank[0]]
+    follower_ports = {p["name"] for c in followers for p in c["ports"]}
+    for service in _services(docs, headless=False) + _services(docs, headless=True):
+        offered = {p["targetPort"] for p in service["spec"]["ports"]}
+        grpc_offered = {p for p in offered if not str(p).startswith("metrics")}
+        assert grpc_offered == {"grpc"}, (service["metadata"]["name"], offered)
+        assert not {p for p in follower_ports if not p.startswith("metrics")} & offered
 
 
 # -- workloads settle ------------------------------------------------------------------------
@@ -475,9 +576,10 @@ def test_every_pod_settles(name: str) -> None:
 
 
 def _grpc_ports(deployment: Doc) -> dict[str, int]:
-    """Each executor's gRPC containerPort, by port name."""
+    """Each serving executor's gRPC containerPort, by port name (a tensor-parallel follower
+    has none: it serves health alone)."""
     out: dict[str, int] = {}
-    for container in _executors(deployment):
+    for container in _serving_executors(deployment):
         (port,) = [p for p in container["ports"] if p["name"].startswith("grpc")]
         out[port["name"]] = port["containerPort"]
     return out
@@ -510,7 +612,7 @@ def test_headless_service_selects_exactly_the_executor_pods(name: str) -> None:
         port = ports[port_name]
         assert port["targetPort"] == port_name and port["port"] == container_port
         assert port["protocol"] == "TCP" and port["appProtocol"] == "kubernetes.io/h2c"
-    for container in _executors(deployment):
+    for container in _serving_executors(deployment):
         (port_name,) = [p["name"] for p in container["ports"] if p["name"] in grpc_ports]
         readiness = container["readinessProbe"]["grpc"]
         assert readiness["port"] == grpc_ports[port_name] == _serve_args(container).port

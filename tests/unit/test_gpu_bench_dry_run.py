@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
 
 
@@ -45,3 +47,45 @@ def test_flop_model_counts_linear_layers() -> None:
     flops = bench.matmul_flops(config, [(0, 1)])
     # One token through an 8B model: ~2 * 7e9 linear FLOPs (+ LM head), attention negligible.
     assert 1.3e10 < flops < 1.7e10
+
+
+def test_tensor_parallel_dry_run_labels_every_row_with_its_size(tmp_path: Path) -> None:
+    """`--tensor-parallel-size 2 --dry-run`: two gloo rank processes the script starts itself
+    run the split model's decode and prefill steps beside TP=1; every row says its TP size,
+    and only the split rows carry the collectives' time and the speed-up."""
+    bench = _load_bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--dry-run", "--tensor-parallel-size", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tensor_parallel_size"] == 2
+    split = report["tensor_parallel"]
+    assert split["size"] == 2
+    assert [(r["tp"], r["batch"]) for r in split["decode"]] == [(1, 1), (2, 1), (1, 4), (2, 4)]
+    assert [(r["tp"], r["tokens"]) for r in split["prefill"]] == [(1, 32), (2, 32)]
+    for row in split["decode"] + split["prefill"]:
+        assert row["step_ms"] > 0 and row["tokens_per_s"] > 0
+        labelled = {"collectives_ms", "collectives_share", "speedup_vs_tp1"}
+        assert (labelled <= set(row)) is (row["tp"] == 2), row
+    assert "engine" not in report and "kernels" not in report  # single-device sections
+
+
+def test_tensor_parallel_needs_that_many_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Fewer visible GPUs than --tensor-parallel-size: one clear line, exit 2, nothing run."""
+    import torch
+
+    bench = _load_bench()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    out = tmp_path / "bench.json"
+    assert bench.main(["--tensor-parallel-size", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "--tensor-parallel-size 2 needs 2 GPUs, but torch sees 1 (CUDA_VISIBLE_DEVICES=0); "
+        "nothing was run"
+    )
+    assert not out.exists()
+    assert bench.main(["--dry-run", "--tensor-parallel-size", "0", "--out", str(out)]) == 2
+    assert not out.exists()
