@@ -12,6 +12,7 @@ Run as ``python -m ferrum_server.parallel.follower CONFIG_JSON`` by a spawning r
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from concurrent import futures
@@ -95,6 +96,7 @@ def follow(config: EngineConfig, server: ServerConfig | None = None) -> int:
         metrics = Metrics()
         if server.metrics_port >= 0:
             metrics.start_http_server(server.metrics_port, server.metrics_bind_host)
+    _keep_following_on_signals()
     code = EXIT_GROUP_FAILED
     try:
         tp = join_group(config)
@@ -119,6 +121,18 @@ def follow(config: EngineConfig, server: ServerConfig | None = None) -> int:
         if code == EXIT_STOPPED:
             leave_group()
     return code
+
+
+def _keep_following_on_signals() -> None:
+    """SIGTERM and SIGINT reach every rank of a pod (or of a terminal's process group) at once.
+    A follower that exited then would fail rank 0's last steps while it drains: it keeps
+    following until rank 0 says stop, or the group fails (rank 0 gone, a timeout)."""
+
+    def note(signum: int, frame: object) -> None:
+        _LOG.info("follower_signal", signal=signal.Signals(signum).name, action="follow_until_stop")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, note)
 
 
 def _follow(follower: Follower, receiver: PlanReceiver) -> int:

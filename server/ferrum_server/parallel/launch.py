@@ -37,6 +37,8 @@ _LOG = logs.get(__name__)
 FOLLOWER_MODULE = "ferrum_server.parallel.follower"
 # How long a clean stop waits for spawned followers to exit before killing them.
 FOLLOWER_EXIT_S = 10.0
+# One process per rank: how long a rank waits at --dist-init for the others (at least).
+RENDEZVOUS_MIN_S = 900.0
 
 
 def check_launch(config: EngineConfig) -> None:
@@ -136,14 +138,32 @@ def open_group(config: EngineConfig) -> RankGroup:
     return RankGroup(rank_config(config, 0, address), followers)
 
 
+def rendezvous_timeout_s(config: EngineConfig) -> float:
+    """How long a rank waits for the others to arrive at --dist-init. One process per rank: the
+    orchestrator restarts containers with back-offs of up to minutes, so a restarted pair must
+    still meet. Spawned: the followers start at once beside rank 0."""
+    if config.spawns_followers or not config.world_size:
+        return config.collective_timeout_s
+    return max(config.collective_timeout_s, RENDEZVOUS_MIN_S)
+
+
 def join_group(config: EngineConfig) -> TensorParallel:
-    """init_process_group for this rank, with the collective timeout."""
+    """init_process_group for this rank: the ranks meet at --dist-init (a TCP store rank 0
+    serves), then every collective fails after --collective-timeout-s."""
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    host, _, port = config.dist_init.removeprefix("tcp://").rpartition(":")
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        host,
+        int(port),
+        world_size=config.world_size,
+        is_master=config.rank == 0,
+        timeout=timedelta(seconds=rendezvous_timeout_s(config)),
+    )
     dist.init_process_group(
         backend=collective_backend(device),
-        init_method=config.dist_init,
+        store=store,
         rank=config.rank,
         world_size=config.world_size,
         timeout=timedelta(seconds=config.collective_timeout_s),
