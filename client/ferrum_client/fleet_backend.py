@@ -425,6 +425,7 @@ class FleetBackend:
                 max(timing.forward_ns, t.forward_ns),
                 max(timing.sample_ns, t.sample_ns),
                 max(timing.total_ns, t.total_ns),
+                max(timing.collective_ns, t.collective_ns),
             )
         for k in lost_set:
             self._forget(cache_ids[k], failed_over=True)

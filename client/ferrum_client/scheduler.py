@@ -204,6 +204,7 @@ class StepTiming:
     forward_ns: int = 0
     sample_ns: int = 0
     total_ns: int = 0
+    collective_ns: int = 0  # within forward_ns: a split model's collectives on rank 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,7 +523,7 @@ def decode_results(response: pb.UnifiedBatchResponse) -> StepResult:
         statuses=list(results.statuses),
         committed_tokens=list(results.committed_tokens),
         token_ids=list(results.token_ids),
-        timing=StepTiming(t.queue_ns, t.forward_ns, t.sample_ns, t.total_ns),
+        timing=StepTiming(t.queue_ns, t.forward_ns, t.sample_ns, t.total_ns, t.collective_ns),
         errors={e.item_index: e.message for e in results.errors},
         blocked_sources={
             d.item_index: frozenset(

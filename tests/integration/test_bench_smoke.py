@@ -243,3 +243,28 @@ def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> No
     assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-inproc"] == 1.0
     bad = _cli("bench", "--workload", "smoke", "--executors", "0")
     assert bad.returncode == 2 and "--executors" in bad.stderr
+
+
+def test_bench_runs_the_model_split_over_two_ranks_beside_it(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = _cli(
+        "bench",
+        "--workload", "smoke",
+        "--dtype", "float32",
+        "--tensor-parallel-size", "2",
+        "--no-progress",
+        "--cache-dir", str(tmp_path / "models"),
+        "--output", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    section = json.loads(out.read_text())["by_dtype"]["float32"]
+    split = section["results"]["ferrum-grpc tp2"]
+    assert split["notes"]["tensor_parallel_size"] == 2
+    assert split["output_tokens"] == 12 * 8
+    # Rank 0's steps spent measurable time in all-reduces, reported per step.
+    assert split["steps"]["collective_ms_mean"] > 0
+    assert section["results"]["ferrum-grpc"]["steps"]["collective_ms_mean"] == 0
+    assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc tp2"] == 1.0
+    assert split["peak_rss_mb"]["rank1"] > 0  # the follower's own peak, beside rank 0's
+    bad = _cli("bench", "--workload", "smoke", "--tensor-parallel-size", "0")
+    assert bad.returncode == 2 and "--tensor-parallel-size" in bad.stderr

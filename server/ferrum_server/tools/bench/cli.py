@@ -76,6 +76,13 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         help="ferrum-grpc: start this many local executors and drive them as one fleet "
         "(they share this machine's cores: on 2 cores two executors are not twice as fast)",
     )
+    bench.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run ferrum-grpc with the model split over N ranks on this machine (they "
+        "share its cores); the row reports the collectives' time per step",
+    )
     bench.add_argument("--hf-batch-size", type=int, default=16)
     bench.add_argument("--torch-threads", type=int, default=0)
     bench.add_argument("--vllm-venv", default=None, help="vLLM CPU venv (see scripts/)")
@@ -102,6 +109,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"ferrum-executor bench: --executors must be in 1..{MAX_LOCAL_EXECUTORS}\n"
         )
         return 2
+    if not 1 <= args.tensor_parallel_size <= MAX_LOCAL_EXECUTORS:
+        sys.stderr.write(
+            f"ferrum-executor bench: --tensor-parallel-size must be in 1..{MAX_LOCAL_EXECUTORS}\n"
+        )
+        return 2
     if bad or not dtypes:
         sys.stderr.write(f"ferrum-executor bench: unknown choice(s): {', '.join(bad)}\n")
         return 2
@@ -125,6 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         progress=not args.no_progress,
         executors=args.executors,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")

@@ -70,6 +70,10 @@ def summarize(run: RunOutput, prompts: list[list[int]]) -> dict[str, Any]:
             # wall time the engine sat idle: RPC round trips, (de)serialisation, scheduling
             "rpc_and_scheduling_s": round(max(0.0, run.wall_s - engine), 3),
             "engine_utilisation": round(engine / run.wall_s, 3) if run.wall_s else 0.0,
+            # a split model: rank 0's time in collectives (all-reduces, gathers) per step
+            "collective_ms_mean": round(
+                statistics.fmean(s.get("collective_ms", 0.0) for s in run.steps), 2
+            ),
             "step_ms_p50": round(percentile(step_ms, 50), 1),
             "step_ms_p99": round(percentile(step_ms, 99), 1),
             "mean_tokens": round(
@@ -187,6 +191,7 @@ def run_bench(
     progress: bool = True,
     log: Any = sys.stderr,
     executors: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
     if repeat < 1:
         raise ValueError("repeat must be >= 1")
@@ -248,6 +253,14 @@ def run_bench(
             # Each prompt starts decoding as soon as it is prefilled: the TTFT side of the
             # first-token alignment trade-off.
             plan.append(("ferrum-grpc unaligned", replace(base, align_first_tokens=False)))
+        if tensor_parallel_size > 1:
+            # The model split over N ranks on this machine, beside the unsplit ferrum-grpc.
+            plan.append(
+                (
+                    f"ferrum-grpc tp{tensor_parallel_size}",
+                    replace(base, tensor_parallel_size=tensor_parallel_size),
+                )
+            )
         if continuation:
             # Two steps in flight, every running request in each (docs/scheduler.md).
             plan.append(("ferrum-grpc continuation", replace(base, decode_continuation=True)))
@@ -378,6 +391,13 @@ def format_table(report: dict[str, Any]) -> str:
             if "rounds_output_tok_s" in r:
                 rounds = " / ".join(f"{x:.1f}" for x in r["rounds_output_tok_s"])
                 lines.append(f"  {name} out tok/s by round: {rounds} (row: the median)")
+        for name, r in section["results"].items():
+            steps = r.get("steps") or {}
+            if steps.get("collective_ms_mean"):
+                lines.append(
+                    f"  {name}: {steps['collective_ms_mean']:.2f} ms of collectives per step "
+                    f"(step p50 {steps['step_ms_p50']:.1f} ms)"
+                )
         derived = section["derived"]
         for key, value in derived.get("ratios_output_tok_s", {}).items():
             lines.append(f"  {key}: {value:.2f}x")

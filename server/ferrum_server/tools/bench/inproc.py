@@ -183,7 +183,7 @@ async def _result(future: Awaitable[object]) -> StepResult:
         statuses=[int(r.status) for r in results],
         committed_tokens=[r.committed_tokens for r in results],
         token_ids=[r.token_ids[0] if r.token_ids else 0 for r in results],
-        timing=StepTiming(t.queue_ns, t.forward_ns, t.sample_ns, t.total_ns),
+        timing=StepTiming(t.queue_ns, t.forward_ns, t.sample_ns, t.total_ns, t.collective_ns),
         errors=errors,
         blocked_sources=blocked,
         waits=waits,

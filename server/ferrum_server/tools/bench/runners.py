@@ -64,6 +64,8 @@ class RunSpec:
     progress: bool = True
     # ferrum-grpc: executors started locally and driven as one fleet (they share the cores).
     executors: int = 1
+    # ferrum-grpc: ranks each executor's model is split over (docs/parallelism.md).
+    tensor_parallel_size: int = 1
 
 
 def peak_rss(pid: int | None = None) -> int:
@@ -163,6 +165,7 @@ def _scheduler_run(
             "forward_ms": s.timing.forward_ns / 1e6,
             "sample_ms": s.timing.sample_ns / 1e6,
             "engine_ms": s.timing.total_ns / 1e6,
+            "collective_ms": s.timing.collective_ns / 1e6,
         }
         for s in scheduler.stats.records
     ]
@@ -188,6 +191,7 @@ def _engine_args(spec: RunSpec) -> list[str]:
         "--max-batch-tokens", str(max(4096, spec.max_step_tokens)),
         "--prefix-caching", "true" if spec.prefix_caching else "false",
         "--torch-threads", str(spec.torch_threads),
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--metrics-port", "-1",
         "--log-level", "warning",
     ]  # fmt: skip
@@ -223,18 +227,30 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
 
     try:
         wall, traces, steps, notes = _scheduler_run(backend, spec, "ferrum-grpc")
-        server_peak = max(peak_rss(p.pid) for p in processes)
+        peaks = {"server": max(peak_rss(p.pid) for p in processes)}
+        if spec.tensor_parallel_size > 1:  # each follower rank's own peak beside rank 0's
+            for rank, pid in enumerate(_followers(processes[0].pid), start=1):
+                peaks[f"rank{rank}"] = peak_rss(pid)
     finally:
         _stop(processes)
     notes["executors"] = spec.executors
+    notes["tensor_parallel_size"] = spec.tensor_parallel_size
     return RunOutput(
         "ferrum-grpc",
         wall,
         traces,
-        {"server": server_peak, "client": peak_rss()},
+        {**peaks, "client": peak_rss()},
         steps,
         notes,
     )
+
+
+def _followers(pid: int) -> list[int]:
+    """The child processes of a split executor's rank 0 (its followers, in start order)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children.extend(int(c) for c in (task / "children").read_text().split())
+    return sorted(children)
 
 
 def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
