@@ -103,3 +103,99 @@ def test_two_ranks_over_grpc_match_one_rank(name: str, tmp_path: Path) -> None:
     assert caps.tensor_parallel_size == 2 and len(caps.rank_memory_plans) == 2
     assert caps.rank_memory_plans[0].kv_blocks == caps.rank_memory_plans[1].kv_blocks
     assert collective_ns > 0  # rank 0's steps spent time in collectives, and it was counted
+
+
+def _logits_of(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<f4")
+
+
+def _verify_and_truncate(server: LiveServer) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """ForwardVerify's rows, then a truncation into a block shared through the prefix cache
+    (copy-on-write) and the decode after it, beside the same context computed afresh."""
+    engine = server.engine
+    copies: list[int] = []
+    storage = engine.storage  # type: ignore[attr-defined]
+    copy_blocks = storage.copy_blocks
+
+    def counting(pairs: list[tuple[int, int]]) -> None:
+        copies.append(len(pairs))
+        copy_blocks(pairs)
+
+    storage.copy_blocks = counting
+    prompt = [*PROMPT, 4]  # 16 tokens: 4 full blocks
+    try:
+        with ExecutorClient(server.target) as client:
+            a = client.prefill(pb.PrefillRequest(request_id="a", input_tokens=prompt)).completed
+            verify = client.forward_verify(
+                pb.ForwardVerifyRequest(
+                    cache_id=a.kv_cache.cache_id,
+                    token_ids=[5, 6, 7],
+                    position=16,
+                    sampling=LOGITS.to_pb(),
+                )
+            ).completed
+            # b shares a's first full blocks (prefix cache); cutting it to 10 tokens keeps 2
+            # tokens of a shared block, which is copied before b writes into it.
+            admitted = client.try_admit_prefill(
+                pb.TryAdmitPrefillRequest(
+                    request_id="b", input_tokens=prompt, product_prompt_tokens=16
+                )
+            ).admitted
+            assert admitted.cached_prompt_tokens == 12  # a's first three blocks, shared
+            b = client.prefill(
+                pb.PrefillRequest(
+                    request_id="b",
+                    input_tokens=prompt,
+                    cache_id=admitted.cache_id,
+                    chunk=pb.PrefillChunk(
+                        tokens_processed=12, tokens_to_process=4, total_prompt_tokens=16
+                    ),
+                )
+            ).completed
+            client.truncate_kv(pb.TruncateKvRequest(cache_id=b.kv_cache.cache_id, new_length=10))
+            after = client.decode(
+                pb.DecodeRequest(
+                    cache_id=b.kv_cache.cache_id,
+                    input_token=9,
+                    position=10,
+                    sampling=LOGITS.to_pb(),
+                )
+            ).completed
+            fresh = client.prefill(
+                pb.PrefillRequest(
+                    request_id="c", input_tokens=[*prompt[:10], 9], sampling=LOGITS.to_pb()
+                )
+            ).completed
+            for done in (a, b, fresh):
+                client.release_cache(pb.ReleaseCacheRequest(cache_id=done.kv_cache.cache_id))
+    finally:
+        storage.copy_blocks = copy_blocks
+    return (
+        _logits_of(verify.logits),
+        _logits_of(after.output.full_logits),
+        _logits_of(fresh.output.full_logits),
+        sum(copies),
+    )
+
+
+def test_verify_and_copy_on_write_truncation_run_on_every_rank() -> None:
+    """ForwardVerify and a TruncateKv that copies a shared block (repeated by the followers on
+    their heads) give the unsplit model's logits."""
+    from helpers_server import tiny_split
+
+    results = []
+    for tp in (1, 2):
+        serving = start_live_server(
+            block_size=4, max_batch_tokens=64, max_batch_size=8, **tiny_split(tp, 64, 4)
+        )
+        server = next(serving)
+        try:
+            results.append(_verify_and_truncate(server))
+        finally:
+            serving.close()
+    (verify1, after1, _, copies1), (verify2, after2, fresh2, copies2) = results
+    assert copies1 >= 1 and copies2 >= 1  # the truncation did copy a shared block
+    np.testing.assert_allclose(verify2, verify1, atol=1e-4)
+    np.testing.assert_allclose(after2, after1, atol=1e-4)
+    # On the split model the copied block holds what every rank computed for those tokens.
+    np.testing.assert_allclose(after2, fresh2, atol=1e-4)
