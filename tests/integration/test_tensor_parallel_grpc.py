@@ -1,9 +1,9 @@
 """Every supported architecture split over 2 ranks and served over gRPC (issue #16): float32
-logits within 1e-4 of the same model on one rank, 32 identical greedy steps, and the reference
-scheduler's tokens equal to transformers'.
+logits within 1e-4 of transformers (and so of the same model on one rank) at each of 32
+greedy steps, and the reference scheduler's tokens equal to transformers'.
 
-Each case starts one executor on one rank (in process) and one with --tensor-parallel-size 2
-(rank 0 in process, rank 1 a spawned follower over gloo), and drives both with the same RPCs.
+Each case starts one executor with --tensor-parallel-size 2 (rank 0 in process, rank 1 a
+spawned follower over gloo).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from ferrum_client import ExecutorClient, SamplingOptions, pb
 from helpers_parallel import parallel_cases, save_case
 from helpers_parity import check_scheduler_matches_transformers, random_prompts
@@ -76,17 +77,20 @@ def _greedy_script(target: str) -> tuple[list[np.ndarray], list[int]]:
     return rows, tokens
 
 
+@torch.no_grad()
+def _hf_rows(hf: torch.nn.Module, tokens: list[int]) -> np.ndarray:
+    """transformers' logits at the prompt's last position and after each fed token."""
+    ids = torch.tensor([[*PROMPT, *tokens[:-1]]])
+    return hf(input_ids=ids).logits[0, len(PROMPT) - 1 :].float().numpy()  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize("name", list(parallel_cases()))
 def test_two_ranks_over_grpc_match_one_rank(name: str, tmp_path: Path) -> None:
+    """Against transformers on the same weights (the one-rank model is within 2e-6 of it:
+    test_model_parity and the per-family tests), so within 1e-4 of one rank too."""
     config = parallel_cases()[name]
     hf = save_case(tmp_path / name, config)
     prompts = random_prompts((9, 23, 4, 17), config.vocab_size)
-    whole = _serve(tmp_path / name, 1)
-    one = next(whole)
-    try:
-        expected_rows, expected_tokens = _greedy_script(one.target)
-    finally:
-        whole.close()
     split = _serve(tmp_path / name, 2)
     two = next(split)
     try:
@@ -96,8 +100,10 @@ def test_two_ranks_over_grpc_match_one_rank(name: str, tmp_path: Path) -> None:
         collective_ns = engine.recorder.metrics.collective_seconds._value.get()  # type: ignore[attr-defined]
     finally:
         split.close()
-    assert tokens == expected_tokens
-    for step, (got, want) in enumerate(zip(rows, expected_rows, strict=True)):
+    expected = _hf_rows(hf, tokens)
+    # Greedy: every token fed was transformers' argmax on the same context.
+    assert tokens == [int(row.argmax()) for row in expected]
+    for step, (got, want) in enumerate(zip(rows, expected, strict=True)):
         np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"{name}, step {step}")
     caps = info.capabilities
     assert caps.tensor_parallel_size == 2 and len(caps.rank_memory_plans) == 2

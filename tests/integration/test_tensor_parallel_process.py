@@ -19,7 +19,7 @@ from ferrum_client import ExecutorClient, pb
 from ferrum_server.parallel.launch import free_loopback_address
 from ferrum_server.server_process import start_server_process
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers_server import tiny_folder
+from helpers_server import LiveServer, tiny_folder
 
 COLLECTIVE_TIMEOUT_S = 6.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -131,7 +131,7 @@ def test_a_killed_follower_takes_rank_0_down_within_the_timeout(tmp_path: Path) 
     assert states[-2:] == ["faulted", "aborted"]
 
 
-def test_one_process_per_rank_serves_follows_and_stops_together(tmp_path: Path) -> None:
+def test_one_process_per_rank_serves_follows_and_stops_together(live_server: LiveServer) -> None:
     """--rank/--world-size/--dist-init: rank 1 serves only health (SERVING once it follows),
     rank 0 serves the executor with the tokens of the unsplit model; SIGTERM to both (as a pod
     gets it) drains rank 0, rank 1 follows until told to stop, and both exit 0."""
@@ -158,13 +158,8 @@ def test_one_process_per_rank_serves_follows_and_stops_together(tmp_path: Path) 
         try:
             assert _eventually(lambda: _health(follower_port) == SERVING, 30)
             got = _greedy(f"127.0.0.1:{port}", [1, 2, 3, 4, 5], 8)
-            # The same model unsplit (in process, the built-in tiny weights).
-            single, single_port = start_server_process(["--metrics-port", "-1"])
-            try:
-                assert got == _greedy(f"127.0.0.1:{single_port}", [1, 2, 3, 4, 5], 8)
-            finally:
-                single.send_signal(signal.SIGTERM)
-                single.wait(timeout=30)
+            # The same model unsplit: the built-in tiny weights the folder was saved from.
+            assert got == _greedy(live_server.target, [1, 2, 3, 4, 5], 8)
             follower.send_signal(signal.SIGTERM)  # first: it must not leave before rank 0
             leader.send_signal(signal.SIGTERM)
             assert leader.wait(timeout=60) == 0
@@ -216,31 +211,41 @@ def test_a_follower_exits_non_zero_when_rank_0_dies() -> None:
             follower.kill()
 
 
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (
-            ["--tensor-parallel-size", "3"],
-            "num_attention_heads (4) is not divisible by 3",
-        ),
-        (["--rank", "1"], "--rank 1 needs --world-size"),
-        (["--world-size", "2"], "--world-size 2 needs --dist-init tcp://HOST:PORT"),
-    ],
-    ids=["heads", "rank-alone", "no-dist-init"],
-)
-def test_what_cannot_be_split_or_launched_is_refused_in_one_line(
-    tmp_path: Path, flags: list[str], message: str
+def test_an_indivisible_model_is_refused_in_one_line_before_anything_starts(
+    tmp_path: Path,
 ) -> None:
-    """Before any process starts or weight is read: the folder holds only config.json."""
+    """`serve` exits 2 with one line naming the dimension: the folder holds only config.json,
+    so no weight was read, and no follower was started."""
     (tmp_path / "config.json").write_text((Path(tiny_folder()) / "config.json").read_text())
-    started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "ferrum_server", "serve", "--model", str(tmp_path), *flags],
+        [sys.executable, "-m", "ferrum_server", "serve", "--model", str(tmp_path),
+         "--tensor-parallel-size", "3", "--log-format", "json"],
         capture_output=True,
         text=True,
         timeout=60,
-    )
+    )  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
-    assert time.monotonic() - started < 30
+    assert len(lines) == 1, result.stderr
+    assert "num_attention_heads (4) is not divisible by 3" in lines[0]
+    assert "tensor_parallel_spawned" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"rank": 1}, "--rank 1 needs --world-size"),
+        ({"world_size": 2}, "--world-size 2 needs --dist-init tcp://HOST:PORT"),
+        ({"world_size": 2, "rank": 1, "dist_init": "10.0.0.1:29500"}, "needs --dist-init"),
+    ],
+    ids=["rank-alone", "no-dist-init", "not-tcp"],
+)
+def test_an_incomplete_launch_is_refused_in_one_line(
+    flags: dict[str, object], message: str
+) -> None:
+    from ferrum_server.config import EngineConfig
+    from ferrum_server.startup import check_split
+
+    with pytest.raises(ValueError, match=message) as refused:
+        check_split(EngineConfig(model=tiny_folder(), **flags))  # type: ignore[arg-type]
+    assert "\n" not in str(refused.value)
