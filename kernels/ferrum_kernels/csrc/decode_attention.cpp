@@ -32,6 +32,19 @@ inline void prefetch_rows(const T* pool, int64_t slot, int64_t kv_row, int64_t o
   for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
+// Prefetch a whole token row (every KV head) of the pool into L2: L2 keeps far more misses in
+// flight than L1, which is what a latency-bound walk over scattered blocks needs (measured
+// faster than prefetching into L1).
+template <typename T>
+inline void prefetch_token_l2(const T* pool, int64_t slot, int64_t kv_row) {
+  const char* p = reinterpret_cast<const char*>(pool + slot * kv_row);
+  for (int64_t b = 0; b < kv_row * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(p + b, 0, 2);
+}
+
+// Blocks ahead of the current token that the K pass prefetches (measured: 3 beat 2, 4 and 6).
+constexpr int64_t kPrefetchBlocks = 3;
+
 #if defined(__AVX512F__)
 // Sixteen 16-lane vectors -> one vector whose lane j is the sum of v[j]'s lanes. Four halving
 // stages (512 -> 256 -> 128 -> 64 -> 32 bits per input), 45 shuffles and adds for 16 dot
@@ -100,18 +113,6 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// Prefetch a whole token row (every KV head) of the pool into L2: L2 keeps far more misses in
-// flight than L1, which is what a latency-bound walk over scattered blocks needs (measured
-// faster than prefetching into L1).
-template <typename T>
-inline void prefetch_token_l2(const T* pool, int64_t slot, int64_t kv_row) {
-  const char* p = reinterpret_cast<const char*>(pool + slot * kv_row);
-  for (int64_t b = 0; b < kv_row * static_cast<int64_t>(sizeof(T)); b += 64)
-    __builtin_prefetch(p + b, 0, 2);
-}
-
-// Blocks ahead of the current token that the K pass prefetches (measured: 3 beat 2, 4 and 6).
-constexpr int64_t kPrefetchBlocks = 3;
 
 // bfloat16 V with vdpbf16ps: two tokens per instruction, V rows used as stored (no widening).
 // Rows j and j+1 are interleaved 16 bits at a time within each 128-bit quarter, so accumulator
@@ -268,6 +269,174 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The AVX2 path (8-lane vectors), shaped as the AVX-512 one: a work unit is a whole item read
+// token row by token row across all KV heads, 8 tokens per tile, the tile's 8 dot products per
+// query head out of one transpose-reduce (reduce8), V accumulated in registers per head, and
+// the softmax's exponentials 8 at a time (exp8). Measured at W1's decode shapes (64 items of
+// about 256 tokens, 12 query / 4 KV heads of 64) on the AVX2 development machine: see
+// docs/cpu-kernels.md.
+
+// Eight 8-lane vectors -> one vector whose lane j is the sum of v[j]'s lanes.
+inline __m256 reduce8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  // u0 = [v0..v3 sums of lanes 0-3 | the same of lanes 4-7], u1 likewise for v4..v7.
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// e^x for x <= 0 (scores minus their row max), 8 lanes: x = n ln2 + r with |r| <= ln2 / 2,
+// e^r by Cephes' expf polynomial (about 1e-7 relative), scaled by 2^n through the exponent.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // e^-87 is still a normal float
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline float hmax8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// Softmax numerators of one head's scores in place; returns 1 / their sum.
+inline float softmax_in_place(float* s, int64_t ctx) {
+  const int64_t whole = ctx & ~int64_t(7);
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < whole; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+  float mx = hmax8(mv);
+  for (int64_t t = whole; t < ctx; ++t) mx = std::max(mx, s[t]);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sv = _mm256_setzero_ps();
+  for (int64_t t = 0; t < whole; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum8(sv);
+  for (int64_t t = whole; t < ctx; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
+template <typename T, int D>
+void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
+                       const T* __restrict v_pool, const int64_t* __restrict tables,
+                       const int64_t* __restrict lens, const int64_t* __restrict rows,
+                       T* __restrict out, int64_t n_items, int64_t table_width,
+                       int64_t block_size, int64_t n_kv_heads, int64_t group,
+                       int64_t q_row_stride, float scale) {
+  static_assert(D % 8 == 0, "rows are read 8 lanes at a time");
+  constexpr int C = D / 8;  // 8-lane chunks per head row
+  const int64_t kv_row = n_kv_heads * D;
+  const int64_t heads = n_kv_heads * group;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> scores, acc(heads * D), qf(heads * D), inv(heads);
+    const T* tile[8];
+    __m256 part[8];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_items; ++item) {
+      const int64_t ctx = lens[item];
+      const int64_t* table = tables + item * table_width;
+      const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
+      for (int64_t i = 0; i < heads * D; ++i) qf[i] = to_float(qrow[i]);
+      scores.resize(heads * ctx);  // [H, ctx]
+      auto fill_tile = [&](const T* pool, int64_t t0, int64_t n) {
+        // One division per tile (see decode_items_avx512), prefetching a few blocks ahead
+        // into L2, and the K pass also fetching the same tokens' V rows.
+        int64_t block = t0 / block_size, offset = t0 - block * block_size;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t slot = table[block] * block_size + offset;
+          tile[j] = pool + slot * kv_row;
+          if (t0 + j + kPrefetchBlocks * block_size < ctx)
+            prefetch_token_l2(pool, table[block + kPrefetchBlocks] * block_size + offset, kv_row);
+          if (pool == k_pool) prefetch_token_l2(v_pool, slot, kv_row);
+          if (++offset == block_size) {
+            offset = 0;
+            ++block;
+          }
+        }
+      };
+      const __m256 vscale = _mm256_set1_ps(scale);
+      for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
+        const int64_t n = std::min<int64_t>(8, ctx - t0);
+        fill_tile(k_pool, t0, n);
+        for (int64_t j = n; j < 8; ++j) part[j] = _mm256_setzero_ps();
+        for (int64_t hq = 0; hq < heads; ++hq) {
+          const int64_t off = (hq / group) * D;
+          const float* qh = qf.data() + hq * D;
+          for (int64_t j = 0; j < n; ++j) {
+            const T* kr = tile[j] + off;
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kr));
+            for (int c = 1; c < C; ++c)
+              a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), load8(kr + 8 * c), a);
+            part[j] = a;
+          }
+          const __m256 sc = _mm256_mul_ps(reduce8(part), vscale);
+          float* dst = scores.data() + hq * ctx + t0;
+          if (n == 8) {
+            _mm256_storeu_ps(dst, sc);
+          } else {
+            alignas(32) float tmp[8];
+            _mm256_store_ps(tmp, sc);
+            std::copy(tmp, tmp + n, dst);
+          }
+        }
+      }
+      for (int64_t hq = 0; hq < heads; ++hq) inv[hq] = softmax_in_place(scores.data() + hq * ctx, ctx);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
+        const int64_t n = std::min<int64_t>(8, ctx - t0);
+        fill_tile(v_pool, t0, n);
+        for (int64_t hq = 0; hq < heads; ++hq) {
+          const int64_t off = (hq / group) * D;
+          const float* ph = scores.data() + hq * ctx + t0;
+          float* ah = acc.data() + hq * D;
+          __m256 a[C];
+          for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(ah + 8 * c);
+          for (int64_t j = 0; j < n; ++j) {
+            const __m256 p = _mm256_set1_ps(ph[j]);
+            for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(p, load8(tile[j] + off + 8 * c), a[c]);
+          }
+          for (int c = 0; c < C; ++c) _mm256_storeu_ps(ah + 8 * c, a[c]);
+        }
+      }
+      T* orow = out + item * heads * D;
+      for (int64_t hq = 0; hq < heads; ++hq)
+        for (int d = 0; d < D; ++d) orow[hq * D + d] = static_cast<T>(acc[hq * D + d] * inv[hq]);
+    }
+  }
+}
+#endif
+
 template <typename T, int D>
 void decode_impl(const T* __restrict q, const T* __restrict k_pool, const T* __restrict v_pool,
                  const int64_t* __restrict tables, const int64_t* __restrict lens,
@@ -346,6 +515,8 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
     constexpr int D = decltype(dim_tag)::value;
 #if defined(__AVX512F__)
     decode_items_avx512<T, D>(
+#elif defined(__AVX2__) && defined(__FMA__)
+    decode_items_avx2<T, D>(
 #else
     decode_impl<T, D>(
 #endif
