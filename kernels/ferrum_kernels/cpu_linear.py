@@ -14,8 +14,9 @@ weight export are unchanged) and keeps a packed copy beside them; a tied LM head
 counter moved) is re-packed on the next call, so packing early is never wrong, only wasted.
 
 A serving model does not need the plain copy beside the packed one: ``release_plain_weights``
-frees it (the engine's runner does, on CPU), halving the memory of every packed linear. The
-module then runs only its packed GEMM: it cannot be trained, moved, cast or exported any more
+frees it (the engine's runner does, on CPU), halving the memory of every packed linear and of
+every packed mixture-of-experts layer (``moe.ExpertWeights``, packed by ``cpu_moe``). The
+module then runs only its packed GEMMs: it cannot be trained, moved, cast or exported any more
 (each of those raises a clear error rather than computing with an empty weight).
 """
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrum_kernels.layers import TiedLinear
+from ferrum_kernels.moe import ExpertWeights
 
 __all__ = [
     "PackedLinear",
@@ -173,11 +175,34 @@ def prepack_linears(module: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> 
 
 
 def release_plain_weights(module: nn.Module) -> int:
-    """Free the plain weight of every packed linear below ``module`` (see the module docstring);
-    returns the bytes freed. For a serving model only: after it the model runs CPU inference
-    in its dtype and nothing else. Tied heads keep theirs (the table is also the embedding)."""
-    return sum(
-        child._pack.release_plain()
-        for child in module.modules()
-        if isinstance(child, PackedLinear) and child._pack is not None
-    )
+    """Free the plain weight of every packed linear and the plain expert tensors of every
+    packed ``ExpertWeights`` below ``module`` (see the module docstring); returns the bytes
+    freed. For a serving model only: after it the model runs CPU inference in its dtype and
+    nothing else. Tied heads keep theirs (the table is also the embedding); experts oneDNN did
+    not pack (or whose packs are stale) keep theirs, as the reference runs on them."""
+    freed = 0
+    for child in module.modules():
+        if isinstance(child, PackedLinear) and child._pack is not None:
+            freed += child._pack.release_plain()
+        elif isinstance(child, ExpertWeights):
+            freed += _release_experts(child)
+    return freed
+
+
+def _release_experts(experts: ExpertWeights) -> int:
+    if experts.released or not experts.is_packed():
+        return 0
+    packs = [w for pair in experts.packed or () for w in pair if isinstance(w, PackedWeight)]
+    if len(packs) != 2 * experts.num_experts:
+        return 0  # another backend's copies: not ours to vouch for
+    # Each pack holds a view of the stacked storage: freeing those views first is what lets the
+    # storage go (and re-packs any expert changed in place since, so none runs stale).
+    for pack in packs:
+        pack.release_plain()
+    freed = 0
+    with torch.no_grad():
+        for param in (experts.gate_up_proj, experts.down_proj):
+            freed += param.numel() * param.element_size()
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    experts.released = True
+    return freed

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ferrum_kernels.cpu_fused import silu_and_mul_cpu
-from ferrum_kernels.cpu_linear import packed_linear
-from ferrum_kernels.moe import ExpertWeights, fused_moe_reference, grouped_experts
+from ferrum_kernels.cpu_linear import PackedWeight, packed_linear
+from ferrum_kernels.moe import ExpertWeights, Linear, fused_moe_reference, grouped_experts
 
 __all__ = ["fused_moe_cpu", "prepack_experts"]
 
@@ -27,7 +27,8 @@ def prepack_experts(module: nn.Module) -> int:
     many weights were packed (0 when run again, or where oneDNN cannot pack them)."""
     count = 0
     for child in module.modules():
-        if not isinstance(child, ExpertWeights) or _is_packed(child):
+        # Released experts count as packed: their plain storage is gone, nothing to re-pack.
+        if not isinstance(child, ExpertWeights) or child.is_packed():
             continue
         gate_up, down = child.gate_up_stack(), child.down_stack()
         pairs = [(packed_linear(gate_up[e]), packed_linear(down[e])) for e in range(len(gate_up))]
@@ -39,10 +40,6 @@ def prepack_experts(module: nn.Module) -> int:
     return count
 
 
-def _is_packed(experts: ExpertWeights) -> bool:
-    return experts.packed is not None and experts.packed_from == experts.gate_up_proj.data_ptr()
-
-
 def fused_moe_cpu(
     x: torch.Tensor,  # [T, H]
     experts: ExpertWeights,
@@ -51,9 +48,19 @@ def fused_moe_cpu(
 ) -> torch.Tensor:
     """``moe.fused_moe_reference`` through the packed experts where they exist."""
     packed = experts.packed
-    usable = _is_packed(experts) and x.device.type == "cpu"
-    if packed is None or not usable or x.dtype != experts.gate_up_proj.dtype:
-        return fused_moe_reference(x, experts, weights, ids)
+    if experts.released:
+        assert packed is not None  # released only once packed
+        dtype = _packed_dtype(packed)
+        if x.device.type != "cpu" or x.dtype != dtype:
+            # The reference would need the freed plain weights.
+            raise RuntimeError(
+                f"these experts keep only their oneDNN-packed {dtype} weights "
+                f"(release_plain_weights); they cannot run {x.dtype} on {x.device.type}"
+            )
+    else:
+        usable = experts.is_packed() and x.device.type == "cpu"
+        if packed is None or not usable or x.dtype != experts.gate_up_proj.dtype:
+            return fused_moe_reference(x, experts, weights, ids)
     return grouped_experts(
         x,
         weights,
@@ -63,3 +70,9 @@ def fused_moe_cpu(
         lambda e, rows: packed[e][1](rows),
         silu_and_mul_cpu,
     )
+
+
+def _packed_dtype(packed: tuple[tuple[Linear, Linear], ...]) -> torch.dtype:
+    first = packed[0][0]
+    assert isinstance(first, PackedWeight)  # prepack_experts made every pair
+    return first.packed().dtype

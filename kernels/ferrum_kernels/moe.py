@@ -50,10 +50,14 @@ class ExpertWeights(nn.Module):
     those weights (the CPU backend's oneDNN-packed copies), set by its ``prepare_model`` step;
     None until then; ``packed_from`` is the ``gate_up_proj`` storage they were made from, so a
     model moved or cast afterwards is never run with stale copies. The Parameters stay the
-    source of truth (export, other backends)."""
+    source of truth (export, other backends) until ``released``: a serving model's plain
+    tensors are freed once packed (``cpu_linear.release_plain_weights``), the Parameters are
+    left empty and ``packed`` is all there is, so anything wanting the plain weights (the
+    stacked views, hence the reference and Triton experts; export) raises instead."""
 
     packed: tuple[tuple[Linear, Linear], ...] | None
     packed_from: int
+    released: bool
 
     def __init__(
         self,
@@ -73,14 +77,32 @@ class ExpertWeights(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e * h, i, dtype=dtype, device=device))
         self.packed = None
         self.packed_from = 0
+        self.released = False
+
+    def is_packed(self) -> bool:
+        """True when ``packed`` holds copies of the current weights: made from this storage, or
+        the only copies left (released), never to be re-made."""
+        if self.packed is None:
+            return False
+        return self.released or self.packed_from == self.gate_up_proj.data_ptr()
 
     def gate_up_stack(self) -> torch.Tensor:
         """[E, 2I, H] view."""
+        self._require_plain()
         return self.gate_up_proj.view(self.num_experts, 2 * self.intermediate_size, -1)
 
     def down_stack(self) -> torch.Tensor:
         """[E, H, I] view."""
+        self._require_plain()
         return self.down_proj.view(self.num_experts, self.hidden_size, -1)
+
+    def _require_plain(self) -> None:
+        if self.released:
+            raise RuntimeError(
+                "these experts keep only their oneDNN-packed weights (release_plain_weights); "
+                "their plain weights were freed, so only the CPU backend's packed experts "
+                "can run them"
+            )
 
 
 def route(

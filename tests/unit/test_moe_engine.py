@@ -1,6 +1,7 @@
 """Mixtral (window 6) and Qwen3-MoE through the engine: prompts of different lengths prefilled in
-one step and decoded together give transformers' greedy tokens; the model info reports the
-experts and the memory plan holds every one of them."""
+one step and decoded together give transformers' greedy tokens (with only the packed experts
+kept: their plain copies are freed at start-up); the model info reports the experts and the
+memory plan holds every one of them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from ferrum_kernels.cpu_linear import mkldnn_linear_available
+from ferrum_kernels.moe import ExpertWeights
 from ferrum_server import descriptions
 from ferrum_server.config import EngineConfig
 from ferrum_server.engine import Engine
@@ -61,3 +64,12 @@ def test_model_info_reports_experts(case: tuple[str, torch.nn.Module, Engine]) -
     assert info.num_parameters == hf.num_parameters()  # every expert, not only the active ones
     # The memory plan measured the weights as loaded: every expert in float32.
     assert engine.memory_plan.weights_bytes >= 4 * info.num_parameters
+
+
+def test_served_experts_keep_no_plain_copy(case: tuple[str, torch.nn.Module, Engine]) -> None:
+    _, _, engine = case
+    experts = [m for m in engine.model.modules() if isinstance(m, ExpertWeights)]
+    assert experts
+    if mkldnn_linear_available():
+        assert all(e.released and e.is_packed() for e in experts)
+        assert all(e.gate_up_proj.numel() == e.down_proj.numel() == 0 for e in experts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrum_kernels.backend import select_backend
-from ferrum_kernels.cpu_linear import mkldnn_linear_available
+from ferrum_kernels.cpu_linear import PackedWeight, mkldnn_linear_available, release_plain_weights
 from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
 from ferrum_kernels.moe import ExpertWeights, fused_moe_reference, group_by_expert, route
 
@@ -171,6 +171,43 @@ def test_cpu_experts_never_run_stale_packs() -> None:
     assert experts.packed_from != experts.gate_up_proj.data_ptr()
     got = fused_moe_cpu(x.double(), experts, weights, ids)
     torch.testing.assert_close(got, fused_moe_reference(x.double(), experts, weights, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_released_experts_keep_their_outputs_and_free_their_plain_tensors(
+    dtype: torch.dtype,
+) -> None:
+    """A serving model's packed experts drop their plain stacked tensors (every pack's view of
+    them too, or the storage would stay alive), run the same packed GEMMs bit for bit, count
+    as packed (nothing is re-packed from the freed storage), and refuse whatever needs the plain
+    weights. Experts oneDNN cannot pack (bfloat16 on an AVX2-only CPU) keep theirs."""
+    experts = _experts(dtype)
+    prepack_experts(experts)
+    x = torch.randn(17, H, generator=torch.Generator().manual_seed(9)).to(dtype)
+    weights, ids = _routing(17, seed=9)
+    before = fused_moe_cpu(x, experts, weights, ids)
+    plain = sum(p.numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
+    if not mkldnn_linear_available(dtype):
+        assert release_plain_weights(experts) == 0 and not experts.released
+        assert torch.equal(fused_moe_reference(x, experts, weights, ids), before)
+        return
+    assert release_plain_weights(experts) == plain == E * 3 * H * INTER * dtype.itemsize
+    assert experts.released and experts.is_packed()
+    assert experts.gate_up_proj.numel() == 0 and experts.down_proj.numel() == 0
+    packs = [w for pair in experts.packed or () for w in pair]
+    assert all(isinstance(w, PackedWeight) and w.weight.numel() == 0 for w in packs)
+    assert release_plain_weights(experts) == 0  # idempotent
+    assert prepack_experts(experts) == 0  # still packed: nothing re-made from freed storage
+    assert torch.equal(fused_moe_cpu(x, experts, weights, ids), before)
+    with pytest.raises(RuntimeError, match="only their oneDNN-packed"):
+        fused_moe_reference(x, experts, weights, ids)  # the torch (and Triton) path
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    with pytest.raises(RuntimeError, match=r"only their oneDNN-packed .* cannot run"):
+        fused_moe_cpu(x.to(other), experts, weights, ids)
+    experts.to(other)  # cast after release: the empty Parameters change, the packs do not
+    with pytest.raises(RuntimeError, match=r"only their oneDNN-packed .* cannot run"):
+        fused_moe_cpu(x.to(other), experts, weights, ids)
 
 
 def test_every_backend_has_a_fused_moe() -> None:

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 from ferrum_kernels.backend import select_backend
+from ferrum_kernels.cpu_linear import PackedLinear, mkldnn_linear_available, release_plain_weights
+from ferrum_kernels.cpu_moe import fused_moe_cpu
+from ferrum_kernels.moe import ExpertWeights
 from ferrum_server.models import LlamaForCausalLM, ModelConfig, load_model, save_hf_folder
 from ferrum_server.models.moe_config import MoeSpec
 from safetensors.torch import load_file, save_file
@@ -141,6 +144,57 @@ def test_config_round_trip_and_export(family: str, tmp_path: Path) -> None:
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits)
+
+
+@pytest.mark.skipif(not mkldnn_linear_available(), reason="oneDNN cannot pack float32")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@torch.no_grad()
+def test_released_plain_weights_keep_the_logits_and_free_the_experts(
+    family: str, tmp_path: Path
+) -> None:
+    """What a served CPU model does at start-up (startup.build_parts): after the release, the
+    same packed GEMMs give the same logits bit for bit, the bytes freed are exactly the plain
+    experts' and packed linears' tensors, and export, the torch experts and another dtype are
+    refused with clear errors."""
+    save_moe(tmp_path, FAMILIES[family]())
+    loaded = _runner(tmp_path, "cpu")
+    model, config = loaded.model, loaded.config
+    experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(experts) == 2 and all(e.is_packed() for e in experts) and linears
+    expert_bytes = sum(
+        p.numel() * p.element_size() for e in experts for p in (e.gate_up_proj, e.down_proj)
+    )
+    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+
+    def run() -> list[torch.Tensor]:
+        """Two prompts (one chunked), then four batched greedy decodes: every step's logits."""
+        runner = PagedRunner(model, config, num_blocks=64, block_size=BLOCK_SIZE)
+        gen = torch.Generator().manual_seed(5)
+        long, short = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (20, 7))
+        out = runner.step([(0, long[:11]), (1, short)])
+        out = [runner.step([(0, long[11:])])[0], out[1]]
+        logits = list(out)
+        for _ in range(4):
+            out = runner.step([(i, [int(o[-1].argmax())]) for i, o in enumerate(out)])
+            logits += out
+        return logits
+
+    before = run()
+    assert release_plain_weights(model) == expert_bytes + linear_bytes
+    assert all(e.released and e.gate_up_proj.numel() == e.down_proj.numel() == 0 for e in experts)
+    assert release_plain_weights(model) == 0
+    assert model.bind_backend(select_backend("cpu", "cpu")) == 0  # nothing re-packed
+    after = run()
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+    with pytest.raises(RuntimeError, match="cannot be exported"):
+        model.hf_state_dict()
+    x = torch.zeros(1, experts[0].hidden_size, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"only their oneDNN-packed .* cannot run"):
+        fused_moe_cpu(x, experts[0], torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))
+    model.bind_backend(select_backend("cpu", "torch"))  # its experts need the plain weights
+    with pytest.raises(RuntimeError, match="only their oneDNN-packed weights"):
+        run()
 
 
 def test_sparse_layers_follow_decoder_sparse_step() -> None:

@@ -293,7 +293,9 @@ def test_one_rank_builds_the_plain_modules_and_packs_them() -> None:
 def test_expert_column_shards_sum_to_the_whole_experts_on_both_cpu_paths() -> None:
     # Rank r's experts (gate/up rows and down columns r of 2), run by the torch reference and
     # by the CPU backend's oneDNN-packed experts, add up to the whole experts' output: what
-    # the one all-reduce after a sparse layer relies on.
+    # the one all-reduce after a sparse layer relies on. Each rank's shards then drop their
+    # plain copies as a served rank does, freeing that rank's bytes, with the same output.
+    from ferrum_kernels.cpu_linear import release_plain_weights
     from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
     from ferrum_kernels.moe import ExpertWeights, fused_moe_reference, route
 
@@ -314,7 +316,10 @@ def test_expert_column_shards_sum_to_the_whole_experts_on_both_cpu_paths() -> No
         part.down_stack().copy_(whole.down_stack()[:, :, cols])
         parts["reference"] += fused_moe_reference(x, part, weights, ids)
         assert prepack_experts(part) == 2 * e  # the packed path really runs
-        parts["packed"] += fused_moe_cpu(x, part, weights, ids)
+        packed = fused_moe_cpu(x, part, weights, ids)
+        parts["packed"] += packed
+        assert release_plain_weights(part) == e * 3 * h * (i // world) * 4  # float32
+        assert torch.equal(fused_moe_cpu(x, part, weights, ids), packed)
     for path, total in parts.items():
         assert (total - expected).abs().max().item() <= 1e-5, path
 
