@@ -15,7 +15,7 @@ from ferrum_kernels.cpu_linear import (
     prepack_linears,
     release_plain_weights,
 )
-from ferrum_server.models import build_tiny, tiny_config
+from ferrum_server.models import build_tiny, save_hf_folder, tiny_config
 from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -85,7 +85,7 @@ def _mixed_steps(runner: PagedRunner, vocab: int) -> list[torch.Tensor]:
 
 @needs_mkldnn
 @torch.no_grad()
-def test_released_plain_weights_keep_the_outputs_and_free_their_bytes() -> None:
+def test_released_plain_weights_keep_the_outputs_and_free_their_bytes(tmp_path: Path) -> None:
     model = build_tiny(torch.float32, "cpu")
     model.bind_backend(cpu_backend())
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -99,6 +99,10 @@ def test_released_plain_weights_keep_the_outputs_and_free_their_bytes() -> None:
     assert torch.equal(before, after)  # the same packed GEMMs ran
     with pytest.raises(RuntimeError, match="cannot be exported"):
         model.hf_state_dict()
+    # Saving it is refused before anything is written: no stray config.json.
+    with pytest.raises(RuntimeError, match="cannot be exported"):
+        save_hf_folder(model, tiny_config(), tmp_path / "export")
+    assert not (tmp_path / "export").exists()
     with pytest.raises(RuntimeError, match="only its oneDNN-packed"):
         linears[0](torch.ones(1, linears[0].in_features, dtype=torch.float64))
 

@@ -157,15 +157,17 @@ def save_hf_folder(
     max_shard_bytes: int | None = None,
 ) -> None:
     """Write config.json + safetensors under HF names (sharded with an index if asked)."""
+    # Own contiguous CPU copies: safetensors refuses views that share storage (fused splits).
+    # Taken before anything is written, so a model that cannot be exported (a served one keeps
+    # only packed weights) leaves no file behind.
+    tensors = {
+        n: t.detach().to("cpu").contiguous().clone() for n, t in model.hf_state_dict().items()
+    }
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     hf_config = config.to_hf()
     hf_config["torch_dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     (folder / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    # Own contiguous CPU copies: safetensors refuses views that share storage (fused splits).
-    tensors = {
-        n: t.detach().to("cpu").contiguous().clone() for n, t in model.hf_state_dict().items()
-    }
     metadata = {"format": "pt"}
     if max_shard_bytes is None:
         save_file(tensors, str(folder / SINGLE_FILE), metadata=metadata)
