@@ -11,6 +11,7 @@ rounds. Run it alone on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import subprocess
 import sys
 import time
@@ -28,7 +29,8 @@ CALLS = 20  # per timed round
 
 
 def _build(tag: str, source: str) -> object:
-    digest = abs(hash(source)) % 10**10
+    # A stable name per source: a rerun reuses the build (str hashes change per process).
+    digest = hashlib.sha1(source.encode()).hexdigest()[:10]
     return load_inline(
         name=f"ferrum_decode_bench_{tag}_{digest}",
         cpp_sources=source,
