@@ -20,16 +20,26 @@ from helpers_server import (
 )
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
-    """The tiny model on one rank, and split over 2 (the scheduler sees the same executor)."""
+def _server(tp: int) -> Iterator[LiveServer]:
     yield from start_live_server(
         block_size=4,
         max_batch_tokens=512,
         max_batch_size=64,
         prefix_caching=False,
-        **tiny_split(request.param, blocks=2048, block_size=4),
+        **tiny_split(tp, blocks=2048, block_size=4),
     )
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    yield from _server(1)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def either(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    """The tiny model on one rank, and split over 2: the scheduler must see the same executor
+    (a subset of this file's tests runs on both, to keep CI's time)."""
+    yield from _server(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -77,23 +87,23 @@ def _generate(
     return server.run(scenario())  # type: ignore[return-value]
 
 
-def test_mixed_batches_equal_single_request_greedy(server: LiveServer) -> None:
+def test_mixed_batches_equal_single_request_greedy(either: LiveServer) -> None:
     prompts = random_prompts(11, 14, 3, 40)
     lengths = [3 + (i * 5) % 13 for i in range(len(prompts))]  # mixed output lengths
     params = [GenerationParams(max_new_tokens=n) for n in lengths]
     # Prompts start as soon as they are prefilled, so decodes and chunks share steps.
     config = SchedulerConfig(max_step_tokens=24, pipeline_depth=2, align_first_tokens=False)
-    outputs, reasons, scheduler = _generate(server, prompts, params, config)
+    outputs, reasons, scheduler = _generate(either, prompts, params, config)
     assert reasons == ["length"] * len(prompts)
     assert [len(o) for o in outputs] == lengths
     alone_config = SchedulerConfig(max_step_tokens=512, pipeline_depth=1)
     for prompt, p, got in zip(prompts, params, outputs, strict=True):
-        want, _, _ = _generate(server, [prompt], p, alone_config)
+        want, _, _ = _generate(either, [prompt], p, alone_config)
         assert got == want[0]
     # The batches really were mixed: some steps carried decodes and prefill chunks together.
     records = scheduler.stats.records
     assert any(r.num_decodes and r.num_prefill_tokens for r in records)
-    _assert_quiescent(server)
+    _assert_quiescent(either)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -156,11 +166,11 @@ def test_first_token_hold_is_bounded(server: LiveServer) -> None:
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_budget_and_chunking_hold_at_every_step(server: LiveServer, depth: int) -> None:
+def test_budget_and_chunking_hold_at_every_step(either: LiveServer, depth: int) -> None:
     prompts = random_prompts(5, 10, 20, 70)
     budget = 32
     config = SchedulerConfig(max_step_tokens=budget, pipeline_depth=depth)
-    _, reasons, scheduler = _generate(server, prompts, GenerationParams(max_new_tokens=6), config)
+    _, reasons, scheduler = _generate(either, prompts, GenerationParams(max_new_tokens=6), config)
     assert reasons == ["length"] * len(prompts)
     records = scheduler.stats.records
     assert records and all(r.num_tokens <= budget for r in records)
@@ -169,7 +179,7 @@ def test_budget_and_chunking_hold_at_every_step(server: LiveServer, depth: int) 
     assert sum(r.num_prefill_tokens for r in records) == sum(len(p) for p in prompts)
     assert max(len(p) for p in prompts) > budget
     assert scheduler.stats.max_in_flight == depth
-    _assert_quiescent(server)
+    _assert_quiescent(either)
 
 
 def test_stop_token_ends_a_request(server: LiveServer) -> None:
@@ -185,11 +195,11 @@ def test_stop_token_ends_a_request(server: LiveServer) -> None:
     _assert_quiescent(server)
 
 
-def test_stream_yields_every_token_in_order(server: LiveServer) -> None:
+def test_stream_yields_every_token_in_order(either: LiveServer) -> None:
     prompts = random_prompts(3, 4, 5, 30)
 
     async def scenario() -> tuple[dict[int, list[int]], list[list[int]]]:
-        async with AsyncExecutorClient(server.target) as client:
+        async with AsyncExecutorClient(either.target) as client:
             streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
             async for index, token in Scheduler(client).stream(
                 prompts, GenerationParams(max_new_tokens=5)
@@ -198,9 +208,9 @@ def test_stream_yields_every_token_in_order(server: LiveServer) -> None:
             results = await Scheduler(client).generate(prompts, GenerationParams(5))
         return streamed, [r.output_ids for r in results]
 
-    streamed, whole = server.run(scenario())  # type: ignore[misc]
+    streamed, whole = either.run(scenario())  # type: ignore[misc]
     assert [streamed[i] for i in range(len(prompts))] == whole
-    _assert_quiescent(server)
+    _assert_quiescent(either)
 
 
 def test_cancellation_frees_capacity_for_a_waiting_request(small: LiveServer) -> None:

@@ -52,6 +52,21 @@ def _free_port() -> int:
     return int(free_loopback_address().rpartition(":")[2])
 
 
+def _per_rank_flags(*extra: str) -> list[str]:
+    """The flags every rank of a 2-rank one-process-per-rank group shares."""
+    address = free_loopback_address()
+    return ["--model", tiny_folder(), "--world-size", "2", "--dist-init", address,
+            "--metrics-port", "-1", *extra]  # fmt: skip
+
+
+def _start_follower(common: list[str], port: int) -> subprocess.Popen[bytes]:
+    """Rank 1 as `ferrum-executor serve`, its health on `port`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ferrum_server", "serve", *common, "--rank", "1",
+         "--port", str(port)],
+    )  # fmt: skip
+
+
 def _greedy(target: str, prompt: list[int], steps: int) -> list[int]:
     with ExecutorClient(target, timeout_s=60) as client:
         first = client.prefill(pb.PrefillRequest(request_id="g", input_tokens=prompt)).completed
@@ -135,26 +150,11 @@ def test_one_process_per_rank_serves_follows_and_stops_together(live_server: Liv
     """--rank/--world-size/--dist-init: rank 1 serves only health (SERVING once it follows),
     rank 0 serves the executor with the tokens of the unsplit model; SIGTERM to both (as a pod
     gets it) drains rank 0, rank 1 follows until told to stop, and both exit 0."""
-    address = free_loopback_address()
     follower_port = _free_port()
-    common = ["--model", tiny_folder(), "--world-size", "2", "--dist-init", address]
-    follower = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ferrum_server",
-            "serve",
-            *common,
-            "--rank",
-            "1",
-            "--port",
-            str(follower_port),
-            "--metrics-port",
-            "-1",
-        ],
-    )
+    common = _per_rank_flags()
+    follower = _start_follower(common, follower_port)
     try:
-        leader, port = start_server_process([*common, "--rank", "0", "--metrics-port", "-1"])
+        leader, port = start_server_process([*common, "--rank", "0"])
         try:
             assert _eventually(lambda: _health(follower_port) == SERVING, 30)
             got = _greedy(f"127.0.0.1:{port}", [1, 2, 3, 4, 5], 8)
@@ -173,32 +173,8 @@ def test_one_process_per_rank_serves_follows_and_stops_together(live_server: Liv
 
 
 def test_a_follower_exits_non_zero_when_rank_0_dies() -> None:
-    address = free_loopback_address()
-    common = [
-        "--model",
-        tiny_folder(),
-        "--world-size",
-        "2",
-        "--dist-init",
-        address,
-        "--collective-timeout-s",
-        str(COLLECTIVE_TIMEOUT_S),
-        "--metrics-port",
-        "-1",
-    ]
-    follower = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ferrum_server",
-            "serve",
-            *common,
-            "--rank",
-            "1",
-            "--port",
-            str(_free_port()),
-        ],
-    )
+    common = _per_rank_flags("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S))
+    follower = _start_follower(common, _free_port())
     try:
         leader, _ = start_server_process([*common, "--rank", "0"])
         leader.kill()

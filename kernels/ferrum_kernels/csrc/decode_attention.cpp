@@ -45,6 +45,30 @@ inline void prefetch_token_l2(const T* pool, int64_t slot, int64_t kv_row) {
 // Blocks ahead of the current token that the K pass prefetches (measured: 3 beat 2, 4 and 6).
 constexpr int64_t kPrefetchBlocks = 3;
 
+// One item's token rows t0 .. t0 + n - 1 (every KV head: a row is contiguous in the pool) into
+// tile. The token's block and offset advance with it: one division per tile, not three per
+// token (a 64-bit divide by a runtime block size costs more than its row's dots). Blocks sit
+// anywhere in the pool and the hardware prefetchers stop at block edges: rows a few blocks
+// ahead are fetched now. The K pass (pool == k_pool) also pulls in the same tokens' V rows, so
+// the V pass that follows mostly reads L2.
+template <typename T>
+inline void fill_tile_rows(const T** tile, const T* pool, const T* k_pool, const T* v_pool,
+                      const int64_t* table, int64_t t0, int64_t n, int64_t ctx,
+                      int64_t block_size, int64_t kv_row) {
+  int64_t block = t0 / block_size, offset = t0 - block * block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t slot = table[block] * block_size + offset;
+    tile[j] = pool + slot * kv_row;
+    if (t0 + j + kPrefetchBlocks * block_size < ctx)
+      prefetch_token_l2(pool, table[block + kPrefetchBlocks] * block_size + offset, kv_row);
+    if (pool == k_pool) prefetch_token_l2(v_pool, slot, kv_row);
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 // Sixteen 16-lane vectors -> one vector whose lane j is the sum of v[j]'s lanes. Four halving
 // stages (512 -> 256 -> 128 -> 64 -> 32 bits per input), 45 shuffles and adds for 16 dot
@@ -198,23 +222,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
       const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
       scores.resize(heads * ctx);                     // [H, ctx]
       auto fill_tile = [&](const T* pool, int64_t t0, int64_t n) {
-        // The token's block and offset advance with it: one division per tile, not three
-        // per token (a 64-bit divide by a runtime block size costs more than its row's dots).
-        int64_t block = t0 / block_size, offset = t0 - block * block_size;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t slot = table[block] * block_size + offset;
-          tile[j] = pool + slot * kv_row;
-          // Blocks sit anywhere in the pool and the hardware prefetchers stop at block edges:
-          // fetch rows a few blocks ahead now. The K pass also pulls in the same tokens' V
-          // rows, so the V pass that follows mostly reads L2.
-          if (t0 + j + kPrefetchBlocks * block_size < ctx)
-            prefetch_token_l2(pool, table[block + kPrefetchBlocks] * block_size + offset, kv_row);
-          if (pool == k_pool) prefetch_token_l2(v_pool, slot, kv_row);
-          if (++offset == block_size) {
-            offset = 0;
-            ++block;
-          }
-        }
+        fill_tile_rows(tile, pool, k_pool, v_pool, table, t0, n, ctx, block_size, kv_row);
       };
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
