@@ -154,24 +154,26 @@ class RunningServer:
         _LOG.info("lifecycle", state="draining", grace_s=grace_s, caches_held=held)
         finished = await self.finish_held(deadline)
         _LOG.info("lifecycle", state="closing", caches_finished=finished)
-        self.servicer.begin_drain()
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(max(CLOSE_GRACE_MIN_S, deadline - loop.time()))
-        await self.servicer.dispatch.settle()
-        self.servicer.close()
-        if self.health_server is not None:
-            await self.health_server.stop(0)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        if self._group_keeper is not None:
-            self._group_keeper.cancel()
+        await self._close(max(CLOSE_GRACE_MIN_S, deadline - loop.time()))
         released = await self.engine.call(self.engine.release_all)
         self.engine.shutdown()
         self.metrics.stop_http_server()
         _LOG.info("lifecycle", state="stopped", caches_released=released)
         return finished
+
+    async def _close(self, grace_s: float) -> None:
+        """Refuse all work, give the calls in flight grace_s to finish, end the calls that
+        only wait and the background tasks (a drain's closing phase, and an abort)."""
+        self.servicer.begin_drain()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await self.servicer.dispatch.settle()
+        self.servicer.close()
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+        for task in (self._watchdog, self._sweeper, self._group_keeper):
+            if task is not None:
+                task.cancel()
 
     async def finish_held(self, deadline: float) -> bool:
         """Wait (no polling: every release moves the capacity state) until the executor holds
@@ -249,15 +251,7 @@ class RunningServer:
         step that met the failure INTERNAL, later ones UNAVAILABLE), then everything closes;
         the caller exits non-zero."""
         self.servicer.begin_finishing()
-        self.servicer.begin_drain()
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(ABORT_GRACE_S)
-        for task in (self._watchdog, self._sweeper, self._group_keeper):
-            if task is not None:
-                task.cancel()
-        self.servicer.close()
-        if self.health_server is not None:
-            await self.health_server.stop(0)
+        await self._close(ABORT_GRACE_S)
         self.engine.shutdown()
         self.metrics.stop_http_server()
         _LOG.error("lifecycle", state="aborted", error=self.engine.fault)

@@ -36,6 +36,10 @@ def _serve(folder: Path, tp: int) -> Iterator[LiveServer]:
     )
 
 
+def _logits_of(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<f4")
+
+
 def _greedy_script(target: str) -> tuple[list[np.ndarray], list[int]]:
     """The prompt in two chunks, then GREEDY_STEPS decodes feeding the argmax: the logits of
     every step (float32) and the tokens chosen."""
@@ -58,7 +62,7 @@ def _greedy_script(target: str) -> tuple[list[np.ndarray], list[int]]:
                 )
             )
             cache_id, done = response.completed.kv_cache.cache_id, done + size
-        last = np.frombuffer(response.completed.output.full_logits, dtype="<f4")
+        last = _logits_of(response.completed.output.full_logits)
         for step in range(GREEDY_STEPS):
             rows.append(last)
             tokens.append(int(last.argmax()))
@@ -72,7 +76,7 @@ def _greedy_script(target: str) -> tuple[list[np.ndarray], list[int]]:
                     sampling=LOGITS.to_pb(),
                 )
             )
-            last = np.frombuffer(decoded.completed.output.full_logits, dtype="<f4")
+            last = _logits_of(decoded.completed.output.full_logits)
         assert client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id)).released
     return rows, tokens
 
@@ -109,10 +113,6 @@ def test_two_ranks_over_grpc_match_one_rank(name: str, tmp_path: Path) -> None:
     assert caps.tensor_parallel_size == 2 and len(caps.rank_memory_plans) == 2
     assert caps.rank_memory_plans[0].kv_blocks == caps.rank_memory_plans[1].kv_blocks
     assert collective_ns > 0  # rank 0's steps spent time in collectives, and it was counted
-
-
-def _logits_of(raw: bytes) -> np.ndarray:
-    return np.frombuffer(raw, dtype="<f4")
 
 
 def _verify_and_truncate(server: LiveServer) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

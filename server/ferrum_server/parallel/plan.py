@@ -95,7 +95,6 @@ class PlanSender:
         self.device = device
         # Told first when a broadcast fails: the group is then unusable for good.
         self.on_failure = on_failure
-        self.sent = 0  # operations broadcast
 
     def _send(self, header: list[int], payload: list[int] | torch.Tensor | None = None) -> None:
         try:
@@ -107,7 +106,6 @@ class PlanSender:
         except Exception as exc:
             self.on_failure(exc)
             raise
-        self.sent += 1
 
     def forward(self, plan: ForwardPlan) -> None:
         batch, width = plan.block_tables.shape
