@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
 
-def configure(level: str = "info", fmt: str = "auto") -> None:
-    """fmt: "json", "console", or "auto" (console when stdout is a terminal)."""
-    use_console = fmt == "console" or (fmt == "auto" and sys.stdout.isatty())
+def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+    """fmt: "json", "console", or "auto" (console when the stream is a terminal); stream:
+    where lines go (stdout by default)."""
+    out = sys.stdout if stream is None else stream
+    use_console = fmt == "console" or (fmt == "auto" and out.isatty())
     renderer: Any = (
         structlog.dev.ConsoleRenderer() if use_console else structlog.processors.JSONRenderer()
     )
@@ -29,12 +31,15 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        # One write per line, newline included: rank 0 and its spawned followers share one stdout
+        # (a container's log pipe, unbuffered there: PYTHONUNBUFFERED), and print()'s separate
+        # write of the newline let another process's line land between a line and its end.
+        logger_factory=structlog.WriteLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
     # Libraries that use stdlib logging go through the same renderer; their `extra=` fields
     # become keys of the line (ferrum_kernels.native logs its reason so).
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(out)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processor=renderer,
