@@ -532,7 +532,8 @@ def _native_prefill(
     ):
         return False
     module = native.load()
-    # Without AVX-512 the kernel's portable loops lose to the torch path's BLAS calls.
+    # Where the kernel is not vectorised (bfloat16 without AVX-512, anything without AVX2) its
+    # portable loops lose to the torch path's BLAS calls.
     if module is None or not module.prefill_attention_vectorized(query.dtype == torch.bfloat16):
         return False
     if query.stride(2) != 1 or query.stride(1) != head_dim:

@@ -115,8 +115,9 @@ def _kernel_is_used(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             real(*args)
 
         def prefill_attention_vectorized(self, bfloat16: bool) -> bool:
-            # Without AVX-512, production leaves chunks to the torch path (the kernel's portable
-            # loops are slower there); these tests check the kernel's results on any CPU.
+            # Where the kernel is not vectorised (bfloat16 without AVX-512, anything without
+            # AVX2), production leaves chunks to the torch path (the kernel's portable loops are
+            # slower there); these tests check the kernel's results on any CPU.
             return True
 
     monkeypatch.setattr(cpu_attention.native, "load", lambda: Spy())

@@ -34,8 +34,18 @@
 #include <vector>
 
 #if defined(__AVX512F__)
+#define FERRUM_PREFILL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// float32 only: the same tiles of 16 keys, each held as two 8-lane vectors.
+#define FERRUM_PREFILL_AVX2 1
+#endif
+#if defined(FERRUM_PREFILL_AVX512) || defined(FERRUM_PREFILL_AVX2)
 #include <immintrin.h>
 #endif
+// Register blocks' loops fully unrolled, so their accumulator arrays live in registers. Without
+// it GCC 12 kept them on the stack, stored every iteration: the AVX2 blocks ran 3x slower, and
+// the AVX-512 build had 205 zmm stack stores (6 with it).
+#define FERRUM_UNROLL _Pragma("GCC unroll 16")
 
 #include "common.h"
 
@@ -44,12 +54,22 @@ namespace {
 using ferrum::Elem;
 
 constexpr int kTile = 16;  // keys per packed K tile (the lanes of a score vector)
+#if defined(FERRUM_PREFILL_AVX512)
 // Register blocks (measured on Zen 4, head_dim 64): QK^T holds 8 rows x 2 key tiles of scores
 // (16 accumulators; each key vector loaded feeds 8 rows), PV 6 rows x 4 output vectors (24).
 constexpr int kQkRows = 8;
 constexpr int kQkTiles = 2;
 constexpr int kPvRows = 6;
 constexpr int kMaxCols = 4;      // PV output vectors (16 columns each) per row held at once
+#else
+// AVX2 has 16 registers of 8 floats, and a tile of 16 keys (or 16 output columns) takes two:
+// QK^T holds 6 rows x 1 tile (12 accumulators, 2 key vectors, a broadcast), PV 6 rows x 16
+// columns (the same count).
+constexpr int kQkRows = 6;
+constexpr int kQkTiles = 1;
+constexpr int kPvRows = 6;
+constexpr int kMaxCols = 1;
+#endif
 constexpr int kGroupRows = 24;   // rows scored, softmaxed and summed together (blocks divide it)
 constexpr int kUnitRows = 48;    // query rows (positions x G heads) per work unit, about
 constexpr int64_t kPackKeys = 256;  // positions per piece of packing work (a multiple of 16)
@@ -69,6 +89,8 @@ struct Ops<float> {
   static inline Vec bcast(const float* row, int64_t w) { return _mm512_set1_ps(row[w]); }
   static inline __m512 madd(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
 #define FERRUM_PREFILL_SIMD_F32 1
+#elif defined(FERRUM_PREFILL_AVX2)
+#define FERRUM_PREFILL_SIMD_F32 1  // the loops below have AVX2 branches for float
 #endif
 };
 
@@ -174,6 +196,40 @@ inline __mmask16 first_lanes(int64_t n) {
 }
 #endif
 
+#if defined(FERRUM_PREFILL_AVX2)
+// 2^t for t <= 0, 8 lanes: the degree-5 fit of exp2_nonpositive above (2e-7 relative), scaled
+// by 2^n built in the exponent bits. t below -127 is clamped there, where 2^n's bits are all
+// zero, so far-below-range lanes (and the -FLT_MAX padding of a row's tail) come out 0.
+inline __m256 exp2_nonpositive_avx2(__m256 t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-127.f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.34004327e-3f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.67603736e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55032715e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40221068e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93147182e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.00000012f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float reduce_max(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+inline float reduce_add(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+#endif
+
 // Softmax numerators of one row: p[0, m) = exp((s[j] - max) * scale) rounded to T, p[m, end)
 // zero (keys the row cannot see, up to where the PV loop reads). Returns 1 / their float sum;
 // the PV epilogue applies it, so the probabilities need no second pass.
@@ -200,6 +256,31 @@ float softmax_row(const float* s, T* p, int64_t m, int64_t end, float scale) {
     }
     for (; j < end; j += 16) store16(p + j, _mm512_setzero_ps());
     return 1.f / _mm512_reduce_add_ps(sum);
+#elif defined(FERRUM_PREFILL_AVX2)
+    constexpr float kLog2e = 1.44269504f;
+    constexpr float kLowest = -std::numeric_limits<float>::max();
+    __m256 top = _mm256_set1_ps(kLowest);
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+    float mx = reduce_max(top);
+    for (int64_t i = j; i < m; ++i) mx = std::max(mx, s[i]);
+    const __m256 a = _mm256_set1_ps(scale * kLog2e), b = _mm256_set1_ps(-mx * scale * kLog2e);
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= m; j += 8) {
+      const __m256 e = exp2_nonpositive_avx2(_mm256_fmadd_ps(_mm256_loadu_ps(s + j), a, b));
+      sum = _mm256_add_ps(sum, e);
+      _mm256_storeu_ps(p + j, e);
+    }
+    if (j < m) {  // the row's last keys; padded lanes give 0 (see exp2_nonpositive_avx2)
+      alignas(32) float tail[8];
+      for (int l = 0; l < 8; ++l) tail[l] = j + l < m ? s[j + l] : kLowest;
+      const __m256 e = exp2_nonpositive_avx2(_mm256_fmadd_ps(_mm256_load_ps(tail), a, b));
+      sum = _mm256_add_ps(sum, e);
+      _mm256_storeu_ps(p + j, e);  // within the row's slack past m
+      j += 8;
+    }
+    for (; j < end; j += 8) _mm256_storeu_ps(p + j, _mm256_setzero_ps());
+    return 1.f / reduce_add(sum);
 #endif
   }
   float mx = s[0];
@@ -222,18 +303,42 @@ inline void qk_block(const T* const* q, const T* k, int64_t tile_elems, int64_t 
   if constexpr (has_simd<T>()) {
 #if defined(__AVX512F__)
     __m512 acc[R][NT];
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    FERRUM_UNROLL for (int r = 0; r < R; ++r)
+      FERRUM_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
     for (int64_t i = 0; i < words; ++i) {
       typename Ops<T>::Vec kv[NT];
-      for (int t = 0; t < NT; ++t) kv[t] = Ops<T>::load(k + t * tile_elems + i * kTile * w);
-      for (int r = 0; r < R; ++r) {
+      FERRUM_UNROLL for (int t = 0; t < NT; ++t)
+        kv[t] = Ops<T>::load(k + t * tile_elems + i * kTile * w);
+      FERRUM_UNROLL for (int r = 0; r < R; ++r) {
         const auto b = Ops<T>::bcast(q[r], i);
-        for (int t = 0; t < NT; ++t) acc[r][t] = Ops<T>::madd(acc[r][t], b, kv[t]);
+        FERRUM_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = Ops<T>::madd(acc[r][t], b, kv[t]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < NT; ++t) _mm512_storeu_ps(s + r * s_stride + t * kTile, acc[r][t]);
+    FERRUM_UNROLL for (int r = 0; r < R; ++r)
+      FERRUM_UNROLL for (int t = 0; t < NT; ++t)
+        _mm512_storeu_ps(s + r * s_stride + t * kTile, acc[r][t]);
+    return;
+#elif defined(FERRUM_PREFILL_AVX2)
+    __m256 acc[R][NT][2];
+    FERRUM_UNROLL for (int r = 0; r < R; ++r)
+      FERRUM_UNROLL for (int t = 0; t < NT; ++t)
+        acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < words; ++i) {
+      __m256 kv[NT][2];
+      FERRUM_UNROLL for (int t = 0; t < NT; ++t)
+        FERRUM_UNROLL for (int h = 0; h < 2; ++h)
+          kv[t][h] = _mm256_loadu_ps(k + t * tile_elems + i * kTile + 8 * h);
+      FERRUM_UNROLL for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(q[r] + i);
+        FERRUM_UNROLL for (int t = 0; t < NT; ++t)
+          FERRUM_UNROLL for (int h = 0; h < 2; ++h)
+            acc[r][t][h] = _mm256_fmadd_ps(b, kv[t][h], acc[r][t][h]);
+      }
+    }
+    FERRUM_UNROLL for (int r = 0; r < R; ++r)
+      FERRUM_UNROLL for (int t = 0; t < NT; ++t)
+        FERRUM_UNROLL for (int h = 0; h < 2; ++h)
+          _mm256_storeu_ps(s + r * s_stride + t * kTile + 8 * h, acc[r][t][h]);
     return;
 #endif
   }
@@ -267,20 +372,45 @@ inline void pv_block(const T* p, int64_t p_stride, const T* v, int64_t step_elem
   if constexpr (has_simd<T>()) {
 #if defined(__AVX512F__)
     __m512 acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    FERRUM_UNROLL for (int r = 0; r < R; ++r)
+      FERRUM_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < steps; ++i) {
       typename Ops<T>::Vec vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = Ops<T>::load(v + i * step_elems + c * kTile * w);
-      for (int r = 0; r < R; ++r) {
+      FERRUM_UNROLL for (int c = 0; c < C; ++c)
+        vv[c] = Ops<T>::load(v + i * step_elems + c * kTile * w);
+      FERRUM_UNROLL for (int r = 0; r < R; ++r) {
         const auto b = Ops<T>::bcast(p + r * p_stride, i);
-        for (int c = 0; c < C; ++c) acc[r][c] = Ops<T>::madd(acc[r][c], b, vv[c]);
+        FERRUM_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = Ops<T>::madd(acc[r][c], b, vv[c]);
       }
     }
-    for (int r = 0; r < R; ++r) {
+    FERRUM_UNROLL for (int r = 0; r < R; ++r) {
       const __m512 scale = _mm512_set1_ps(inv[r]);
-      for (int c = 0; c < C; ++c)
+      FERRUM_UNROLL for (int c = 0; c < C; ++c)
         store16(o[r] + col + c * kTile, _mm512_mul_ps(acc[r][c], scale));
+    }
+    return;
+#elif defined(FERRUM_PREFILL_AVX2)
+    __m256 acc[R][C][2];
+    FERRUM_UNROLL for (int r = 0; r < R; ++r)
+      FERRUM_UNROLL for (int c = 0; c < C; ++c)
+        acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < steps; ++i) {
+      __m256 vv[C][2];
+      FERRUM_UNROLL for (int c = 0; c < C; ++c)
+        FERRUM_UNROLL for (int h = 0; h < 2; ++h)
+          vv[c][h] = _mm256_loadu_ps(v + i * step_elems + c * kTile + 8 * h);
+      FERRUM_UNROLL for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(p + r * p_stride + i);
+        FERRUM_UNROLL for (int c = 0; c < C; ++c)
+          FERRUM_UNROLL for (int h = 0; h < 2; ++h)
+            acc[r][c][h] = _mm256_fmadd_ps(b, vv[c][h], acc[r][c][h]);
+      }
+    }
+    FERRUM_UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(inv[r]);
+      FERRUM_UNROLL for (int c = 0; c < C; ++c)
+        FERRUM_UNROLL for (int h = 0; h < 2; ++h)
+          _mm256_storeu_ps(o[r] + col + c * kTile + 8 * h, _mm256_mul_ps(acc[r][c][h], scale));
     }
     return;
 #endif
@@ -600,8 +730,9 @@ int64_t scratch_numel(const torch::Tensor& chunks, int64_t n_kv_heads, int64_t h
 
 }  // namespace
 
-// Whether the kernel runs vectorised for this dtype on the CPU it was built for (AVX-512); the
-// portable loops it falls back to elsewhere are slower than the torch path's BLAS calls.
+// Whether the kernel runs vectorised for this dtype on the CPU it was built for (AVX-512; float32
+// also on AVX2 with FMA); the portable loops it falls back to elsewhere are slower than the
+// torch path's BLAS calls.
 bool prefill_attention_vectorized(bool bfloat16) {
   return bfloat16 ? has_simd<uint16_t>() : has_simd<float>();
 }
