@@ -5,6 +5,8 @@ the small-to-medium M of a serving step that reorder costs about as much as the 
 once at load time (``torch.ops.mkldnn._reorder_linear_weight``) and calling the pre-packed GEMM
 (``torch.ops.mkldnn._linear_pointwise``) roughly doubles float32 throughput and helps bfloat16 too.
 The arithmetic is the same oneDNN GEMM, so results agree with ``F.linear`` to float32 rounding.
+Where oneDNN packs float32 but not bfloat16 (an AVX2 CPU), bfloat16 weights are packed widened
+to float32 (``pack_dtype``).
 
 ``prepack_linears(module)`` swaps every ``nn.Linear`` under ``module`` for a ``PackedLinear`` that
 shares the same ``weight``/``bias`` Parameters (so ``state_dict``/``named_parameters`` and
@@ -32,6 +34,7 @@ from ferrum_kernels.moe import ExpertWeights
 __all__ = [
     "PackedLinear",
     "mkldnn_linear_available",
+    "pack_dtype",
     "packed_linear",
     "prepack_linears",
     "release_plain_weights",
@@ -60,16 +63,44 @@ def mkldnn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
     return _available[dtype]
 
 
+def pack_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a `dtype` weight is packed and multiplied in on this CPU, or None where it is
+    not packed. Itself where oneDNN packs it. bfloat16 where oneDNN packs only float32 (an AVX2
+    CPU): float32, the weight widened once at packing, each call's input widened and its output
+    rounded back to bfloat16. The products of bfloat16 values are exact in float32, so the
+    results are a bfloat16 GEMM's with float32 accumulation, as F.linear's, to summation order;
+    unpacked bfloat16 GEMMs there run several times slower than float32 ones. The price is
+    memory: such a linear's packed copy takes float32's bytes."""
+    if dtype not in _SUPPORTED:
+        return None
+    if mkldnn_linear_available(dtype):
+        return dtype
+    if dtype == torch.bfloat16 and mkldnn_linear_available(torch.float32):
+        return torch.float32
+    return None
+
+
 class PackedWeight:
     """A weight (and optional bias) with its oneDNN-packed copy, re-packed when it changes."""
 
-    __slots__ = ("_batch_hint", "_packed", "_version", "bias", "released", "weight")
+    __slots__ = (
+        "_batch_hint",
+        "_packed",
+        "_version",
+        "bias",
+        "compute_dtype",
+        "dtype",
+        "released",
+        "weight",
+    )
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = DEFAULT_BATCH_HINT
     ) -> None:
         self.weight = weight  # [N, K]
         self.bias = bias  # [N] or None
+        self.dtype = weight.dtype  # what callers pass and get back
+        self.compute_dtype = pack_dtype(weight.dtype) or weight.dtype  # what oneDNN multiplies
         self._batch_hint = batch_hint
         self._packed: torch.Tensor | None = None
         self._version = -1
@@ -84,7 +115,7 @@ class PackedWeight:
         if self._packed is None or version != self._version:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(
-                    self.weight.detach(), self._batch_hint
+                    self.weight.detach().to(self.compute_dtype), self._batch_hint
                 )
             self._version = version
         return self._packed
@@ -104,20 +135,17 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
-        bias = None if self.bias is None else self.bias.detach()
+        compute = self.compute_dtype
+        bias = None if self.bias is None else self.bias.detach().to(compute)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self.packed(), bias, "none", [], ""
+            x.contiguous().to(compute), self.packed(), bias, "none", [], ""
         )
-        return out
+        return out.to(x.dtype)
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in _SUPPORTED
-        and weight.dim() == 2
-        and mkldnn_linear_available(weight.dtype)
-    )
+    on_cpu = weight.device.type == "cpu" and weight.dim() == 2
+    return on_cpu and pack_dtype(weight.dtype) is not None
 
 
 def packed_linear(weight: torch.Tensor) -> PackedWeight | None:
@@ -143,9 +171,9 @@ class PackedLinear(nn.Linear):
         pack = getattr(self, "_pack", None)
         if pack is not None and pack.released:
             # Only the packed copy exists: it serves CPU inference and nothing else.
-            if x.device.type != "cpu" or x.dtype != pack.packed().dtype:
+            if x.device.type != "cpu" or x.dtype != pack.dtype:
                 raise RuntimeError(
-                    f"this linear keeps only its oneDNN-packed {pack.packed().dtype} weight "
+                    f"this linear keeps only its oneDNN-packed {pack.dtype} weight "
                     f"(release_plain_weights); it cannot run {x.dtype} on {x.device.type}"
                 )
             out_packed: torch.Tensor = pack(x)

@@ -75,4 +75,4 @@ def fused_moe_cpu(
 def _packed_dtype(packed: tuple[tuple[Linear, Linear], ...]) -> torch.dtype:
     first = packed[0][0]
     assert isinstance(first, PackedWeight)  # prepack_experts made every pair
-    return first.packed().dtype
+    return first.dtype

@@ -11,7 +11,9 @@ import torch
 from ferrum_kernels.backend import cpu_backend
 from ferrum_kernels.cpu_linear import (
     PackedLinear,
+    PackedWeight,
     mkldnn_linear_available,
+    pack_dtype,
     prepack_linears,
     release_plain_weights,
 )
@@ -32,9 +34,9 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 200, bias=bias, dtype=dtype)
     holder = torch.nn.Sequential(linear)
-    if not mkldnn_linear_available(dtype):
-        # oneDNN packs bfloat16 only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: elsewhere the
-        # layer must stay a plain nn.Linear rather than fail at its first forward.
+    if pack_dtype(dtype) is None:
+        # Nothing packs this dtype here: the layer must stay a plain nn.Linear rather than fail
+        # at its first forward.
         assert prepack_linears(holder) == 0 and type(holder[0]) is torch.nn.Linear
         return
     assert prepack_linears(holder) == 1
@@ -52,6 +54,40 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
     x = torch.randn(3, 96, dtype=dtype)
     want = torch.nn.functional.linear(x, linear.weight, linear.bias)
     torch.testing.assert_close(packed(x).float(), want.float(), atol=0.2, rtol=0.02)
+
+
+@needs_mkldnn
+@torch.no_grad()
+def test_bfloat16_packs_widened_where_onednn_packs_only_float32() -> None:
+    """On an AVX2 CPU oneDNN packs float32 but not bfloat16: a bfloat16 linear is packed as
+    float32 and returns bfloat16, exactly the float32 GEMM of its bfloat16 values rounded once
+    (the products are exact in float32), and within one bfloat16 rounding of F.linear's."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 200, bias=True, dtype=torch.bfloat16)
+    if mkldnn_linear_available(torch.bfloat16):
+        assert pack_dtype(torch.bfloat16) == torch.bfloat16  # packed natively; nothing widens
+        return
+    assert pack_dtype(torch.bfloat16) == torch.float32
+    holder = torch.nn.Sequential(linear)
+    assert prepack_linears(holder) == 1
+    packed = holder[0]
+    assert isinstance(packed, PackedLinear) and packed._pack is not None
+    assert packed._pack.packed().dtype == torch.float32
+    wide = PackedWeight(linear.weight.float(), linear.bias.float())
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        got = packed(x)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, wide(x.float()).to(torch.bfloat16))
+        want = torch.nn.functional.linear(x, linear.weight, linear.bias).float()
+        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-7)
+    # Served with only its packed copy, it still takes and gives bfloat16 and nothing else.
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    before = packed(x)
+    assert release_plain_weights(holder) == 96 * 200 * 2
+    assert torch.equal(packed(x), before)
+    with pytest.raises(RuntimeError, match=r"only its oneDNN-packed torch\.bfloat16"):
+        packed(x.float())
 
 
 @needs_mkldnn

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrum_kernels.backend import select_backend
-from ferrum_kernels.cpu_linear import PackedWeight, mkldnn_linear_available, release_plain_weights
+from ferrum_kernels.cpu_linear import (
+    PackedWeight,
+    mkldnn_linear_available,
+    pack_dtype,
+    release_plain_weights,
+)
 from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
 from ferrum_kernels.moe import ExpertWeights, fused_moe_reference, group_by_expert, route
 
@@ -128,7 +133,7 @@ def test_cpu_grouped_gemm_matches_reference(dtype: torch.dtype, t: int) -> None:
     float32 to GEMM rounding; bfloat16 within two bf16 ulps of the output scale."""
     experts = _experts(dtype)
     packed = prepack_experts(experts)
-    assert packed == (2 * E if mkldnn_linear_available(dtype) else 0)
+    assert packed == (2 * E if pack_dtype(dtype) is not None else 0)
     assert prepack_experts(experts) == 0  # idempotent
     x = torch.randn(t, H, generator=torch.Generator().manual_seed(t)).to(dtype)
     weights, ids = _routing(t, seed=t + 100)
@@ -188,7 +193,7 @@ def test_released_experts_keep_their_outputs_and_free_their_plain_tensors(
     weights, ids = _routing(17, seed=9)
     before = fused_moe_cpu(x, experts, weights, ids)
     plain = sum(p.numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
-    if not mkldnn_linear_available(dtype):
+    if pack_dtype(dtype) is None:
         assert release_plain_weights(experts) == 0 and not experts.released
         assert torch.equal(fused_moe_reference(x, experts, weights, ids), before)
         return

@@ -110,7 +110,9 @@ def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[s
             w = (torch.randn(n, k, generator=generator) * 0.02).to(torch_dtype)
             flops = 2 * m * n * k
             candidates: dict[str, Any] = {"f_linear": lambda x=x, w=w: F.linear(x, w)}
-            packed = packed_linear(w)  # None where oneDNN cannot pack this dtype here
+            # None where nothing packs this dtype here; bfloat16 on an AVX2 CPU packs widened to
+            # float32 (cpu_linear.pack_dtype), which is what the executor runs there.
+            packed = packed_linear(w)
             if packed is not None:
                 candidates["packed"] = packed
             for name, fn in candidates.items():
