@@ -553,33 +553,53 @@ inline void pack_value_pair(const uint16_t* a, const uint16_t* b, int64_t head_d
 
 // Keys [pad / 16][D / w][16][w] and values [pad / w][D][w] of one (chunk, KV head): packed
 // key t is position first + t; padded with zeros past ctx to pad (a multiple of 16) so tiles
-// and pairs can run past ctx. This call packs keys [t_begin, t_end) (multiples of 16).
-template <typename T>
-void pack_kv(const T* k_pool, const T* v_pool, const int64_t* table, int64_t block_size,
+// and pairs can run past ctx. This call packs keys [t_begin, t_end) (multiples of 16). S is the
+// pool's element type, T the packed one: the same, or bfloat16 widened to float32 (exactly).
+template <typename S, typename T>
+void pack_kv(const S* k_pool, const S* v_pool, const int64_t* table, int64_t block_size,
              int64_t kv_row, int64_t head_offset, int64_t head_dim, int64_t first, int64_t ctx,
              int64_t t_begin, int64_t t_end, T* k_out, T* v_out) {
   constexpr int w = Ops<T>::kPerWord;
+  constexpr bool widen = !std::is_same<S, T>::value;
+  static_assert(!widen || (std::is_same<S, uint16_t>::value && std::is_same<T, float>::value),
+                "only bfloat16 widens (to float32)");
   const int64_t words = head_dim / w;
   // Packed key t's row of this head in a pool plane, or nullptr past the context.
-  auto row = [&](const T* pool, int64_t t) -> const T* {
+  auto row = [&](const S* pool, int64_t t) -> const S* {
     const int64_t p = first + t;
     if (p >= ctx) return nullptr;
     return pool + (table[p / block_size] * block_size + p % block_size) * kv_row + head_offset;
   };
+  // Widened rows of one key tile, when the pool is bfloat16 and the kernel runs float32.
+  std::vector<T> wide(widen ? kTile * head_dim : 0);
   const T* rows[kTile];
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
-    for (int j = 0; j < kTile; ++j) rows[j] = row(k_pool, t0 + j);
+    for (int j = 0; j < kTile; ++j) {
+      const S* src = row(k_pool, t0 + j);
+      if constexpr (widen) {
+        if (src != nullptr)
+          for (int64_t d = 0; d < head_dim; ++d)
+            wide[j * head_dim + d] = ferrum::bf16_to_float(src[d]);
+        rows[j] = src == nullptr ? nullptr : wide.data() + j * head_dim;
+      } else {
+        rows[j] = src;
+      }
+    }
     pack_key_tile<T>(rows, words, reinterpret_cast<uint32_t*>(k_out + t0 * head_dim));
   }
   for (int64_t t = t_begin; t < t_end; t += w) {
     if constexpr (w == 2) {
       pack_value_pair(row(v_pool, t), row(v_pool, t + 1), head_dim, v_out + t * head_dim);
     } else {
-      const T* src = row(v_pool, t);
-      if (src == nullptr)
-        std::memset(v_out + t * head_dim, 0, head_dim * sizeof(T));
-      else
-        std::memcpy(v_out + t * head_dim, src, head_dim * sizeof(T));
+      const S* src = row(v_pool, t);
+      T* dst = v_out + t * head_dim;
+      if (src == nullptr) {
+        std::memset(dst, 0, head_dim * sizeof(T));
+      } else if constexpr (widen) {
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = ferrum::bf16_to_float(src[d]);
+      } else {
+        std::memcpy(dst, src, head_dim * sizeof(T));
+      }
     }
   }
 }
@@ -600,8 +620,11 @@ inline int64_t packed_keys(int64_t ctx, int64_t n, int64_t window) {
   return (ctx - first_packed(ctx, n, window) + kTile - 1) / kTile * kTile;
 }
 
-template <typename T>
-void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool, T* out,
+// S: the element type of q, the pools and out; T: the one the loops run in (S, or float32 for
+// bfloat16 on a CPU whose SIMD loops are float32 only: q rows, keys and values are widened
+// exactly as they are packed or loaded, and each output row is rounded to bfloat16 once).
+template <typename S, typename T>
+void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool, S* out,
                   int64_t out_stride, const int64_t* info, const int64_t* tables,
                   int64_t n_chunks, int64_t table_width, int64_t block_size, int64_t n_kv_heads,
                   int64_t group, int64_t head_dim, float scale, int64_t window, T* scratch) {
@@ -630,7 +653,7 @@ void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool
     for (int64_t i = begin; i < end; ++i) {
       const auto [c, h, t] = pieces[i];
       T* kp = scratch + base[c] + h * pad[c] * head_dim * 2;
-      pack_kv<T>(k_pool, v_pool, tables + c * table_width, block_size, kv_row, h * head_dim,
+      pack_kv<S, T>(k_pool, v_pool, tables + c * table_width, block_size, kv_row, h * head_dim,
                  head_dim, first[c], info[3 * c + 2], t, std::min(pad[c], t + kPackKeys), kp,
                  kp + pad[c] * head_dim);
     }
@@ -664,6 +687,10 @@ void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool
     float inv[kGroupRows];
     const T* qrows[kGroupRows];
     T* orows[kGroupRows];
+    constexpr bool widen = !std::is_same<S, T>::value;
+    // Widened q rows and float32 output rows of a group, when S is not T.
+    std::vector<T> qwide(widen ? kGroupRows * head_dim : 0), owide(qwide.size());
+    S* out_rows[kGroupRows];
     // Row r sees packed keys [lo[r], hi[r]).
     int64_t lo[kGroupRows], hi[kGroupRows];
     for (int64_t i = next++; i < n_units; i = next++) {
@@ -678,8 +705,17 @@ void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool
         const int nr = static_cast<int>(std::min<int64_t>(kGroupRows, rows - r0));
         for (int r = 0; r < nr; ++r) {
           const int64_t pos = unit.q0 + (r0 + r) / group, head = h * group + (r0 + r) % group;
-          qrows[r] = q + (start + pos) * q_stride + head * head_dim;
-          orows[r] = out + (start + pos) * out_stride + head * head_dim;
+          const S* q_row = q + (start + pos) * q_stride + head * head_dim;
+          out_rows[r] = out + (start + pos) * out_stride + head * head_dim;
+          if constexpr (widen) {
+            T* wide = qwide.data() + r * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) wide[d] = ferrum::bf16_to_float(q_row[d]);
+            qrows[r] = wide;
+            orows[r] = owide.data() + r * head_dim;
+          } else {
+            qrows[r] = q_row;
+            orows[r] = out_rows[r];
+          }
           const int64_t p = offset + pos;  // keys (p - window, p] are visible, or [0, p]
           lo[r] = (window ? std::max<int64_t>(0, p - window + 1) : 0) - first[c];
           hi[r] = p + 1 - first[c];
@@ -711,6 +747,10 @@ void prefill_impl(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool
                                   vp + (g0 + w0 * w) * head_dim, head_dim, w1 - w0, inv + b,
                                   orows + b);
         }
+        if constexpr (widen)
+          for (int r = 0; r < nr; ++r)
+            for (int64_t d = 0; d < head_dim; ++d)
+              out_rows[r][d] = ferrum::float_to_bf16(orows[r][d]);
       }
     }
   });
@@ -730,11 +770,11 @@ int64_t scratch_numel(const torch::Tensor& chunks, int64_t n_kv_heads, int64_t h
 
 }  // namespace
 
-// Whether the kernel runs vectorised for this dtype on the CPU it was built for (AVX-512; float32
-// also on AVX2 with FMA); the portable loops it falls back to elsewhere are slower than the
-// torch path's BLAS calls.
+// Whether the kernel runs vectorised for this dtype on the CPU it was built for (AVX-512; on
+// AVX2 with FMA, float32, and bfloat16 widened to float32); the portable loops it falls back
+// to elsewhere are slower than the torch path's BLAS calls.
 bool prefill_attention_vectorized(bool bfloat16) {
-  return bfloat16 ? has_simd<uint16_t>() : has_simd<float>();
+  return bfloat16 ? has_simd<uint16_t>() || has_simd<float>() : has_simd<float>();
 }
 
 // Causal attention of C prefill chunks, written into out's chunk rows in place.
@@ -789,15 +829,27 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_po
   if (n_chunks == 0) return;
   const int64_t group = n_heads / n_kv_heads;
   if (dtype == torch::kFloat) {
-    prefill_impl<float>(q.data_ptr<float>(), q.stride(0), k_pool.data_ptr<float>(),
+    prefill_impl<float, float>(q.data_ptr<float>(), q.stride(0), k_pool.data_ptr<float>(),
                         v_pool.data_ptr<float>(), out.data_ptr<float>(), out.stride(0), info,
                         table, n_chunks, width, block_size, n_kv_heads, group, head_dim,
                         static_cast<float>(scale), window, scratch.data_ptr<float>());
   } else if (dtype == torch::kBFloat16) {
     auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-    prefill_impl<uint16_t>(bits(q), q.stride(0), bits(k_pool), bits(v_pool), bits(out),
-                           out.stride(0), info, table, n_chunks, width, block_size, n_kv_heads,
-                           group, head_dim, static_cast<float>(scale), window, bits(scratch));
+    if (!has_simd<uint16_t>() && has_simd<float>()) {
+      // No bfloat16 SIMD loops here (AVX2): the float32 ones, on keys and values widened into
+      // a float32 scratch of the same element count.
+      auto wide = torch::empty({scratch_numel(chunks, n_kv_heads, head_dim, window)},
+                               torch::dtype(torch::kFloat));
+      prefill_impl<uint16_t, float>(bits(q), q.stride(0), bits(k_pool), bits(v_pool), bits(out),
+                                    out.stride(0), info, table, n_chunks, width, block_size,
+                                    n_kv_heads, group, head_dim, static_cast<float>(scale),
+                                    window, wide.data_ptr<float>());
+    } else {
+      prefill_impl<uint16_t, uint16_t>(bits(q), q.stride(0), bits(k_pool), bits(v_pool),
+                                       bits(out), out.stride(0), info, table, n_chunks, width,
+                                       block_size, n_kv_heads, group, head_dim,
+                                       static_cast<float>(scale), window, bits(scratch));
+    }
   } else {
     TORCH_CHECK(false, "unsupported dtype");
   }
