@@ -35,6 +35,7 @@ __all__ = [
     "PackedLinear",
     "mkldnn_linear_available",
     "pack_dtype",
+    "packed_bytes",
     "packed_linear",
     "prepack_linears",
     "release_plain_weights",
@@ -200,6 +201,22 @@ def prepack_linears(module: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> 
                 child.packed = packed_linear(child.weight)
                 count += int(child.packed is not None)
     return count
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes of the packed copies below ``module`` made so far: linears, tied heads and
+    experts. Parameter counts miss them; a served model holds them instead of (or, for a tied
+    head, beside) its plain weights, at the packed dtype (float32 for widened bfloat16)."""
+    packs: list[PackedWeight] = []
+    for child in module.modules():
+        if isinstance(child, PackedLinear) and child._pack is not None:
+            packs.append(child._pack)
+        elif isinstance(child, TiedLinear) and isinstance(child.packed, PackedWeight):
+            packs.append(child.packed)
+        elif isinstance(child, ExpertWeights):
+            packs += [w for pair in child.packed or () for w in pair if isinstance(w, PackedWeight)]
+    made = (pack._packed for pack in packs)
+    return sum(p.numel() * p.element_size() for p in made if p is not None)
 
 
 def release_plain_weights(module: nn.Module) -> int:

@@ -74,6 +74,11 @@ class MemoryPlan:
         total = num_blocks + self.reserved_blocks
         return replace(self, num_blocks=num_blocks, kv_cache_bytes=total * self.block_bytes)
 
+    def with_weights_bytes(self, resident: int) -> MemoryPlan:
+        """The same plan with the weights' bytes as held once serving (on CPU: packed copies
+        in, released plain copies out); the pool is already sized, this is the report."""
+        return replace(self, weights_bytes=max(0, resident))
+
     def with_cuda_graph_bytes(self, measured: int) -> MemoryPlan:
         """The same plan with the graph memory measured after capture."""
         return replace(self, cuda_graph_bytes=max(0, measured))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from ferrum_kernels.backend import KernelBackend, select_backend
-from ferrum_kernels.cpu_linear import release_plain_weights
+from ferrum_kernels.cpu_linear import packed_bytes, release_plain_weights
 
 from ferrum_server import logs
 from ferrum_server.config import EngineConfig
@@ -122,6 +122,9 @@ def build_parts(
         # The served model runs only its packed linears: their plain copies are dead weight.
         freed = release_plain_weights(model)
         _LOG.info("plain_weights_released", mib=round(freed / 1024**2, 1))
+        # What the weights hold now: the parameters' count misses the packed copies (float32
+        # for bfloat16 widened on an AVX2 CPU, twice the plain bytes) and a tied head's.
+        plan = plan.with_weights_bytes(model_bytes(model) + packed_bytes(model))
     limits = Limits(
         vocab_size=model_config.vocab_size,
         max_sequence_length=max_len,

@@ -14,9 +14,11 @@ from ferrum_kernels.cpu_linear import (
     PackedWeight,
     mkldnn_linear_available,
     pack_dtype,
+    packed_bytes,
     prepack_linears,
     release_plain_weights,
 )
+from ferrum_kernels.layers import TiedLinear
 from ferrum_server.models import build_tiny, save_hf_folder, tiny_config
 from transformers import LlamaConfig
 
@@ -143,15 +145,29 @@ def test_released_plain_weights_keep_the_outputs_and_free_their_bytes(tmp_path: 
         linears[0](torch.ones(1, linears[0].in_features, dtype=torch.float64))
 
 
-def test_a_served_cpu_model_keeps_no_plain_copy_of_its_packed_linears() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_served_cpu_model_keeps_no_plain_copy_of_its_packed_linears(dtype: str) -> None:
+    """And its memory plan reports the weights it holds: the packed copies (float32 for
+    bfloat16 widened on an AVX2 CPU), not the parameters it was loaded with."""
     from ferrum_server.config import EngineConfig
     from ferrum_server.engine import Engine
+    from ferrum_server.profiling import model_bytes
 
-    engine = Engine(EngineConfig(block_size=4, kv_cache_bytes=1 << 20))
+    engine = Engine(EngineConfig(block_size=4, kv_cache_bytes=1 << 20, dtype=dtype))
     try:
-        linears = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
-        if mkldnn_linear_available():
+        model = engine.model
+        linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        if pack_dtype(getattr(torch, dtype)) is not None:
             assert linears and all(m.weight.numel() == 0 for m in linears)
+            # Each packed linear's copy, and the tied head's beside its table, at the packed
+            # dtype; the parameters left count the rest.
+            wide = pack_dtype(getattr(torch, dtype))
+            assert wide is not None
+            elements = sum(m.in_features * m.out_features for m in linears)
+            tied = [m for m in model.modules() if isinstance(m, TiedLinear)]
+            elements += sum(m.weight.numel() for m in tied if m.packed is not None)
+            assert packed_bytes(model) == elements * wide.itemsize
+        assert engine.memory_plan.weights_bytes == model_bytes(model) + packed_bytes(model)
         assert engine.warmup(16).deferral is None  # and it still runs
     finally:
         engine.shutdown()
