@@ -34,7 +34,9 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
         # One write per line, newline included: rank 0 and its spawned followers share one stdout
         # (a container's log pipe, unbuffered there: PYTHONUNBUFFERED), and print()'s separate
         # write of the newline let another process's line land between a line and its end.
-        logger_factory=structlog.WriteLoggerFactory(file=out),
+        # No stream given: each logger takes sys.stdout as it is when made (loggers are not
+        # cached), so a replaced stdout (pytest's capture) still receives the lines.
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     # Libraries that use stdlib logging go through the same renderer; their `extra=` fields
