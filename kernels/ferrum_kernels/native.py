@@ -2,8 +2,8 @@
 
 Built with ``torch.utils.cpp_extension.load_inline`` for the CPU it runs on (``-march=native``);
 a C++ compiler and ninja must be present. The build (about a minute) is cached by torch per source
-digest and CPU flags, so later processes load it in milliseconds. When it cannot be built, or
-``FERRUM_CPU_NATIVE=0``, ``load()`` returns None and every caller keeps its torch path.
+digest, CPU flags, venv and ninja, so later processes load it in milliseconds. When it cannot be
+built, or ``FERRUM_CPU_NATIVE=0``, ``load()`` returns None and every caller keeps its torch path.
 
 The outcome is logged once through stdlib logging (the server renders it as a JSON line): event
 ``native_kernels`` with ``state=loaded`` and the seconds the load took, or a warning
@@ -26,6 +26,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -119,7 +120,11 @@ def load() -> Any:
             from torch.utils.cpp_extension import load_inline
 
             source = _source()
-            digest = hashlib.sha1((source + " ".join(_FLAGS)).encode()).hexdigest()[:10]
+            # The build folder is keyed by the toolchain too: two venvs (their include paths in
+            # build.ninja) or two ninjas (they hash a build command differently) sharing one
+            # folder each rebuilt it on every switch, about a minute each time.
+            toolchain = f"{sys.prefix} {shutil.which('ninja')}"
+            digest = hashlib.sha1((source + " ".join(_FLAGS) + toolchain).encode()).hexdigest()[:10]
             _module = load_inline(
                 name=f"ferrum_cpu_native_{digest}_{_cpu_tag()}",
                 cpp_sources=source,

@@ -100,8 +100,9 @@ def test_a_killed_follower_takes_rank_0_down_within_the_timeout(tmp_path: Path) 
             "--log-format",
             "json",
         ],
-        # Append mode, as a container's log pipe: rank 0 and its follower share this stdout,
-        # and only O_APPEND keeps each process's line whole at the end of the file.
+        # Append mode, as a container's log pipe: rank 0 and its follower share this stdout
+        # (each writes a line in one write, logs.configure), and O_APPEND puts every write at
+        # the end of the file.
         stdout=open(tmp_path / "log.jsonl", "ab"),  # noqa: SIM115
     )
     target = f"127.0.0.1:{port}"

@@ -53,8 +53,8 @@ constexpr int64_t kPrefetchBlocks = 3;
 // the V pass that follows mostly reads L2.
 template <typename T>
 inline void fill_tile_rows(const T** tile, const T* pool, const T* k_pool, const T* v_pool,
-                      const int64_t* table, int64_t t0, int64_t n, int64_t ctx,
-                      int64_t block_size, int64_t kv_row) {
+                           const int64_t* table, int64_t t0, int64_t n, int64_t ctx,
+                           int64_t block_size, int64_t kv_row) {
   int64_t block = t0 / block_size, offset = t0 - block * block_size;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t slot = table[block] * block_size + offset;
@@ -378,20 +378,7 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
       for (int64_t i = 0; i < heads * D; ++i) qf[i] = to_float(qrow[i]);
       scores.resize(heads * ctx);  // [H, ctx]
       auto fill_tile = [&](const T* pool, int64_t t0, int64_t n) {
-        // One division per tile (see decode_items_avx512), prefetching a few blocks ahead
-        // into L2, and the K pass also fetching the same tokens' V rows.
-        int64_t block = t0 / block_size, offset = t0 - block * block_size;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t slot = table[block] * block_size + offset;
-          tile[j] = pool + slot * kv_row;
-          if (t0 + j + kPrefetchBlocks * block_size < ctx)
-            prefetch_token_l2(pool, table[block + kPrefetchBlocks] * block_size + offset, kv_row);
-          if (pool == k_pool) prefetch_token_l2(v_pool, slot, kv_row);
-          if (++offset == block_size) {
-            offset = 0;
-            ++block;
-          }
-        }
+        fill_tile_rows(tile, pool, k_pool, v_pool, table, t0, n, ctx, block_size, kv_row);
       };
       const __m256 vscale = _mm256_set1_ps(scale);
       for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
