@@ -130,10 +130,13 @@ class FleetBackend:
         items = [c.max_batch_size for c in limits]
         leases = [c.cache_lease_ms for c in limits if c.cache_lease_ms]
         # A step may land whole on any one member: the smallest member's limits bound it.
+        # Continuation decodes are routed like any item; whether a lane may send them is its
+        # member's own answer (continues_decodes), so a member joining later counts too.
         return StepLimits(
             min(tokens) if all(tokens) else 0,
             min(items) if all(items) else 0,
             min(leases) / 1000 if leases else 0.0,
+            decode_continuation=True,
         )
 
     async def close(self) -> None:
@@ -159,6 +162,21 @@ class FleetBackend:
     def width(self) -> int:
         """SERVING members: the scheduler runs up to its running cap on each."""
         return len(self.fleet.serving())
+
+    def continues_decodes(self, lane: str) -> bool:
+        """Whether the member incarnation behind `lane` (as ``admit`` names it) said it takes
+        continuation decodes. A lane whose incarnation is gone answers no: its items are lost
+        anyway."""
+        address, _, incarnation = lane.rpartition("#")
+        try:
+            member = self.fleet.get(address)
+        except KeyError:  # removed from the fleet
+            return False
+        return (
+            str(member.incarnation) == incarnation
+            and member.capabilities is not None
+            and member.capabilities.supports_decode_continuation
+        )
 
     def take_lost(self) -> set[str]:
         """Cache ids whose executor was lost since the last call (their requests must be

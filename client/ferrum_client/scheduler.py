@@ -45,8 +45,9 @@ the request is completed when it is back (its cache, with the extra token's KV, 
 released). Requests that end by length are never continued past their last token. An item
 that did not run as planned (deferred, failed, narrowed, lost) voids the continuation sent
 after it: the executor fails that item alone (its position no longer matches) and its answer
-is discarded too. A deferred item's preemption waits until no step is in flight (a victim must
-have no item in flight, and with continuation every running request has one).
+is discarded too. A deferred item's preemption waits until no step of its lane is in flight (a
+victim must have no item in flight, and with continuation every running request has one);
+other lanes keep stepping meanwhile.
 
 The policy talks to the executor through a small ``Backend`` protocol: ``GrpcBackend`` (the
 step stream plus unary calls of ``AsyncExecutorClient``) here, and an in-process backend that
@@ -338,6 +339,11 @@ class FailoverBackend(Protocol):
 
     def width(self) -> int:
         """Executors a new request may be placed on now (the running cap scales with it)."""
+        ...
+
+    def continues_decodes(self, lane: str) -> bool:
+        """Whether the executor behind a lane (``Admission.lane``) takes continuation decodes:
+        members of one fleet may run different versions."""
         ...
 
 
@@ -643,6 +649,11 @@ class _Lane:
     in_flight: deque[_InFlight] = field(default_factory=deque)
     cost: StepCostModel = field(default_factory=StepCostModel)  # for target_step_ms
     held_since: float | None = None  # when a prompt was first held (align_first_tokens)
+    # Deferred items of a continuing lane, handled once the lane has nothing in flight
+    # (preemption needs victims with no item in flight); the lane plans nothing meanwhile.
+    blocked: list[tuple[_Request, frozenset[SourceKey], object | None]] = field(
+        default_factory=list
+    )
 
 
 @dataclass(slots=True)
@@ -683,7 +694,6 @@ class Scheduler:
         self._prefix = f"r{time.monotonic_ns():x}"
         self.on_token: Callable[[int, int], None] | None = None
         # Deferred items whose preemption waits until no step is in flight (continuation).
-        self._blocked: list[tuple[_Request, frozenset[SourceKey], object | None]] = []
 
     def cancel(self, index: int) -> None:
         """Cancel request `index` of the current call; its capacity is freed at the next step
@@ -743,10 +753,10 @@ class Scheduler:
                 self._fail_over()
                 await self._admit()
                 await self._renew_idle_leases()
-                if self._blocked and not self._steps_in_flight:
-                    await self._handle_blocked(self._take_blocked())
                 for lane in self._active_lanes():
-                    while len(lane.in_flight) < self._depth and not self._blocked:
+                    if lane.blocked and not lane.in_flight:
+                        await self._handle_blocked(self._take_blocked(lane))
+                    while len(lane.in_flight) < self._depth(lane) and not lane.blocked:
                         step = self._plan(lane)
                         if step is None:
                             break
@@ -960,7 +970,7 @@ class Scheduler:
     def _plan(self, lane: _Lane) -> _InFlight | None:
         """Build and submit the lane's next step from its requests not already in flight."""
         running = [r for r in self._running if r.lane == lane.key]
-        if self._continuing:
+        if self._continues(lane):
             return self._plan_continued(lane, running)
         config = self.config
         items: list[PlannedItem] = []
@@ -1004,17 +1014,18 @@ class Scheduler:
 
     # -- decode continuation -----------------------------------------------------------------
 
-    @property
-    def _continuing(self) -> bool:
-        """Decode continuation is asked for and the executor supports it."""
-        return self.config.decode_continuation and self._limits.decode_continuation
+    def _continues(self, lane: _Lane) -> bool:
+        """Decode continuation is asked for and the lane's executor supports it (over a fleet,
+        each member answers for itself)."""
+        if not (self.config.decode_continuation and self._limits.decode_continuation):
+            return False
+        return self._failover is None or self._failover.continues_decodes(lane.key)
 
-    @property
-    def _depth(self) -> int:
-        """Steps kept in flight. Continuation keeps two: a request then has at most one
-        continuation in flight, so a request that stops has exactly one extra item, and the
+    def _depth(self, lane: _Lane) -> int:
+        """Steps kept in flight on a lane. Continuation keeps two: a request then has at most
+        one continuation in flight, so a request that stops has exactly one extra item, and the
         completion's counts (prompt, outputs) match its committed length."""
-        return 2 if self._continuing else self.config.pipeline_depth
+        return 2 if self._continues(lane) else self.config.pipeline_depth
 
     def _plan_continued(self, lane: _Lane, running: list[_Request]) -> _InFlight | None:
         """The next step with every running request that can decode, in flight or not (a
@@ -1275,9 +1286,9 @@ class Scheduler:
             request.result.finished_s = now
             if not request.in_flight:  # else retired when its last item in flight returns
                 self._retire(request)
-        if self._continuing:
-            # Preempting needs victims with no item in flight: wait for the pipeline to drain.
-            self._blocked.extend(blocked)
+        if self._continues(lane):
+            # Preempting needs victims with no item in flight: wait for the lane to drain.
+            lane.blocked.extend(blocked)
         else:
             await self._handle_blocked(blocked)
         return events
@@ -1298,8 +1309,10 @@ class Scheduler:
         )
         self._release_waits()
 
-    def _take_blocked(self) -> list[tuple[_Request, frozenset[SourceKey], object | None]]:
-        blocked, self._blocked = self._blocked, []
+    def _take_blocked(
+        self, lane: _Lane
+    ) -> list[tuple[_Request, frozenset[SourceKey], object | None]]:
+        blocked, lane.blocked = lane.blocked, []
         return blocked
 
     async def _handle_blocked(

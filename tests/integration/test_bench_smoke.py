@@ -230,6 +230,7 @@ def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> No
         "--dtype", "float32",
         "--compare", "inproc",
         "--executors", "2",
+        "--continuation",
         "--no-progress",
         "--cache-dir", str(tmp_path / "models"),
         "--output", str(out),
@@ -240,7 +241,13 @@ def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> No
     assert fleet["notes"]["executors"] == 2
     assert fleet["output_tokens"] == 12 * 8
     # Two executors, one policy: the same greedy tokens as one in-process engine.
-    assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-inproc"] == 1.0
+    matches = section["derived"]["output_match_vs_ferrum_grpc"]
+    assert matches["ferrum-inproc"] == 1.0
+    # And with decode continuation over the fleet: continued on both lanes, same tokens.
+    continued = section["results"]["ferrum-grpc continuation"]["notes"]
+    assert continued["executors"] == 2 and continued["continuations"] > 0
+    assert continued["max_in_flight"] == 2
+    assert matches["ferrum-grpc continuation"] == 1.0
     bad = _cli("bench", "--workload", "smoke", "--executors", "0")
     assert bad.returncode == 2 and "--executors" in bad.stderr
 

@@ -10,18 +10,27 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import pathlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any
 
 import pytest
 from ferrum_client import AsyncExecutorClient
 from ferrum_client.fleet import ExecutorFleet, ExecutorState
 from ferrum_client.fleet_backend import FleetBackend
-from ferrum_client.scheduler import GenerationParams, GenerationResult, Scheduler, SchedulerConfig
+from ferrum_client.scheduler import (
+    GenerationParams,
+    GenerationResult,
+    PlannedItem,
+    Scheduler,
+    SchedulerConfig,
+    StepResult,
+)
 from ferrum_server import faults
+from helpers_server import tiny_block_bytes
 from reliability.harness import (
     InProcessServer,
     Tally,
@@ -173,6 +182,123 @@ def test_an_executor_answering_unavailable_mid_step_fails_over_and_rejoins(
     assert faulted["lost"] == 1 and faulted["joined"] == 2, metrics
     assert faulted["admitted"] > faulted["failed_over"], metrics  # it got work after rejoining
     assert tally.blocks_leaked == 0
+
+
+def test_decode_continuation_over_a_fleet_survives_a_cut_link_mid_step(
+    servers: list[InProcessServer],
+) -> None:
+    """Two steps in flight on each executor's lane, every running request a continuation: a
+    link cut mid-run loses both steps in flight there (the continuation is void with the item
+    it follows), and those requests are replayed elsewhere without a token lost or repeated."""
+    prompts = _prompts(12, seed=8)
+    params = GenerationParams(max_new_tokens=24)
+    config = dataclasses.replace(CONFIG, decode_continuation=True)
+
+    async def scenario() -> tuple[list[Any], list[GenerationResult], Scheduler, dict[str, Any]]:
+        reference = await _single(servers[0].target, prompts, params)
+        proxies = [TcpProxy(s.running.port) for s in servers]
+        for proxy in proxies:
+            await proxy.start()
+        try:
+            async with ExecutorFleet([p.target for p in proxies]) as fleet:
+                async with asyncio.timeout(30):
+                    while len(fleet.serving()) < 3:
+                        await fleet.wait_for_change(fleet.generation, None)
+                scheduler = Scheduler(FleetBackend(fleet), config)
+                produced = 0
+
+                def on_token(index: int, token: int) -> None:
+                    nonlocal produced
+                    produced += 1
+                    if produced == 60:  # mid-run: continuations in flight on every lane
+                        proxies[2].reset()
+
+                scheduler.on_token = on_token
+                results = await scheduler.generate(prompts, params)
+                return reference, results, scheduler, fleet.metrics()
+        finally:
+            for proxy in proxies:
+                await proxy.close()
+
+    reference, results, scheduler, metrics = run_scenario(scenario(), 240)
+    tally = _tally("fleet-continuation-cut-link", results, len(prompts))
+    tally.notes = f"failovers={sum(r.failovers for r in results)}"
+    report(tally)
+    assert [r.output_ids for r in results] == reference
+    stats = scheduler.stats
+    assert stats.continuations > 0 and stats.max_in_flight == 2, stats
+    assert sum(r.failovers for r in results) > 0, metrics
+    # The lost steps' answers came back lost, and the continuations among them were discarded.
+    assert stats.discarded_items > 0, stats
+
+
+def test_a_member_without_continuation_gets_plain_decodes_while_the_others_continue(
+    servers: list[InProcessServer],
+) -> None:
+    """Members of a fleet may run different versions: a lane continues decodes only if its own
+    executor said it takes them (an older one would read a continuation as a decode of token 0)."""
+    prompts = _prompts(9, seed=9)
+    params = GenerationParams(max_new_tokens=16)
+    config = dataclasses.replace(CONFIG, decode_continuation=True)
+    old = servers[1].target
+
+    async def scenario() -> tuple[list[Any], list[GenerationResult], list[tuple[str, bool]]]:
+        reference = await _single(servers[0].target, prompts, params)
+        async with ExecutorFleet([s.target for s in servers]) as fleet:
+            async with asyncio.timeout(30):
+                while len(fleet.serving()) < 3:
+                    await fleet.wait_for_change(fleet.generation, None)
+            capabilities = fleet.get(old).capabilities
+            assert capabilities is not None and capabilities.supports_decode_continuation
+            capabilities.supports_decode_continuation = False  # as an older executor says
+            backend = FleetBackend(fleet)
+            sent: list[tuple[str, bool]] = []
+            submit = backend.submit
+
+            def recording(items: Sequence[PlannedItem]) -> Awaitable[StepResult]:
+                sent.extend((backend.executor_of(i.cache_id), i.continuation) for i in items)
+                return submit(items)
+
+            backend.submit = recording  # type: ignore[method-assign]
+            results = await Scheduler(backend, config).generate(prompts, params)
+            return reference, results, sent
+
+    reference, results, sent = run_scenario(scenario(), 240)
+    assert [r.output_ids for r in results] == reference
+    to_old = [continued for executor, continued in sent if executor == old]
+    to_others = [continued for executor, continued in sent if executor != old]
+    assert to_old and not any(to_old), "a continuation went to the member without it"
+    assert any(to_others), "the members that take continuations got none"
+
+
+def test_continued_lanes_preempt_on_their_own_executor_and_match_a_roomy_run(
+    servers: list[InProcessServer],
+) -> None:
+    """One member's pool is too small for its share: its decodes are deferred with
+    continuations in flight, its lane drains and preempts there (each lane keeps its own
+    deferrals), and every output equals a single roomy executor's."""
+    prompts = [prompt(7000 + k, 20) for k in range(6)]
+    params = GenerationParams(max_new_tokens=16)
+    config = dataclasses.replace(CONFIG, decode_continuation=True)
+    with serve_in_process({**ENGINE, "kv_cache_bytes": 24 * tiny_block_bytes(4)}) as tight:
+
+        async def scenario() -> tuple[list[Any], list[GenerationResult], Scheduler]:
+            reference = await _single(servers[0].target, prompts, params)
+            async with ExecutorFleet([tight.target, servers[1].target]) as fleet:
+                async with asyncio.timeout(30):
+                    while len(fleet.serving()) < 2:
+                        await fleet.wait_for_change(fleet.generation, None)
+                scheduler = Scheduler(FleetBackend(fleet), config)
+                results = await scheduler.generate(prompts, params)
+            return reference, results, scheduler
+
+        reference, results, scheduler = run_scenario(scenario(), 240)
+        leaked = tight.blocks_leaked()
+    assert [r.output_ids for r in results] == reference
+    stats = scheduler.stats
+    assert stats.deferred_items > 0 and stats.preemptions > 0 and stats.continuations > 0, stats
+    assert {r.executor for r in results} == {tight.target, servers[1].target}
+    assert leaked == 0
 
 
 def test_each_executor_runs_its_own_steps_so_a_slow_one_holds_back_only_its_requests(
