@@ -282,7 +282,8 @@ class StepLimits:
     max_items: int = 0
     # The executor's cache lease: a cache no call names for this long expires; 0 = none.
     cache_lease_s: float = 0.0
-    # The executor takes continuation decodes (supports_decode_continuation).
+    # The executor takes continuation decodes (supports_decode_continuation). A fleet says yes
+    # and answers per lane (FailoverBackend.continues_decodes).
     decode_continuation: bool = False
 
 

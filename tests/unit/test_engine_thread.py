@@ -42,9 +42,9 @@ def test_model_load_and_warmup_open_no_openmp_team_on_the_calling_thread() -> No
         env={
             "FERRUM_LOG_LEVEL": "warning",
             # The venv's bin first, as for a served executor: the native kernels' build then uses
-            # the same ninja as every other process. Debian's older ninja hashes the build
-            # command differently, so each switch between the two rebuilt the cached kernels
-            # (about 75 s, twice per suite run).
+            # the same ninja as every other process, so this test loads their cached build.
+            # With Debian's older ninja first it would get a build of its own (native.py keys
+            # the build by ninja): about 75 s more per suite run.
             "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
             "OMP_NUM_THREADS": "2",
         },
