@@ -130,6 +130,15 @@ class InProcessServer:
             asyncio.run_coroutine_threadsafe(self.engine.call(time.sleep, seconds), self.loop)
         )
 
+    def hold_engine_until(
+        self, release: threading.Event, limit_s: float = 30.0
+    ) -> asyncio.Future[Any]:
+        """Occupy the engine thread until `release` is set (or `limit_s` passes), so that a
+        test decides when the queued calls start instead of racing a timer."""
+        return asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self.engine.call(release.wait, limit_s), self.loop)
+        )
+
     def live_requests(self) -> set[str]:
         """Request ids of the caches alive once background work has settled."""
         self.settle()

@@ -237,14 +237,27 @@ def test_one_callers_backlog_does_not_delay_another_callers_step(
                     metadata=_session(caller),
                 )
 
-            held = server.hold_engine(1.0)
-            backlog = [asyncio.ensure_future(one("a", f"a{i}")) for i in range(24)]
-            for _ in range(500):  # the backlog reaches the engine's queue (parsed), or fail
-                if server.engine.queued_runs >= 24:
-                    break
-                await asyncio.sleep(0.01)
-            assert server.engine.queued_runs == 24
-            single = asyncio.ensure_future(one("b", "b0"))
+            # Held until B's step is queued too: a timed hold let A's backlog start before
+            # B's request was parsed on a slow CI machine, which is submission order, not
+            # the fairness this test is about.
+            start = threading.Event()
+            held = server.hold_engine_until(start)
+
+            async def queued(count: int) -> None:
+                for _ in range(1000):  # the calls reach the engine's queue (parsed), or fail
+                    if server.engine.queued_runs >= count:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"{server.engine.queued_runs} of {count} calls queued")
+
+            try:
+                backlog = [asyncio.ensure_future(one("a", f"a{i}")) for i in range(24)]
+                await queued(24)
+                single = asyncio.ensure_future(one("b", "b0"))
+                await queued(25)
+                assert server.engine.queued_runs == 25
+            finally:
+                start.set()
             await asyncio.gather(*backlog, single, held)
 
     run_scenario(scenario())

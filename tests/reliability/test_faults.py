@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -163,7 +164,8 @@ def test_deadline_and_cancel_before_the_step_starts_run_nothing(server: InProces
 
     async def scenario() -> None:
         steps_before = server.engine.stats.steps
-        hold = server.hold_engine(1.5)
+        start = threading.Event()  # the engine stays busy until both calls have gone
+        hold = server.hold_engine_until(start)
         async with AsyncExecutorClient(server.target, timeout_s=0.3) as short:
             tally.send("late")
             with pytest.raises(ExecutorError) as caught:
@@ -179,6 +181,7 @@ def test_deadline_and_cancel_before_the_step_starts_run_nothing(server: InProces
             with pytest.raises(asyncio.CancelledError):
                 await call
             tally.resolve("gone", "CANCELLED")
+        start.set()
         await hold
         assert server.engine.stats.steps == steps_before  # neither step ran
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -71,7 +72,8 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                 )
                 opener = BatchBuilder()
                 opener.add_prefill_chunk("no-step-id", "", [1, 2, 3], 0, 3)
-                hold = server.hold_engine(0.6)
+                start = threading.Event()  # both calls queue until the link is reset
+                hold = server.hold_engine_until(start)
                 tally.send("with-step-id")
                 tally.send("without-step-id")
                 with_id = asyncio.ensure_future(client.decode(decode))
@@ -80,6 +82,7 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                 )
                 await asyncio.sleep(0.3)
                 assert proxy.reset() >= 1  # both calls lose their connection mid-flight
+                start.set()
                 answer = await with_id  # retried by the client on UNAVAILABLE, deduplicated
                 tally.resolve("with-step-id")
                 with pytest.raises(ExecutorError) as caught:
