@@ -15,7 +15,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +100,16 @@ def code_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+async def wait_until(condition: Callable[[], bool], what: str, limit_s: float = 30.0) -> None:
+    """Poll until `condition()` holds (a state the server reaches), failing loudly after
+    limit_s: a fixed sleep instead is a guess that a slow or loaded machine can outlast."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {limit_s:g} s: {what}")
+        await asyncio.sleep(0.01)
+
+
 # -- servers ----------------------------------------------------------------------------------
 
 
@@ -138,6 +148,33 @@ class InProcessServer:
         return asyncio.wrap_future(
             asyncio.run_coroutine_threadsafe(self.engine.call(release.wait, limit_s), self.loop)
         )
+
+    def rpcs_started(self, method: str) -> int:
+        """Calls of ExecutorService `method` (e.g. "Prefill") whose handler the server began."""
+        return int(self._rpc_samples("grpc_server_started_total", method, None))
+
+    def rpcs_handled(self, method: str, code: str | None = None) -> int:
+        """Calls of `method` whose handler has unwound on the server (with `code`, or any):
+        counted after the call limits and the dispatcher let go of the call, so a test that
+        must know the server has seen a cancellation waits for this, not for the client."""
+        return int(self._rpc_samples("grpc_server_handled_total", method, code))
+
+    def rpcs_in_progress(self, method: str) -> int:
+        """Calls of `method` begun on the server and not yet ended (counted by the limits)."""
+        return self.rpcs_started(method) - self.rpcs_handled(method)
+
+    def _rpc_samples(self, sample: str, method: str, code: str | None) -> float:
+        total = 0.0
+        for family in self.running.metrics.registry.collect():
+            for s in family.samples:
+                labels = s.labels
+                if s.name != sample or labels.get("grpc_method") != method:
+                    continue
+                if labels.get("grpc_service") != "ferrum.executor.v1.ExecutorService":
+                    continue
+                if code is None or labels.get("grpc_code") == code:
+                    total += s.value
+        return total
 
     def live_requests(self) -> set[str]:
         """Request ids of the caches alive once background work has settled."""

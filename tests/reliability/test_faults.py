@@ -31,6 +31,7 @@ from reliability.harness import (
     report,
     run_scenario,
     serve_in_process,
+    wait_until,
 )
 
 
@@ -171,17 +172,30 @@ def test_deadline_and_cancel_before_the_step_starts_run_nothing(server: InProces
             with pytest.raises(ExecutorError) as caught:
                 await short.prefill(pb.PrefillRequest(request_id="late", input_tokens=[5, 6, 7]))
             tally.resolve("late", code_name(caught.value))
-        async with AsyncExecutorClient(server.target) as client:
-            tally.send("gone")
-            call = asyncio.ensure_future(
-                client.prefill(pb.PrefillRequest(request_id="gone", input_tokens=[5, 6, 7]))
+        try:
+            async with AsyncExecutorClient(server.target) as client:
+                tally.send("gone")
+                queued = server.engine.queued_runs
+                call = asyncio.ensure_future(
+                    client.prefill(pb.PrefillRequest(request_id="gone", input_tokens=[5, 6, 7]))
+                )
+                await wait_until(  # it reached the server and queues behind the held engine
+                    lambda: server.engine.queued_runs > queued, "the call queued"
+                )
+                cancelled = server.rpcs_handled("Prefill", "CANCELLED")
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                tally.resolve("gone", "CANCELLED")
+            # The client's cancel only starts the server's: released before the server's
+            # handler had left the ticket, the engine would run the step (a loaded machine
+            # can delay that handler past the client closing its channel).
+            await wait_until(
+                lambda: server.rpcs_handled("Prefill", "CANCELLED") > cancelled,
+                "the server saw the cancel",
             )
-            await asyncio.sleep(0.3)  # reaches the server, queues behind the held engine
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
-            tally.resolve("gone", "CANCELLED")
-        start.set()
+        finally:
+            start.set()
         await hold
         assert server.engine.stats.steps == steps_before  # neither step ran
 
@@ -268,18 +282,44 @@ def test_caller_gone_during_a_reservation_releases_what_it_opened(
     report(tally)
 
 
+class _Gate:
+    """The engine's fault injector, but a forward of `request_id` waits on the engine thread
+    (`running` set) until the test sets `finish`: a test decides when the step ends instead
+    of racing a fixed delay."""
+
+    def __init__(self, inner: Any, request_id: str) -> None:
+        self.inner = inner
+        self.request_id = request_id
+        self.running = threading.Event()
+        self.finish = threading.Event()
+
+    def before_forward(self, request_ids: list[str]) -> None:
+        if self.request_id in request_ids:
+            self.running.set()
+            self.finish.wait(30)
+        self.inner.before_forward(request_ids)
+
+
 @pytest.mark.parametrize("release_on_disconnect", [True, False])
 def test_abandoned_step_stream_drops_queued_steps(
-    server: InProcessServer, plan: Any, release_on_disconnect: bool
+    server: InProcessServer,
+    plan: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    release_on_disconnect: bool,
 ) -> None:
     tally = Tally(f"stream-abandoned[release_on_disconnect={release_on_disconnect}]")
     server.running.servicer.release_on_disconnect = release_on_disconnect
+    # Step 1 runs until the server has seen the stream cancelled. A fixed slow step (0.8 s)
+    # and a 0.3 s sleep before the cancel raced on a loaded machine: step 1 could still be
+    # unstarted at the cancel (nothing ran), or finish before the server saw it (step 2 ran).
+    gate = _Gate(server.engine.faults, "s1")
+    running, finish = gate.running, gate.finish
+    monkeypatch.setattr(server.engine, "faults", gate)
 
     async def scenario() -> None:
         async with AsyncExecutorClient(server.target) as client:
             old = await client.prefill(pb.PrefillRequest(request_id="old", input_tokens=[4, 4]))
             ref = old.completed.kv_cache
-            plan({"kind": "slow", "request_ids": ["s1"], "delay_s": 0.8})
             steps_before = server.engine.stats.steps
             stream = client.step_stream()
             await stream.__aenter__()
@@ -293,18 +333,27 @@ def test_abandoned_step_stream_drops_queued_steps(
                 builder.add_prefill_chunk(f"s{k}", "", [k, k, k], 0, 3)
                 futures.append(stream.submit(pb.UnifiedBatchRequest(items=builder.build())))
                 tally.send(f"s{k}")
-            await asyncio.sleep(0.3)  # step 1 runs; steps 2-4 queue
-            stream.cancel()  # the scheduler vanishes
-            for k, future in enumerate(futures, 1):
-                try:
-                    await future
-                    tally.resolve(f"s{k}")
-                except ExecutorError as exc:
-                    tally.resolve(f"s{k}", code_name(exc))
-            await asyncio.sleep(1.0)
-            plan()
+            try:
+                await wait_until(  # step 1 runs; steps 2-4 queue
+                    lambda: running.is_set() and server.engine.queued_runs >= 3,
+                    "step 1 running and steps 2-4 queued",
+                )
+                cancelled = server.rpcs_handled("StepStream", "CANCELLED")
+                stream.cancel()  # the scheduler vanishes
+                for k, future in enumerate(futures, 1):
+                    try:
+                        await future
+                        tally.resolve(f"s{k}")
+                    except ExecutorError as exc:
+                        tally.resolve(f"s{k}", code_name(exc))
+                await wait_until(
+                    lambda: server.rpcs_handled("StepStream", "CANCELLED") > cancelled,
+                    "the server saw the stream cancelled",
+                )
+            finally:
+                finish.set()
+            live = server.live_requests()  # settled: step 1 and the cleanups are done
             assert server.engine.stats.steps == steps_before + 1  # only step 1 ran
-            live = server.live_requests()
             assert not live & {"s1", "s2", "s3", "s4"}
             assert ("old" in live) is not release_on_disconnect
             if not release_on_disconnect:
