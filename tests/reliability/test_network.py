@@ -21,6 +21,7 @@ from reliability.harness import (
     run_scenario,
     serve_in_process,
     solo_outputs,
+    wait_until,
 )
 from reliability.proxy import TcpProxy
 
@@ -74,15 +75,23 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                 opener.add_prefill_chunk("no-step-id", "", [1, 2, 3], 0, 3)
                 start = threading.Event()  # both calls queue until the link is reset
                 hold = server.hold_engine_until(start)
+                queued = server.engine.queued_runs
                 tally.send("with-step-id")
                 tally.send("without-step-id")
                 with_id = asyncio.ensure_future(client.decode(decode))
                 without_id = asyncio.ensure_future(
                     client.unified_batch(pb.UnifiedBatchRequest(items=opener.build()))
                 )
-                await asyncio.sleep(0.3)
-                assert proxy.reset() >= 1  # both calls lose their connection mid-flight
-                start.set()
+                try:
+                    # Both reached the server before the reset: after a fixed 0.3 s a loaded
+                    # machine could still have one unsent, and a call the reset finds unsent
+                    # is sent on the new connection and succeeds (no UNAVAILABLE to check).
+                    await wait_until(
+                        lambda: server.engine.queued_runs >= queued + 2, "both calls queued"
+                    )
+                    assert proxy.reset() >= 1  # both calls lose their connection mid-flight
+                finally:
+                    start.set()
                 answer = await with_id  # retried by the client on UNAVAILABLE, deduplicated
                 tally.resolve("with-step-id")
                 with pytest.raises(ExecutorError) as caught:
