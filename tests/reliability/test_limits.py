@@ -4,6 +4,7 @@ plus malformed bytes on the wire."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,14 @@ from ferrum_client import (
     SamplingOptions,
     pb,
 )
-from reliability.harness import InProcessServer, Tally, report, run_scenario, serve_in_process
+from reliability.harness import (
+    InProcessServer,
+    Tally,
+    report,
+    run_scenario,
+    serve_in_process,
+    wait_until,
+)
 
 LIMIT = 64 * 1024
 MAX_RPCS = 4
@@ -159,9 +167,11 @@ def test_concurrent_rpc_limit_refuses_fast_and_recovers_exactly(server: InProces
     tally = Tally(f"limit[max_concurrent_rpcs={MAX_RPCS}]")
 
     async def scenario() -> None:
-        hold = asyncio.wrap_future(
-            asyncio.run_coroutine_threadsafe(server.engine.call(time.sleep, 1.0), server.loop)
-        )
+        # Held until the refusals are in: a timed hold (1 s) could end on a loaded machine
+        # before the first calls were counted or the over-limit calls arrived, and then those
+        # were admitted instead of refused.
+        release = threading.Event()
+        hold = server.hold_engine_until(release)
         async with AsyncExecutorClient(server.target) as client:
 
             async def status(name: str) -> float:
@@ -174,9 +184,15 @@ def test_concurrent_rpc_limit_refuses_fast_and_recovers_exactly(server: InProces
                     tally.resolve(name, exc.code.name)
                 return time.monotonic() - started
 
-            first = [asyncio.ensure_future(status(f"a{i}")) for i in range(MAX_RPCS)]
-            await asyncio.sleep(0.2)
-            refused = await asyncio.gather(*(status(f"x{i}") for i in range(3)))
+            try:
+                first = [asyncio.ensure_future(status(f"a{i}")) for i in range(MAX_RPCS)]
+                await wait_until(
+                    lambda: server.rpcs_in_progress("GetStatus") == MAX_RPCS,
+                    f"{MAX_RPCS} calls in progress on the server",
+                )
+                refused = await asyncio.gather(*(status(f"x{i}") for i in range(3)))
+            finally:
+                release.set()
             assert tally.codes["RESOURCE_EXHAUSTED"] == 3
             assert max(refused) < 0.5
             await asyncio.gather(*first, hold)
@@ -221,8 +237,8 @@ def test_probes_answer_and_other_callers_keep_their_share_under_exhaustion() -> 
     tally = Tally("probes under exhaustion")
     serving = health_pb2.HealthCheckResponse.SERVING
 
-    async def scenario(target: str) -> None:
-        async with grpc.aio.insecure_channel(target) as channel:
+    async def scenario(server: InProcessServer) -> None:
+        async with grpc.aio.insecure_channel(server.target) as channel:
             watch = channel.unary_stream(
                 METHOD + "WatchCapacity",
                 request_serializer=pb.WatchCapacityRequest.SerializeToString,
@@ -274,7 +290,12 @@ def test_probes_answer_and_other_callers_keep_their_share_under_exhaustion() -> 
             for name, call in parked:
                 call.cancel()
                 tally.resolve(name)
-            await asyncio.sleep(0.2)  # the cancelled streams end on the server
+            # The cancelled streams end on the server (a fixed 0.2 s could pass first on a
+            # loaded machine, and the call below was then refused as over the total).
+            await wait_until(
+                lambda: server.rpcs_in_progress("WatchCapacity") == 0,
+                "the cancelled watches ended on the server",
+            )
             # Every slot is back.
             tally.send("after")
             await status(pb.GetStatusRequest(), metadata=[("ferrum-session", "c")])
@@ -286,6 +307,6 @@ def test_probes_answer_and_other_callers_keep_their_share_under_exhaustion() -> 
             "max_concurrent_rpcs_per_caller": PER_CALLER_RPCS,
         }
     ) as server:
-        run_scenario(scenario(server.target))
+        run_scenario(scenario(server))
     report(tally)
     assert tally.codes["RESOURCE_EXHAUSTED"] == 2
