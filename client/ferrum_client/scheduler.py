@@ -102,6 +102,8 @@ MIN_PREFILL_TOKENS = 32
 MAX_MAINTENANCE_ROUNDS = 3
 # Step-time target of SchedulerConfig (milliseconds).
 DEFAULT_TARGET_STEP_MS = 200.0
+# Share of the step-time target that prefill may always take, however long the decodes alone.
+DEFAULT_MIN_PREFILL_SHARE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,10 @@ class SchedulerConfig:
     # while prompts are prefilled, on any device and dtype. 0 = always max_step_tokens. Steps
     # far shorter than the target (a GPU) simply run at max_step_tokens.
     target_step_ms: float = DEFAULT_TARGET_STEP_MS
+    # Prefill a step may always add, as a share of target_step_ms, when the decodes alone leave
+    # less than that of the target (or run past it): prompts keep starting, at the price of
+    # steps up to this share longer than the decodes'. 0 = only MIN_PREFILL_TOKENS then.
+    min_prefill_share: float = DEFAULT_MIN_PREFILL_SHARE
     # While nothing decodes, prefill prompts up to their last token in max_step_tokens steps and
     # start them decoding together (see _plan_held_prefill); a prompt is held at most this long.
     align_first_tokens: bool = True
@@ -150,6 +156,8 @@ class SchedulerConfig:
             raise ValueError("max_step_tokens, max_running and pipeline_depth must be >= 1")
         if self.target_step_ms < 0:
             raise ValueError("target_step_ms must be >= 0 (0 = off)")
+        if not 0 <= self.min_prefill_share <= 1:
+            raise ValueError("min_prefill_share must be within [0, 1]")
         if self.max_first_token_hold_ms < 0:
             raise ValueError("max_first_token_hold_ms must be >= 0")
 
@@ -1199,14 +1207,16 @@ class Scheduler:
         return self._submit(items, members, 0, chunks, budget - left)
 
     def _step_budget(self, decoding: int, lane: _Lane) -> int:
-        """Tokens the lane's next step may hold: max_step_tokens, or what the step-time target
-        allows on its executor (never so few that running decodes are left out or prefill
-        stops advancing)."""
+        """Tokens the lane's next step may hold, within max_step_tokens: its decodes plus the
+        prefill that the step-time target leaves room for on its executor (never less than
+        min_prefill_share of the target, nor MIN_PREFILL_TOKENS)."""
         config, ceiling = self.config, self._max_tokens
         if config.target_step_ms <= 0:
             return ceiling
-        floor = min(ceiling, decoding + MIN_PREFILL_TOKENS)
-        return lane.cost.budget(config.target_step_ms / 1e3, ceiling, floor)
+        prefill = lane.cost.prefill_budget(
+            config.target_step_ms / 1e3, decoding, config.min_prefill_share, MIN_PREFILL_TOKENS
+        )
+        return ceiling if prefill is None else min(ceiling, decoding + prefill)
 
     @property
     def _max_tokens(self) -> int:
@@ -1224,7 +1234,7 @@ class Scheduler:
         # The executor's own time for the step; the round trip only when it reports none.
         engine_ns = timing.forward_ns + timing.sample_ns
         seconds = engine_ns / 1e9 if engine_ns > 0 else record.finished_s - record.submitted_s
-        lane.cost.observe(record.num_decodes + record.num_prefill_tokens, seconds)
+        lane.cost.observe(record.num_decodes, record.num_prefill_tokens, seconds)
 
     async def _finish(self, step: _InFlight, lane: _Lane) -> list[tuple[int, int]]:
         """Apply one step's results: record tokens, retire finished requests, preempt."""

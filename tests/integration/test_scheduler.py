@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from ferrum_client import AsyncExecutorClient
-from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
+from ferrum_client.scheduler import GenerationParams, ItemKind, Scheduler, SchedulerConfig
 from helpers_server import (
     LiveServer,
     random_prompts,
@@ -327,6 +327,57 @@ def test_step_time_target_lowers_the_budget_and_keeps_decodes(server: LiveServer
     assert any(r.num_tokens > 35 for r in records[: scheduler.cost.min_observations])
     assert learned and all(r.num_tokens <= max(35, r.num_decodes + 32) for r in learned)
     assert any(r.num_prefill_tokens and r.num_decodes for r in learned)
+    _assert_quiescent(server)
+
+
+def test_prefill_keeps_its_share_of_the_target_when_the_decodes_alone_exceed_it(
+    server: LiveServer,
+) -> None:
+    """Synthetic costs where a decode is dear (12 ms) and a prefill token cheap (0.1 ms), as
+    at long contexts on a CPU: 3 decodes already take 41 ms of a 40 ms target. The fit tells
+    the two apart, so prompts still prefill 20 ms (200 tokens' worth) a step beside them instead
+    of 32 tokens, and no step holds more prefill than the target and that share allow."""
+    from ferrum_client.scheduler import MIN_PREFILL_TOKENS, GrpcBackend, StepResult, StepTiming
+
+    class SyntheticTiming(GrpcBackend):
+        def submit(self, items):  # type: ignore[no-untyped-def]
+            decodes = sum(1 for item in items if item.kind == ItemKind.DECODE)
+            prefill = sum(len(item.tokens) for item in items if item.kind != ItemKind.DECODE)
+            pending = super().submit(items)
+
+            async def timed() -> StepResult:
+                result = await pending
+                ns = round((5 + 12 * decodes + 0.1 * prefill) * 1e6)
+                return dataclasses.replace(result, timing=StepTiming(0, ns, 0, ns))
+
+            return timed()
+
+    prompts = random_prompts(9, 16, 60, 200)
+    config = SchedulerConfig(
+        max_step_tokens=256, target_step_ms=40, min_prefill_share=0.5, align_first_tokens=False
+    )
+
+    async def scenario() -> Scheduler:
+        async with AsyncExecutorClient(server.target) as client:
+            scheduler = Scheduler(SyntheticTiming(client), config)
+            results = await scheduler.generate(prompts, GenerationParams(max_new_tokens=12))
+            assert [r.finish_reason for r in results] == ["length"] * len(prompts)
+        return scheduler
+
+    scheduler = server.run(scenario())
+    learned = scheduler.stats.records[scheduler.cost.min_observations :]
+    fitted = scheduler.cost.fit()
+    assert fitted is not None and fitted.per_decode_s > 10 * fitted.per_prefill_token_s
+
+    def allowed(decodes: int) -> int:  # prefill tokens the true costs and the share allow
+        left_ms = max(40 - 5 - 12 * decodes, 0.5 * 40)
+        return max(MIN_PREFILL_TOKENS, int(left_ms / 0.1 + 1e-6))
+
+    assert all(r.num_prefill_tokens <= allowed(r.num_decodes) for r in learned)
+    # Steps whose decodes alone exceed the target and that still prefill more than the floor.
+    # With min_prefill_share=0 there is one: planned before the fit told the costs apart.
+    over = [r for r in learned if r.num_decodes >= 3 and r.num_prefill_tokens > MIN_PREFILL_TOKENS]
+    assert len(over) >= 3, [(r.num_decodes, r.num_prefill_tokens) for r in learned]
     _assert_quiescent(server)
 
 
