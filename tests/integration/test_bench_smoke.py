@@ -56,7 +56,7 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
         result = section["results"][system]
         assert result["output_tokens"] == 12 * 8
         assert result["output_tok_s"] > 0 and result["itl_p99_ms"] >= result["itl_p50_ms"]
-        assert result["steps"]["count"] > 0
+        assert result["steps"]["count"] == len(result["steps"]["records"]) > 0
     # Same policy, same numerics: identical greedy outputs with and without gRPC.
     assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-inproc"] == 1.0
     # Aligned or not, the same greedy tokens; only the step mix differs.
@@ -220,6 +220,36 @@ def test_repeated_rounds_interleave_systems_and_report_the_median_round(
     ratio = report["by_dtype"]["float32"]["derived"]["ratios_output_tok_s"]
     assert ratio["ferrum-grpc / ferrum-inproc"] == pytest.approx(2.0 / 3.0, abs=1e-3)
     assert "by round" in harness.format_table(report)
+
+
+def test_prefill_shares_run_as_extra_rows_and_bad_shares_are_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--prefill-shares adds a row per other share with the step-time target kept (the base
+    share is not run twice); a share outside 0..1 is refused before anything runs."""
+    from ferrum_server.tools.bench import harness
+
+    seen: list[tuple[str, float, float]] = []
+
+    def fake_worker(spec: RunSpec) -> RunOutput:
+        seen.append((spec.system, spec.min_prefill_share, spec.target_step_ms))
+        return RunOutput(spec.system, 1.0, [RequestTrace(0.0, [0.1, 0.2], [7, 8])])
+
+    monkeypatch.setattr(harness, "_run_worker", fake_worker)
+    monkeypatch.setattr(harness, "measure_gemm", lambda workload, dtype: {"packed": 1.0})
+    report = harness.run_bench(
+        "smoke", ["float32"], [], min_prefill_share=0.25, prefill_shares=[0.25, 0.0, 0.5],
+        cache_dir=tmp_path, progress=False, log=io.StringIO(),
+    )  # fmt: skip
+    assert seen == [("ferrum-grpc", 0.25, 200.0), ("ferrum-grpc", 0.0, 200.0),
+                    ("ferrum-grpc", 0.5, 200.0)]  # fmt: skip
+    assert set(report["by_dtype"]["float32"]["results"]) == {
+        "ferrum-grpc",
+        "ferrum-grpc share@0",
+        "ferrum-grpc share@0.5",
+    }
+    done = _cli("bench", "--workload", "smoke", "--prefill-shares", "0.5,1.5")
+    assert done.returncode == 2 and "prefill shares must be within 0..1" in done.stderr
 
 
 def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> None:

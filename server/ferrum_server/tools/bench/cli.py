@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ferrum_client.scheduler import DEFAULT_TARGET_STEP_MS
+from ferrum_client.scheduler import DEFAULT_MIN_PREFILL_SHARE, DEFAULT_TARGET_STEP_MS
 
 from ferrum_server.config import DTYPES
 
@@ -17,6 +17,10 @@ MAX_LOCAL_EXECUTORS = 16
 
 def _csv_ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
+
+
+def _csv_floats(text: str) -> list[float]:
+    return [float(t) for t in text.split(",") if t.strip()]
 
 
 def add_bench_args(bench: argparse.ArgumentParser) -> None:
@@ -42,6 +46,18 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_TARGET_STEP_MS,
         help="scheduler step-time target (0 = fixed budget)",
+    )
+    bench.add_argument(
+        "--min-prefill-share",
+        type=float,
+        default=DEFAULT_MIN_PREFILL_SHARE,
+        help="share of the step-time target prefill may always take (0..1)",
+    )
+    bench.add_argument(
+        "--prefill-shares",
+        type=_csv_floats,
+        default=[],
+        help="other guaranteed prefill shares to run as well (the step-time target kept)",
     )
     bench.add_argument(
         "--budgets",
@@ -114,6 +130,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"ferrum-executor bench: --tensor-parallel-size must be in 1..{MAX_LOCAL_EXECUTORS}\n"
         )
         return 2
+    shares = [args.min_prefill_share, *args.prefill_shares]
+    if not all(0 <= share <= 1 for share in shares):
+        sys.stderr.write("ferrum-executor bench: prefill shares must be within 0..1\n")
+        return 2
     if bad or not dtypes:
         sys.stderr.write(f"ferrum-executor bench: unknown choice(s): {', '.join(bad)}\n")
         return 2
@@ -125,7 +145,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rate=args.rate,
         max_step_tokens=args.max_step_tokens,
         target_step_ms=args.target_step_ms,
+        min_prefill_share=args.min_prefill_share,
         budgets=args.budgets,
+        prefill_shares=args.prefill_shares,
         pipeline_depth=args.pipeline_depth,
         extra_depths=args.extra_depths,
         unaligned=args.unaligned,

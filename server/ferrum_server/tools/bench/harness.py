@@ -16,6 +16,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from ferrum_client.scheduler import DEFAULT_MIN_PREFILL_SHARE, DEFAULT_TARGET_STEP_MS
+
 from ferrum_server.tools.bench.runners import RequestTrace, RunOutput, RunSpec
 from ferrum_server.tools.bench.workloads import WORKLOADS, Workload, ensure_model, matmul_flops
 
@@ -79,6 +81,8 @@ def summarize(run: RunOutput, prompts: list[list[int]]) -> dict[str, Any]:
             "mean_tokens": round(
                 statistics.fmean(s["decodes"] + s["prefill_tokens"] for s in run.steps), 1
             ),
+            # Every step of the run (a few hundred): what the step-cost fit saw, for analysis.
+            "records": run.steps,
         }
     return out
 
@@ -179,8 +183,10 @@ def run_bench(
     mode: str = "offline",
     rate: float = 4.0,
     max_step_tokens: int = 512,
-    target_step_ms: float = 200.0,
+    target_step_ms: float = DEFAULT_TARGET_STEP_MS,
+    min_prefill_share: float = DEFAULT_MIN_PREFILL_SHARE,
     budgets: Sequence[int] = (),
+    prefill_shares: Sequence[float] = (),
     pipeline_depth: int = 1,
     extra_depths: Sequence[int] = (),
     unaligned: bool = False,
@@ -232,6 +238,7 @@ def run_bench(
             arrivals_s=arrivals,
             max_step_tokens=max_step_tokens,
             target_step_ms=target_step_ms,
+            min_prefill_share=min_prefill_share,
             pipeline_depth=pipeline_depth,
             kv_cache_bytes=workload.kv_cache_bytes,
             prefix_caching=workload.prefix_caching,
@@ -248,6 +255,11 @@ def run_bench(
             # Fixed budgets (no step-time target): the budget / latency trade-off table.
             fixed = replace(base, max_step_tokens=budget, target_step_ms=0.0)
             plan.append((f"ferrum-grpc fixed@{budget}", fixed))
+        for share in prefill_shares:
+            if share != min_prefill_share:
+                # The step-time target with another guaranteed prefill share: TTFT against ITL.
+                label = f"ferrum-grpc share@{share:g}"
+                plan.append((label, replace(base, min_prefill_share=share)))
         for depth in extra_depths:
             if depth != pipeline_depth:
                 plan.append((f"ferrum-grpc depth{depth}", replace(base, pipeline_depth=depth)))

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferrum_client.scheduler import DEFAULT_MIN_PREFILL_SHARE, DEFAULT_TARGET_STEP_MS
+
 
 @dataclass(slots=True)
 class RequestTrace:
@@ -52,7 +54,8 @@ class RunSpec:
     arrivals_s: list[float] | None = None
     max_step_tokens: int = 512
     pipeline_depth: int = 1
-    target_step_ms: float = 200.0  # 0 = fixed budget (the budget trade-off table)
+    target_step_ms: float = DEFAULT_TARGET_STEP_MS  # 0 = fixed budget (trade-off table)
+    min_prefill_share: float = DEFAULT_MIN_PREFILL_SHARE
     align_first_tokens: bool = True
     decode_continuation: bool = False
     kv_cache_bytes: int = 1024**3
@@ -131,6 +134,7 @@ def _scheduler_run(
         max_step_tokens=spec.max_step_tokens,
         pipeline_depth=spec.pipeline_depth,
         target_step_ms=spec.target_step_ms,
+        min_prefill_share=spec.min_prefill_share,
         align_first_tokens=spec.align_first_tokens,
         decode_continuation=spec.decode_continuation,
     )
@@ -173,6 +177,7 @@ def _scheduler_run(
         "max_step_tokens": spec.max_step_tokens,
         "pipeline_depth": spec.pipeline_depth,
         "target_step_ms": spec.target_step_ms,
+        "min_prefill_share": spec.min_prefill_share,
         "align_first_tokens": spec.align_first_tokens,
         "decode_continuation": spec.decode_continuation,
         "continuations": scheduler.stats.continuations,
