@@ -95,6 +95,9 @@ def test_bad_prompt_file_is_a_clean_error(tmp_path: Path) -> None:
     prompts.write_text(json.dumps({"prompts": [[1, "x"]]}))
     done = _cli("generate", "--local", "--prompts", str(prompts))
     assert done.returncode == 2 and "token-id lists" in done.stderr
+    # A scheduler setting out of range fails the same way, before any server starts.
+    done = _cli("generate", "--local", "--min-prefill-share", "1.5")
+    assert done.returncode == 2 and "min_prefill_share must be within [0, 1]" in done.stderr
 
 
 def test_long_and_shared_prefix_workloads() -> None:

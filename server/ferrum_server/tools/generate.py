@@ -22,7 +22,12 @@ from typing import Any
 
 from ferrum_client import AsyncExecutorClient, pb
 from ferrum_client.fleet import FleetSpec, parse_fleet_spec
-from ferrum_client.scheduler import DEFAULT_TARGET_STEP_MS, Backend
+from ferrum_client.scheduler import (
+    DEFAULT_MIN_PREFILL_SHARE,
+    DEFAULT_TARGET_STEP_MS,
+    Backend,
+    SchedulerConfig,
+)
 
 from ferrum_server.config import DTYPES
 from ferrum_server.server_process import start_server_process
@@ -62,6 +67,12 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_TARGET_STEP_MS,
         help="lower the step budget so a step takes about this long (0 = fixed budget)",
+    )
+    parser.add_argument(
+        "--min-prefill-share",
+        type=float,
+        default=DEFAULT_MIN_PREFILL_SHARE,
+        help="share of the step-time target that prefill may always take (0..1)",
     )
     parser.add_argument("--pipeline-depth", type=int, default=1)
     parser.add_argument(
@@ -127,20 +138,11 @@ async def _run(
     args: argparse.Namespace,
     target: str,
 ) -> dict[str, Any]:
-    from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
+    from ferrum_client.scheduler import GenerationParams, Scheduler
 
     stops = tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip())
     prompts = load_prompts(args, info.model_info.vocab_size)
-    scheduler = Scheduler(
-        backend,
-        SchedulerConfig(
-            max_step_tokens=args.max_step_tokens,
-            pipeline_depth=args.pipeline_depth,
-            target_step_ms=args.target_step_ms,
-            align_first_tokens=args.align_first_tokens,
-            decode_continuation=args.decode_continuation,
-        ),
-    )
+    scheduler = Scheduler(backend, scheduler_config(args))
     params = GenerationParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
     results = []
     if args.json:
@@ -169,9 +171,22 @@ async def _run(
     }
 
 
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """The scheduler's settings from the command line (ValueError when out of range)."""
+    return SchedulerConfig(
+        max_step_tokens=args.max_step_tokens,
+        pipeline_depth=args.pipeline_depth,
+        target_step_ms=args.target_step_ms,
+        min_prefill_share=args.min_prefill_share,
+        align_first_tokens=args.align_first_tokens,
+        decode_continuation=args.decode_continuation,
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     process = None
     try:
+        scheduler_config(args)  # bad settings fail before a server starts
         spec = parse_fleet_spec(args.target) if args.target else FleetSpec()
         if args.prompts is not None:
             read_prompt_file(args.prompts)  # fail before starting anything
