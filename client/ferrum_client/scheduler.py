@@ -6,7 +6,8 @@ Policy, per step:
   low) and prefill chunks (first come, first served, a prompt split across steps when the budget
   runs out), all in one unified batch; the budget is ``max_step_tokens``, lowered when needed so
   the step is predicted to take about ``target_step_ms`` (``step_cost``), which bounds
-  inter-token latency during a prefill burst on any device;
+  inter-token latency during a prefill burst on any device, while prefill keeps at least
+  ``min_prefill_share`` of that target however long the decodes alone take;
 * first tokens aligned: while nothing decodes, prompts are prefilled up to their last token in
   prefill-only steps and then start together (``_plan_held_prefill``), so the batch decodes in
   full-size steps rather than draining through a tail of small ones;
