@@ -7,10 +7,16 @@ a conftest.py of its own).
 from __future__ import annotations
 
 import asyncio
+import json
+import pathlib
 import random
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -102,3 +108,46 @@ def tiny_split(tp: int, blocks: int, block_size: int) -> dict[str, object]:
         # The tiny model's 2 KV heads: one per rank at tp 2, so a block is half the bytes.
         "kv_cache_bytes": blocks * tiny_block_bytes(block_size) // min(tp, 2),
     }
+
+
+def logged_metrics_port(log: pathlib.Path, timeout_s: float = 30.0) -> int:
+    """The metrics port a `serve` subprocess reported on starting to serve (its JSON log at
+    level info, `--metrics-port 0`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "lifecycle" and event.get("state") == "serving":
+                return int(event["metrics_port"])
+        time.sleep(0.05)
+    raise AssertionError(f"no 'serving' line with a metrics port in {log}")
+
+
+def rpcs_started(metrics_port: int, method: str) -> int:
+    """Calls of ExecutorService `method` whose handler a server began, from its /metrics."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "grpc_server_started_total"
+            and sample.labels.get("grpc_method") == method
+        )
+    )
+
+
+async def wait_for_rpcs_started(
+    metrics_port: int, method: str, count: int, limit_s: float = 30.0
+) -> None:
+    """Wait until a server has begun `count` calls of `method` (then they are on the server,
+    whatever a loaded machine did to the client), failing loudly after limit_s."""
+    deadline = time.monotonic() + limit_s
+    while (seen := await asyncio.to_thread(rpcs_started, metrics_port, method)) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{seen} of {count} {method} calls reached the server")
+        await asyncio.sleep(0.02)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import signal
 import threading
 import time
@@ -16,7 +17,7 @@ import pytest
 from ferrum_client import ExecutorClient, ExecutorDrainingError, ExecutorError, UnavailableError, pb
 from ferrum_server.metrics import METRIC_DOCS
 from ferrum_server.server_process import start_server_process
-from helpers_server import LiveServer
+from helpers_server import LiveServer, logged_metrics_port, rpcs_started
 from prometheus_client.parser import text_string_to_metric_families
 
 SERVING, NOT_SERVING = 1, 2
@@ -220,7 +221,7 @@ def test_sigterm_drain_finishes_held_requests_takes_no_new_ones_then_exits_zero(
             "--grace-s",
             str(grace_s),
             "--metrics-port",
-            "-1",
+            "0",
             "--log-format",
             "json",
             "--max-batch-tokens",
@@ -229,6 +230,7 @@ def test_sigterm_drain_finishes_held_requests_takes_no_new_ones_then_exits_zero(
         stdout=open(f"{tmp_path}/log.jsonl", "wb"),  # noqa: SIM115
     )
     target = f"127.0.0.1:{port}"
+    metrics_port = logged_metrics_port(pathlib.Path(f"{tmp_path}/log.jsonl"))
 
     def long_prefill(seed: int) -> pb.PrefillResponse:
         with ExecutorClient(target, timeout_s=60) as client:
@@ -238,7 +240,12 @@ def test_sigterm_drain_finishes_held_requests_takes_no_new_ones_then_exits_zero(
 
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(long_prefill, seed) for seed in range(6)]
-        time.sleep(0.5)  # let them reach the server and queue on the engine thread
+        # All six on the server before the SIGTERM (a later one would rightly be refused as
+        # draining): counted by the server itself, not guessed with a sleep.
+        deadline = time.monotonic() + 30
+        while rpcs_started(metrics_port, "Prefill") < 6:
+            assert time.monotonic() < deadline, "the six prefills never reached the server"
+            time.sleep(0.02)
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
         results = [f.result(timeout=60) for f in futures]

@@ -22,20 +22,26 @@ from ferrum_client import (
     pb,
 )
 from ferrum_server.server_process import start_server_process
+from helpers_server import logged_metrics_port, wait_for_rpcs_started
 from reliability.harness import Tally, code_name, prompt, report, run_scenario
 
 SERVING, NOT_SERVING = 1, 2
 
 
-def _start(tmp_path: pathlib.Path, *args: str, slow_s: float = 0.0) -> tuple[object, int]:
+def _start(
+    tmp_path: pathlib.Path, *args: str, slow_s: float = 0.0, metrics: bool = False
+) -> tuple[object, int]:
+    """A server subprocess; with `metrics`, on an ephemeral metrics port that it logs
+    (`helpers_server.logged_metrics_port(tmp_path / "server.log")`)."""
     env = dict(os.environ)
     if slow_s:
         plan = tmp_path / "plan.json"
         plan.write_text(json.dumps({"rules": [{"kind": "slow", "delay_s": slow_s}]}))
         env.update(FERRUM_ENABLE_FAULT_INJECTION="1", FERRUM_FAULT_PLAN=str(plan))
     log = open(tmp_path / "server.log", "ab")  # noqa: SIM115 - owned by the child
+    observed = ["--metrics-port", "0", "--log-level", "info", "--log-format", "json"]
     return start_server_process(
-        ["--metrics-port", "-1", "--log-level", "warning", *args],
+        [*(observed if metrics else ["--metrics-port", "-1", "--log-level", "warning"]), *args],
         env=env,
         stdout=log,
         stderr=log,
@@ -43,8 +49,9 @@ def _start(tmp_path: pathlib.Path, *args: str, slow_s: float = 0.0) -> tuple[obj
 
 
 def test_sigterm_mid_batch_finishes_in_flight_work_and_exits_zero(tmp_path: pathlib.Path) -> None:
-    process, port = _start(tmp_path, "--grace-s", "10", slow_s=0.5)
+    process, port = _start(tmp_path, "--grace-s", "10", slow_s=0.5, metrics=True)
     target = f"127.0.0.1:{port}"
+    metrics_port = logged_metrics_port(tmp_path / "server.log")
     tally = Tally("sigterm-mid-batch")
 
     async def scenario() -> None:
@@ -65,7 +72,9 @@ def test_sigterm_mid_batch_finishes_in_flight_work_and_exits_zero(tmp_path: path
             # they still reach the server at once, before the SIGTERM.
             await client.get_info()
             calls = [asyncio.ensure_future(one(k)) for k in range(4)]
-            await asyncio.sleep(0.3)  # one step running, three queued behind it
+            # All four on the server (one step running, three queued behind it) before the
+            # SIGTERM: a call that reached it later would rightly be refused as draining.
+            await wait_for_rpcs_started(metrics_port, "Prefill", 4)
             sent = time.monotonic()
             process.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
             await asyncio.sleep(0.1)
