@@ -334,7 +334,7 @@ def test_prefill_keeps_its_share_of_the_target_when_the_decodes_alone_exceed_it(
     server: LiveServer,
 ) -> None:
     """Synthetic costs where a decode is dear (12 ms) and a prefill token cheap (0.1 ms), as
-    at long contexts on a CPU: 3 decodes already take 41 ms of a 40 ms target. The fit tells
+    on a GPU: 3 decodes already take 41 ms of a 40 ms target. The fit tells
     the two apart, so prompts still prefill 20 ms (200 tokens' worth) a step beside them instead
     of 32 tokens, and no step holds more prefill than the target and that share allow."""
     from ferrum_client.scheduler import MIN_PREFILL_TOKENS, GrpcBackend, StepResult, StepTiming
