@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from ferrum_client import AsyncExecutorClient
@@ -292,34 +292,47 @@ def test_in_process_backend_waits_for_capacity_without_polling(server: LiveServe
     assert engine.kv.clock.listeners == [engine.publish_gauges]
 
 
-def test_step_time_target_lowers_the_budget_and_keeps_decodes(server: LiveServer) -> None:
-    """With a step-time target the budget follows the executor's reported step times: a
-    synthetic cost of 5 ms + 1 ms per token and a 40 ms target allow 35 tokens a step."""
+def _run_with_step_times(
+    server: LiveServer,
+    step_ms: Callable[[int, int], float],
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    config: SchedulerConfig,
+) -> Scheduler:
+    """Generate on the live server with every step reported as taking step_ms(decodes,
+    prefill tokens): the scheduler's step-time fit then sees costs chosen by the test."""
     from ferrum_client.scheduler import GrpcBackend, StepResult, StepTiming
 
     class SyntheticTiming(GrpcBackend):
         def submit(self, items):  # type: ignore[no-untyped-def]
-            tokens = sum(len(item.tokens) for item in items)
+            decodes = sum(1 for item in items if item.kind == ItemKind.DECODE)
+            prefill = sum(len(item.tokens) for item in items if item.kind != ItemKind.DECODE)
             pending = super().submit(items)
 
             async def timed() -> StepResult:
                 result = await pending
-                ns = (5 + tokens) * 1_000_000
+                ns = round(step_ms(decodes, prefill) * 1e6)
                 return dataclasses.replace(result, timing=StepTiming(0, ns, 0, ns))
 
             return timed()
 
-    prompts = random_prompts(8, 12, 30, 90)
-    config = SchedulerConfig(max_step_tokens=128, target_step_ms=40, align_first_tokens=False)
-
     async def scenario() -> Scheduler:
         async with AsyncExecutorClient(server.target) as client:
             scheduler = Scheduler(SyntheticTiming(client), config)
-            results = await scheduler.generate(prompts, GenerationParams(max_new_tokens=8))
+            params = GenerationParams(max_new_tokens=max_new_tokens)
+            results = await scheduler.generate(prompts, params)
             assert [r.finish_reason for r in results] == ["length"] * len(prompts)
         return scheduler
 
-    scheduler = server.run(scenario())
+    return server.run(scenario())
+
+
+def test_step_time_target_lowers_the_budget_and_keeps_decodes(server: LiveServer) -> None:
+    """With a step-time target the budget follows the executor's reported step times: a
+    synthetic cost of 5 ms + 1 ms per token and a 40 ms target allow 35 tokens a step."""
+    prompts = random_prompts(8, 12, 30, 90)
+    config = SchedulerConfig(max_step_tokens=128, target_step_ms=40, align_first_tokens=False)
+    scheduler = _run_with_step_times(server, lambda d, p: 5 + d + p, prompts, 8, config)
     records = scheduler.stats.records
     # The first steps run at max_step_tokens while the model learns; then none exceeds the
     # 35 tokens the target allows, unless running decodes alone need more (the floor).
@@ -334,37 +347,16 @@ def test_prefill_keeps_its_share_of_the_target_when_the_decodes_alone_exceed_it(
     server: LiveServer,
 ) -> None:
     """Synthetic costs where a decode is dear (12 ms) and a prefill token cheap (0.1 ms), as
-    on a GPU: 3 decodes already take 41 ms of a 40 ms target. The fit tells
-    the two apart, so prompts still prefill 20 ms (200 tokens' worth) a step beside them instead
-    of 32 tokens, and no step holds more prefill than the target and that share allow."""
-    from ferrum_client.scheduler import MIN_PREFILL_TOKENS, GrpcBackend, StepResult, StepTiming
-
-    class SyntheticTiming(GrpcBackend):
-        def submit(self, items):  # type: ignore[no-untyped-def]
-            decodes = sum(1 for item in items if item.kind == ItemKind.DECODE)
-            prefill = sum(len(item.tokens) for item in items if item.kind != ItemKind.DECODE)
-            pending = super().submit(items)
-
-            async def timed() -> StepResult:
-                result = await pending
-                ns = round((5 + 12 * decodes + 0.1 * prefill) * 1e6)
-                return dataclasses.replace(result, timing=StepTiming(0, ns, 0, ns))
-
-            return timed()
+    on a GPU: 3 decodes already take 41 ms of a 40 ms target. The fit tells the two apart, so
+    prompts still prefill 20 ms (200 tokens' worth) a step beside them instead of 32 tokens,
+    and no step holds more prefill than the target and that share allow."""
+    from ferrum_client.scheduler import MIN_PREFILL_TOKENS
 
     prompts = random_prompts(9, 16, 60, 200)
     config = SchedulerConfig(
         max_step_tokens=256, target_step_ms=40, min_prefill_share=0.5, align_first_tokens=False
     )
-
-    async def scenario() -> Scheduler:
-        async with AsyncExecutorClient(server.target) as client:
-            scheduler = Scheduler(SyntheticTiming(client), config)
-            results = await scheduler.generate(prompts, GenerationParams(max_new_tokens=12))
-            assert [r.finish_reason for r in results] == ["length"] * len(prompts)
-        return scheduler
-
-    scheduler = server.run(scenario())
+    scheduler = _run_with_step_times(server, lambda d, p: 5 + 12 * d + 0.1 * p, prompts, 12, config)
     learned = scheduler.stats.records[scheduler.cost.min_observations :]
     fitted = scheduler.cost.fit()
     assert fitted is not None and fitted.per_decode_s > 10 * fitted.per_prefill_token_s
