@@ -703,7 +703,6 @@ class Scheduler:
         self._background: set[asyncio.Future[None]] = set()
         self._prefix = f"r{time.monotonic_ns():x}"
         self.on_token: Callable[[int, int], None] | None = None
-        # Deferred items whose preemption waits until no step is in flight (continuation).
 
     def cancel(self, index: int) -> None:
         """Cancel request `index` of the current call; its capacity is freed at the next step

@@ -105,14 +105,12 @@ class StepCostModel:
         """One cost for every token of a step (decode or prefill), fitted on their sum."""
         if mean_x <= 0:
             return None
-        if var_x <= 1e-9 * max(mean_x * mean_x, 1.0):
-            # Every step had the same size: all time is attributed per token.
+        # Steps all of one size (or a slope that noise made negative) tell no fixed part apart:
+        # all time is then attributed per token.
+        if var_x <= 1e-9 * max(mean_x * mean_x, 1.0) or cov_xy <= 0:
             slope = mean_y / mean_x
             return StepCost(0.0, slope, slope)
         slope = cov_xy / var_x
-        if slope <= 0:
-            slope = mean_y / mean_x
-            return StepCost(0.0, slope, slope)
         return StepCost(max(0.0, mean_y - slope * mean_x), slope, slope)
 
     def prefill_budget(

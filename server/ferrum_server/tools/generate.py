@@ -114,20 +114,22 @@ def load_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     ]
 
 
-async def _generate(spec: FleetSpec, args: argparse.Namespace) -> dict[str, Any]:
+async def _generate(
+    spec: FleetSpec, args: argparse.Namespace, config: SchedulerConfig
+) -> dict[str, Any]:
     """One executor: the plain gRPC backend. Several (or a DNS name): the fleet."""
     if len(spec.addresses) == 1 and not spec.dns_names:
         target = spec.addresses[0]
         async with AsyncExecutorClient(target, timeout_s=600) as client:
             info = await client.get_info()
-            return await _run(client, info, args, target)
+            return await _run(client, info, args, config, target)
     from ferrum_client.fleet import ExecutorFleet
     from ferrum_client.fleet_backend import OPEN_TIMEOUT_S, FleetBackend
 
     async with ExecutorFleet(spec) as fleet:
         await fleet.wait_serving(OPEN_TIMEOUT_S)
         info = await fleet.serving()[0].client.get_info()
-        report = await _run(FleetBackend(fleet), info, args, "")
+        report = await _run(FleetBackend(fleet), info, args, config, "")
         report["executors"] = fleet.metrics()
         return report
 
@@ -136,13 +138,14 @@ async def _run(
     backend: AsyncExecutorClient | Backend,
     info: pb.GetInfoResponse,
     args: argparse.Namespace,
+    config: SchedulerConfig,
     target: str,
 ) -> dict[str, Any]:
     from ferrum_client.scheduler import GenerationParams, Scheduler
 
     stops = tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip())
     prompts = load_prompts(args, info.model_info.vocab_size)
-    scheduler = Scheduler(backend, scheduler_config(args))
+    scheduler = Scheduler(backend, config)
     params = GenerationParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
     results = []
     if args.json:
@@ -186,7 +189,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
 def cmd_generate(args: argparse.Namespace) -> int:
     process = None
     try:
-        scheduler_config(args)  # bad settings fail before a server starts
+        config = scheduler_config(args)  # bad settings fail before a server starts
         spec = parse_fleet_spec(args.target) if args.target else FleetSpec()
         if args.prompts is not None:
             read_prompt_file(args.prompts)  # fail before starting anything
@@ -202,7 +205,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 timeout_s=600,
             )  # fmt: skip
             spec = FleetSpec((f"127.0.0.1:{port}",))
-        report = asyncio.run(_generate(spec, args))
+        report = asyncio.run(_generate(spec, args, config))
     except (ValueError, OSError, RuntimeError) as exc:
         sys.stderr.write(f"ferrum-executor generate: {exc}\n")
         return 2
