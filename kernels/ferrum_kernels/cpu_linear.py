@@ -8,6 +8,13 @@ The arithmetic is the same oneDNN GEMM, so results agree with ``F.linear`` to fl
 Where oneDNN packs float32 but not bfloat16 (an AVX2 CPU), bfloat16 weights are packed widened
 to float32 (``pack_dtype``).
 
+On a CPU with AVX2 but not AVX-512, float32 (and widened bfloat16) weights are packed for the
+native GEMM instead (``csrc/gemm.cpp``, ``gemm_kernel``): oneDNN's AVX2 kernels reach 90-100
+GFLOP/s at a decode step's M = 64 on the development machine where the native one reaches
+145-150, and 135-147 against 155-167 at M = 512 (docs/cpu-kernels.md). ``FERRUM_CPU_GEMM``
+picks the kernel: ``auto`` (the default, as above), ``native`` (wherever it is built: also on an
+AVX-512 CPU, for comparison) or ``onednn``. It is read once, when the first weight is packed.
+
 ``prepack_linears(module)`` swaps every ``nn.Linear`` under ``module`` for a ``PackedLinear`` that
 shares the same ``weight``/``bias`` Parameters (so ``state_dict``/``named_parameters`` and
 weight export are unchanged) and keeps a packed copy beside them; a tied LM head
@@ -24,15 +31,20 @@ module then runs only its packed GEMMs: it cannot be trained, moved, cast or exp
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrum_kernels import native
 from ferrum_kernels.layers import TiedLinear
 from ferrum_kernels.moe import ExpertWeights
 
 __all__ = [
+    "GEMM_KERNELS",
     "PackedLinear",
+    "gemm_kernel",
     "mkldnn_linear_available",
     "pack_dtype",
     "packed_bytes",
@@ -45,6 +57,9 @@ __all__ = [
 DEFAULT_BATCH_HINT = 256
 _SUPPORTED = (torch.float32, torch.bfloat16)
 _available: dict[torch.dtype, bool] = {}
+# FERRUM_CPU_GEMM's values (see the module docstring).
+GEMM_KERNELS = ("auto", "native", "onednn")
+_native_gemm: bool | None = None  # decided once: is the native GEMM used for float32?
 
 
 def mkldnn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -81,8 +96,32 @@ def pack_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+def _use_native_gemm() -> bool:
+    global _native_gemm
+    if _native_gemm is None:
+        choice = os.environ.get("FERRUM_CPU_GEMM", "auto").strip().lower() or "auto"
+        if choice not in GEMM_KERNELS:
+            allowed = ", ".join(GEMM_KERNELS)
+            raise ValueError(f"FERRUM_CPU_GEMM must be one of {allowed}, got {choice!r}")
+        module = None if choice == "onednn" else native.load()
+        if module is None:
+            _native_gemm = False
+        else:
+            built, avx512 = module.gemm_isa()
+            _native_gemm = bool(built) and (choice == "native" or not avx512)
+    return _native_gemm
+
+
+def gemm_kernel(compute_dtype: torch.dtype) -> str:
+    """Which GEMM a weight packed to multiply in `compute_dtype` runs: "native" (float32 on an
+    AVX2 CPU without AVX-512, unless FERRUM_CPU_GEMM says otherwise) or "onednn"."""
+    if compute_dtype == torch.float32 and _use_native_gemm():
+        return "native"
+    return "onednn"
+
+
 class PackedWeight:
-    """A weight (and optional bias) with its oneDNN-packed copy, re-packed when it changes."""
+    """A weight (and optional bias) with its packed copy (oneDNN's or the native GEMM's), re-packed when it changes."""
 
     __slots__ = (
         "_batch_hint",
@@ -91,6 +130,9 @@ class PackedWeight:
         "bias",
         "compute_dtype",
         "dtype",
+        "in_features",
+        "kernel",
+        "out_features",
         "released",
         "weight",
     )
@@ -101,7 +143,10 @@ class PackedWeight:
         self.weight = weight  # [N, K]
         self.bias = bias  # [N] or None
         self.dtype = weight.dtype  # what callers pass and get back
-        self.compute_dtype = pack_dtype(weight.dtype) or weight.dtype  # what oneDNN multiplies
+        self.compute_dtype = pack_dtype(weight.dtype) or weight.dtype  # what the GEMM multiplies
+        self.kernel = gemm_kernel(self.compute_dtype)  # "native" or "onednn": packed for it
+        # Kept: the plain weight may be freed.
+        self.out_features, self.in_features = weight.shape
         self._batch_hint = batch_hint
         self._packed: torch.Tensor | None = None
         self._version = -1
@@ -115,9 +160,11 @@ class PackedWeight:
         version = self.weight._version
         if self._packed is None or version != self._version:
             with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(
-                    self.weight.detach().to(self.compute_dtype), self._batch_hint
-                )
+                plain = self.weight.detach().to(self.compute_dtype)
+                if self.kernel == "native":
+                    self._packed = native.load().pack_gemm_weight(plain)
+                else:
+                    self._packed = torch.ops.mkldnn._reorder_linear_weight(plain, self._batch_hint)
             self._version = version
         return self._packed
 
@@ -138,6 +185,12 @@ class PackedWeight:
         """x [..., K] -> [..., N] in x's dtype."""
         compute = self.compute_dtype
         bias = None if self.bias is None else self.bias.detach().to(compute)
+        if self.kernel == "native":
+            rows = x.reshape(-1, x.shape[-1]).to(compute)
+            flat: torch.Tensor = native.load().packed_gemm(
+                rows, self.packed(), bias, self.out_features
+            )
+            return flat.view(*x.shape[:-1], self.out_features).to(x.dtype)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x.contiguous().to(compute), self.packed(), bias, "none", [], ""
         )
@@ -155,7 +208,7 @@ def packed_linear(weight: torch.Tensor) -> PackedWeight | None:
 
 
 class PackedLinear(nn.Linear):
-    """``nn.Linear`` whose inference forward runs oneDNN's pre-packed GEMM."""
+    """``nn.Linear`` whose inference forward runs a pre-packed GEMM (``gemm_kernel``)."""
 
     _pack: PackedWeight | None
 
@@ -174,7 +227,7 @@ class PackedLinear(nn.Linear):
             # Only the packed copy exists: it serves CPU inference and nothing else.
             if x.device.type != "cpu" or x.dtype != pack.dtype:
                 raise RuntimeError(
-                    f"this linear keeps only its oneDNN-packed {pack.dtype} weight "
+                    f"this linear keeps only its packed {pack.dtype} weight "
                     f"(release_plain_weights); it cannot run {x.dtype} on {x.device.type}"
                 )
             out_packed: torch.Tensor = pack(x)

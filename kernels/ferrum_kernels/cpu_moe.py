@@ -1,5 +1,5 @@
 """The CPU backend's mixture-of-experts: the reference's grouped GEMMs (``moe.grouped_experts``)
-over oneDNN-packed expert weights, with the native SwiGLU.
+over packed expert weights (cpu_linear: oneDNN or the native GEMM), with the native SwiGLU.
 
 Each expert's gate/up and down weights are packed once (``prepack_experts``, part of the CPU
 backend's ``prepare_model``), as the dense linears are (``cpu_linear``): at W1-moe's sizes
@@ -54,7 +54,7 @@ def fused_moe_cpu(
         if x.device.type != "cpu" or x.dtype != dtype:
             # The reference would need the freed plain weights.
             raise RuntimeError(
-                f"these experts keep only their oneDNN-packed {dtype} weights "
+                f"these experts keep only their packed {dtype} weights "
                 f"(release_plain_weights); they cannot run {x.dtype} on {x.device.type}"
             )
     else:

@@ -47,7 +47,7 @@ class ExpertWeights(nn.Module):
         down_proj    [E * H, I]   viewed per expert as [E, H, I]
 
     ``packed``: a backend's per-expert (gate_up, down) callables computing ``F.linear`` with
-    those weights (the CPU backend's oneDNN-packed copies), set by its ``prepare_model`` step;
+    those weights (the CPU backend's packed copies), set by its ``prepare_model`` step;
     None until then; ``packed_from`` is the ``gate_up_proj`` storage they were made from, so a
     model moved or cast afterwards is never run with stale copies. The Parameters stay the
     source of truth (export, other backends) until ``released``: a serving model's plain
@@ -99,7 +99,7 @@ class ExpertWeights(nn.Module):
     def _require_plain(self) -> None:
         if self.released:
             raise RuntimeError(
-                "these experts keep only their oneDNN-packed weights (release_plain_weights); "
+                "these experts keep only their packed weights (release_plain_weights); "
                 "their plain weights were freed, so only the CPU backend's packed experts "
                 "can run them"
             )

@@ -35,7 +35,13 @@ from typing import Any
 __all__ = ["available", "load"]
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("decode_attention.cpp", "fused_ops.cpp", "sampling.cpp", "prefill_attention.cpp")
+_SOURCES = (
+    "decode_attention.cpp",
+    "fused_ops.cpp",
+    "sampling.cpp",
+    "prefill_attention.cpp",
+    "gemm.cpp",
+)
 _FUNCTIONS = [
     "decode_attention",
     "rms_norm",
@@ -46,6 +52,9 @@ _FUNCTIONS = [
     "argmax_logsumexp",
     "prefill_attention",
     "prefill_attention_vectorized",
+    "gemm_isa",
+    "pack_gemm_weight",
+    "packed_gemm",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]
 

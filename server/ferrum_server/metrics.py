@@ -90,7 +90,7 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
     (f"{PREFIX}_memory_plan_bytes", "gauge", ("part",),
      "Start-up memory plan: total, budget (total x utilisation), weights, activation_peak, "
      "cuda_graphs_reserved, cuda_graphs (measured), kv_cache. On CPU total is host memory, "
-     "and weights are what the served model holds: its oneDNN-packed copies (float32 for "
+     "and weights are what the served model holds: its packed copies (float32 for "
      "bfloat16 on an AVX2 CPU) and the parameters left."),
     (f"{PREFIX}_rank_memory_plan_bytes", "gauge", ("rank", "part"),
      "Each tensor-parallel rank's start-up memory plan (parts as memory_plan_bytes, plus "

@@ -292,7 +292,7 @@ def test_one_rank_builds_the_plain_modules_and_packs_them() -> None:
 @torch.no_grad()
 def test_expert_column_shards_sum_to_the_whole_experts_on_both_cpu_paths() -> None:
     # Rank r's experts (gate/up rows and down columns r of 2), run by the torch reference and
-    # by the CPU backend's oneDNN-packed experts, add up to the whole experts' output: what
+    # by the CPU backend's packed experts, add up to the whole experts' output: what
     # the one all-reduce after a sparse layer relies on. Each rank's shards then drop their
     # plain copies as a served rank does, freeing that rank's bytes, with the same output.
     from ferrum_kernels.cpu_linear import release_plain_weights

@@ -1,0 +1,220 @@
+// float32 GEMM against a weight packed once at load time, for linears on an AVX2 CPU (see
+// cpu_linear.py for when it is used instead of oneDNN's pre-packed GEMM).
+//
+// out[M, N] = x[M, K] @ W[N, K]^T (+ bias). The weight is packed into panels of 16 output
+// columns, each K rows deep ([ceil(N/16), K, 16], zero-padded), so a panel streams front to back.
+// Each call packs x into 6-row panels ([ceil(M/6), K, 6], zero-padded). A 6 x 16 register tile
+// (12 accumulators, two weight vectors, one broadcast) then walks K in blocks of kKc: the weight
+// block of a panel (kKc x 16 floats, 48 KB) stays in L2 while every 6-row panel of a block of
+// kMcPanels panels (432 KB, also in L2) passes over it. Threads split the weight panels, so each
+// thread reads only its part of the weight, once per block of rows.
+//
+// Measured on the AVX2 development machine (2 cores, W1's shapes, weights cold as in a real
+// step): 145-150 GFLOP/s at M = 64 against oneDNN's 90-100, and 155-167 at M = 512 against
+// 135-147 (docs/cpu-kernels.md). oneDNN's AVX2 GEMM is slow at small M; on an AVX-512 CPU its
+// wider kernels are used instead (cpu_linear.gemm_kernel).
+//
+// Rounding: each output is summed in K order within a block and the blocks in order, the same
+// for every row whatever M is, so a row's result does not depend on the rows batched with it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace ferrum_gemm {
+
+constexpr int64_t kMr = 6;   // rows of x per register tile
+constexpr int64_t kNr = 16;  // weight columns per panel (two 8-lane vectors)
+// K per block. Measured with W1's shapes, weights cold: 768 (K whole for most of its linears, so
+// each output is written once) beat 256 by about 7% at K = 768 and tied at K = 2048.
+constexpr int64_t kKc = 768;
+constexpr int64_t kMcPanels = 24;  // 6-row panels per block of rows (144 rows)
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kAvailable = true;
+
+// acc[6 x 16] = a-panel (kc x 6) times b-panel (kc x 16); stored into c (ldc apart) for the
+// first `rows` rows and `cols` columns: added to c when `accumulate`, else written (plus bias
+// when given).
+inline void tile(int64_t kc, const float* __restrict a, const float* __restrict b,
+                 float* __restrict c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate,
+                 const float* __restrict bias) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  // Unrolled so GCC keeps the twelve accumulators in registers and overlaps the loads.
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    __m256 x = _mm256_broadcast_ss(a);
+    c00 = _mm256_fmadd_ps(x, b0, c00);
+    c01 = _mm256_fmadd_ps(x, b1, c01);
+    x = _mm256_broadcast_ss(a + 1);
+    c10 = _mm256_fmadd_ps(x, b0, c10);
+    c11 = _mm256_fmadd_ps(x, b1, c11);
+    x = _mm256_broadcast_ss(a + 2);
+    c20 = _mm256_fmadd_ps(x, b0, c20);
+    c21 = _mm256_fmadd_ps(x, b1, c21);
+    x = _mm256_broadcast_ss(a + 3);
+    c30 = _mm256_fmadd_ps(x, b0, c30);
+    c31 = _mm256_fmadd_ps(x, b1, c31);
+    x = _mm256_broadcast_ss(a + 4);
+    c40 = _mm256_fmadd_ps(x, b0, c40);
+    c41 = _mm256_fmadd_ps(x, b1, c41);
+    x = _mm256_broadcast_ss(a + 5);
+    c50 = _mm256_fmadd_ps(x, b0, c50);
+    c51 = _mm256_fmadd_ps(x, b1, c51);
+    a += kMr;
+    b += kNr;
+  }
+  const __m256 acc[2 * kMr] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+  if (cols == kNr) {
+    __m256 bias0 = _mm256_setzero_ps(), bias1 = bias0;
+    if (bias != nullptr) {
+      bias0 = _mm256_loadu_ps(bias);
+      bias1 = _mm256_loadu_ps(bias + 8);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* cr = c + r * ldc;
+      if (accumulate) {
+        _mm256_storeu_ps(cr, _mm256_add_ps(_mm256_loadu_ps(cr), acc[2 * r]));
+        _mm256_storeu_ps(cr + 8, _mm256_add_ps(_mm256_loadu_ps(cr + 8), acc[2 * r + 1]));
+      } else {
+        _mm256_storeu_ps(cr, _mm256_add_ps(acc[2 * r], bias0));
+        _mm256_storeu_ps(cr + 8, _mm256_add_ps(acc[2 * r + 1], bias1));
+      }
+    }
+    return;
+  }
+  // The last panel of an N that is not a multiple of 16: only its real columns are stored.
+  alignas(32) float part[kNr];
+  for (int64_t r = 0; r < rows; ++r) {
+    _mm256_store_ps(part, acc[2 * r]);
+    _mm256_store_ps(part + 8, acc[2 * r + 1]);
+    float* cr = c + r * ldc;
+    for (int64_t j = 0; j < cols; ++j) {
+      if (accumulate) {
+        cr[j] += part[j];
+      } else {
+        cr[j] = part[j] + (bias != nullptr ? bias[j] : 0.f);
+      }
+    }
+  }
+}
+
+void gemm(const float* __restrict x, const float* __restrict packed, const float* __restrict bias,
+          float* __restrict out, float* __restrict xp, int64_t m, int64_t n, int64_t k) {
+  const int64_t row_panels = (m + kMr - 1) / kMr;
+  const int64_t col_panels = (n + kNr - 1) / kNr;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    // x into 6-row panels, k-major inside a panel: [row_panels, K, 6], rows past M zero.
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < row_panels; ++p) {
+      float* dst = xp + p * k * kMr;
+      const int64_t rows = std::min(kMr, m - p * kMr);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* src = x + (p * kMr + r) * k;
+        for (int64_t i = 0; i < k; ++i) dst[i * kMr + r] = src[i];
+      }
+      for (int64_t r = rows; r < kMr; ++r)
+        for (int64_t i = 0; i < k; ++i) dst[i * kMr + r] = 0.f;
+    }  // implicit barrier: every thread reads every panel of x
+    const int64_t threads = omp_get_num_threads(), self = omp_get_thread_num();
+    const int64_t first = col_panels * self / threads, last = col_panels * (self + 1) / threads;
+    for (int64_t k0 = 0; k0 < k; k0 += kKc) {
+      const int64_t kc = std::min(kKc, k - k0);
+      for (int64_t p0 = 0; p0 < row_panels; p0 += kMcPanels) {
+        const int64_t p1 = std::min(row_panels, p0 + kMcPanels);
+        for (int64_t j = first; j < last; ++j) {
+          const float* b = packed + (j * k + k0) * kNr;
+          const int64_t cols = std::min(kNr, n - j * kNr);
+          const float* panel_bias = (bias != nullptr && k0 == 0) ? bias + j * kNr : nullptr;
+          for (int64_t p = p0; p < p1; ++p) {
+            tile(kc, xp + p * k * kMr + k0 * kMr, b, out + p * kMr * n + j * kNr, n,
+                 std::min(kMr, m - p * kMr), cols, k0 > 0, panel_bias);
+          }
+        }
+      }
+    }
+  }
+}
+#else
+constexpr bool kAvailable = false;
+#endif
+
+}  // namespace ferrum_gemm
+
+// True where this build has the AVX2 + FMA GEMM, and whether the CPU also has AVX-512F (where
+// oneDNN's 16-lane kernels are preferred): (available, avx512f).
+std::tuple<bool, bool> gemm_isa() {
+#if defined(__AVX512F__)
+  return {ferrum_gemm::kAvailable, true};
+#else
+  return {ferrum_gemm::kAvailable, false};
+#endif
+}
+
+// w [N, K] float32 -> [ceil(N/16), K, 16] float32: panel j holds columns 16j .. 16j + 15 of
+// W^T row by row, columns past N zero.
+torch::Tensor pack_gemm_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "weight must be [N, K] float32");
+  w = w.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t panels = (n + ferrum_gemm::kNr - 1) / ferrum_gemm::kNr;
+  auto packed = torch::zeros({panels, k, ferrum_gemm::kNr}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t cols = std::min(ferrum_gemm::kNr, n - j * ferrum_gemm::kNr);
+      for (int64_t c = 0; c < cols; ++c) {
+        const float* row = src + (j * ferrum_gemm::kNr + c) * k;
+        float* out = dst + j * k * ferrum_gemm::kNr + c;
+        for (int64_t i = 0; i < k; ++i) out[i * ferrum_gemm::kNr] = row[i];
+      }
+    }
+  });
+  return packed;
+}
+
+// x [M, K] float32, packed from pack_gemm_weight, bias [N] float32 or None, n = N -> [M, N]
+// float32.
+torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          int64_t n) {
+  TORCH_CHECK(ferrum_gemm::kAvailable, "packed_gemm needs a build with AVX2 and FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kFloat && packed.is_contiguous(),
+              "packed weight must come from pack_gemm_weight");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.size(1) == k && packed.size(2) == ferrum_gemm::kNr, "packed weight is for K=",
+              packed.size(1), ", x has K=", k);
+  TORCH_CHECK(n > 0 && (n + ferrum_gemm::kNr - 1) / ferrum_gemm::kNr == packed.size(0),
+              "N does not match the packed weight");
+  x = x.contiguous();
+  const float* bias_ptr = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == n, "bias must be [N] float32");
+    bias_ptr = b.data_ptr<float>();
+  }
+  if (k == 0) {  // an empty sum: the bias alone
+    auto zero = torch::zeros({m, n}, x.options());
+    return bias_ptr != nullptr ? zero + b : zero;
+  }
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t row_panels = (m + ferrum_gemm::kMr - 1) / ferrum_gemm::kMr;
+  auto xp = torch::empty({row_panels * ferrum_gemm::kMr * k}, x.options());
+  ferrum_gemm::gemm(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, out.data_ptr<float>(),
+                    xp.data_ptr<float>(), m, n, k);
+#endif
+  return out;
+}

@@ -1,0 +1,123 @@
+"""The native float32 GEMM (``csrc/gemm.cpp``) that packed linears run on an AVX2 CPU: against
+float64 F.linear over the edges of its blocking, batch-invariant per row, and the kernel
+choice (``FERRUM_CPU_GEMM``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from ferrum_kernels import cpu_linear, native
+from ferrum_kernels.cpu_linear import PackedWeight, gemm_kernel, mkldnn_linear_available
+
+_module = native.load()
+needs_native_gemm = pytest.mark.skipif(
+    _module is None or not _module.gemm_isa()[0], reason="native GEMM not built (needs AVX2)"
+)
+
+
+@pytest.fixture
+def choose_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Lets a test set FERRUM_CPU_GEMM and have it read again; restores the cached choice."""
+    saved = cpu_linear._native_gemm
+    cpu_linear._native_gemm = None
+    yield
+    cpu_linear._native_gemm = saved
+
+
+@needs_native_gemm
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 16, 8),  # one row, one panel
+        (5, 33, 70),  # partial row panel, partial last column panel
+        (64, 200, 768),  # a decode step's rows, K = one block
+        (151, 48, 1000),  # two row blocks (144 rows each), K over one block (768)
+        (7, 20, 1),
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_gemm_matches_float64_linear(
+    m: int, n: int, k: int, bias: bool, threads: int
+) -> None:
+    assert _module is not None
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = _module.pack_gemm_weight(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _module.packed_gemm(x, packed, b, n)
+    finally:
+        torch.set_num_threads(before)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    # float32 sums of k products of N(0, 1) values: error grows about with sqrt(k).
+    torch.testing.assert_close(got.double(), want, atol=2e-6 * k**0.5 * 4, rtol=1e-5)
+
+
+@needs_native_gemm
+def test_native_gemm_rows_do_not_depend_on_the_batch() -> None:
+    """Each row is summed in the same order whatever else is batched with it."""
+    assert _module is not None
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(100, 900, generator=gen)
+    x = torch.randn(200, 900, generator=gen)
+    packed = _module.pack_gemm_weight(w)
+    whole = _module.packed_gemm(x, packed, None, 100)
+    for rows in (slice(0, 1), slice(3, 10), slice(140, 200)):
+        assert torch.equal(
+            _module.packed_gemm(x[rows].contiguous(), packed, None, 100), whole[rows]
+        )
+
+
+@needs_native_gemm
+def test_native_gemm_refuses_mismatched_inputs() -> None:
+    assert _module is not None
+    packed = _module.pack_gemm_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="K=8, x has K=9"):
+        _module.packed_gemm(torch.randn(2, 9), packed, None, 20)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        _module.packed_gemm(torch.randn(2, 8), packed, None, 40)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        _module.packed_gemm(torch.randn(2, 8), packed, torch.randn(19), 20)
+    with pytest.raises(RuntimeError, match="float32"):
+        _module.packed_gemm(torch.randn(2, 8, dtype=torch.float64), packed, None, 20)
+
+
+@pytest.mark.skipif(not mkldnn_linear_available(), reason="no oneDNN")
+@pytest.mark.usefixtures("choose_kernel")
+@torch.no_grad()
+def test_the_gemm_kernel_follows_ferrum_cpu_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(40, 24)
+    x = torch.randn(3, 24)
+    monkeypatch.setenv("FERRUM_CPU_GEMM", "onednn")
+    assert gemm_kernel(torch.float32) == "onednn"
+    onednn = PackedWeight(w, None)
+    assert onednn.kernel == "onednn"
+    cpu_linear._native_gemm = None
+    monkeypatch.setenv("FERRUM_CPU_GEMM", "native")
+    built = _module is not None and _module.gemm_isa()[0]
+    assert gemm_kernel(torch.float32) == ("native" if built else "onednn")
+    forced = PackedWeight(w, None)
+    # Either kernel computes the same linear, to float32 rounding.
+    torch.testing.assert_close(forced(x), onednn(x), atol=1e-5, rtol=1e-5)
+    cpu_linear._native_gemm = None
+    monkeypatch.setenv("FERRUM_CPU_GEMM", "fastest")
+    with pytest.raises(ValueError, match="FERRUM_CPU_GEMM must be one of auto, native, onednn"):
+        gemm_kernel(torch.float32)
+
+
+@pytest.mark.usefixtures("choose_kernel")
+def test_auto_picks_native_only_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FERRUM_CPU_GEMM", raising=False)
+    built, avx512 = (False, False) if _module is None else _module.gemm_isa()
+    expected = "native" if built and not avx512 else "onednn"
+    assert gemm_kernel(torch.float32) == expected
+    # bfloat16 runs natively only where oneDNN does not pack it (widened to float32 there).
+    assert gemm_kernel(torch.bfloat16) == "onednn"
