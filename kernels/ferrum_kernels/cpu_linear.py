@@ -121,7 +121,8 @@ def gemm_kernel(compute_dtype: torch.dtype) -> str:
 
 
 class PackedWeight:
-    """A weight (and optional bias) with its packed copy (oneDNN's or the native GEMM's), re-packed when it changes."""
+    """A weight (and optional bias) with its packed copy for ``kernel`` (oneDNN or the native
+    GEMM), re-packed when it changes."""
 
     __slots__ = (
         "_batch_hint",
