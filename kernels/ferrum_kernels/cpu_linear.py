@@ -112,6 +112,11 @@ def _use_native_gemm() -> bool:
     return _native_gemm
 
 
+def _native_gemm_built(compute_dtype: torch.dtype) -> bool:
+    module = native.load() if compute_dtype == torch.float32 else None
+    return module is not None and bool(module.gemm_isa()[0])
+
+
 def gemm_kernel(compute_dtype: torch.dtype) -> str:
     """Which GEMM a weight packed to multiply in `compute_dtype` runs: "native" (float32 on an
     AVX2 CPU without AVX-512, unless FERRUM_CPU_GEMM says otherwise) or "onednn"."""
@@ -139,13 +144,23 @@ class PackedWeight:
     )
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = DEFAULT_BATCH_HINT
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        batch_hint: int = DEFAULT_BATCH_HINT,
+        kernel: str | None = None,  # "native" or "onednn"; None: gemm_kernel's choice
     ) -> None:
         self.weight = weight  # [N, K]
         self.bias = bias  # [N] or None
         self.dtype = weight.dtype  # what callers pass and get back
         self.compute_dtype = pack_dtype(weight.dtype) or weight.dtype  # what the GEMM multiplies
-        self.kernel = gemm_kernel(self.compute_dtype)  # "native" or "onednn": packed for it
+        if kernel is None:
+            kernel = gemm_kernel(self.compute_dtype)
+        elif kernel not in ("native", "onednn"):
+            raise ValueError(f"kernel must be 'native' or 'onednn', got {kernel!r}")
+        elif kernel == "native" and not _native_gemm_built(self.compute_dtype):
+            raise ValueError(f"the native GEMM is not built here for {self.compute_dtype}")
+        self.kernel = kernel  # what the copy is packed for
         # Kept: the plain weight may be freed.
         self.out_features, self.in_features = weight.shape
         self._batch_hint = batch_hint

@@ -87,12 +87,24 @@ def summarize(run: RunOutput, prompts: list[list[int]]) -> dict[str, Any]:
     return out
 
 
+def packed_gemm_kernel(dtype: str) -> str:
+    """ "native" or "onednn" (cpu_linear.gemm_kernel), or "none" where nothing packs `dtype`."""
+    import torch
+    from ferrum_kernels.cpu_linear import gemm_kernel, pack_dtype
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    compute = None if torch_dtype is None else pack_dtype(torch_dtype)
+    return "none" if compute is None else gemm_kernel(compute)
+
+
 def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[str, Any]:
-    """Best rate of this machine's GEMM for the workload's linear shapes, pre-packed oneDNN
-    and plain ``F.linear``, in GFLOP/s (the ceiling the throughput is compared against)."""
+    """Best rate of this machine's GEMM for the workload's linear shapes, in GFLOP/s (the
+    ceiling the throughput is compared against): the pre-packed kernel the executor runs
+    ("packed"), oneDNN's pre-packed GEMM too where that is the native one ("onednn"), and plain
+    ``F.linear``."""
     import torch
     import torch.nn.functional as F
-    from ferrum_kernels.cpu_linear import packed_linear
+    from ferrum_kernels.cpu_linear import PackedWeight, packed_linear
 
     c = workload.model
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
@@ -107,6 +119,9 @@ def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[s
     ]
     generator = torch.Generator().manual_seed(0)
     best: dict[str, float] = {"packed": 0.0, "f_linear": 0.0}
+    probe = packed_linear(torch.ones(16, 16, dtype=torch_dtype))
+    if probe is not None and probe.kernel == "native":
+        best["onednn"] = 0.0
     for m in (256, 512, 1024):
         x_full = torch.randn(m, max(h, c.intermediate_size), generator=generator)
         for n, k in shapes:
@@ -119,6 +134,8 @@ def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[s
             packed = packed_linear(w)
             if packed is not None:
                 candidates["packed"] = packed
+                if "onednn" in best:
+                    candidates["onednn"] = PackedWeight(w, None, kernel="onednn")
             for name, fn in candidates.items():
                 fn(x)
                 reps, elapsed = 0, 0.0
@@ -298,6 +315,8 @@ def run_bench(
                 run.system = label
                 rounds[label].append(run)
         section["gemm_gflops"] = gemm
+        # Which GEMM the executor's packed linears run here (its environment is this one's).
+        section["packed_gemm_kernel"] = packed_gemm_kernel(dtype)
         runs: dict[str, RunOutput] = {}
         results: dict[str, Any] = {}
         for label, done in rounds.items():
@@ -381,7 +400,10 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(head)
     for dtype, section in report["by_dtype"].items():
         lines.append("")
-        lines.append(f"[{dtype}]  GEMM GFLOP/s: {section['gemm_gflops']}")
+        lines.append(
+            f"[{dtype}]  GEMM GFLOP/s: {section['gemm_gflops']} "
+            f"(packed linears run {section.get('packed_gemm_kernel', '?')})"
+        )
         lines.append(
             f"{'system':<24}{'out tok/s':>10}{'prefill tok/s':>14}{'TTFT p50/p99 ms':>18}"
             f"{'ITL p50/p99 ms':>17}{'fwd/engine/wall s':>20}{'peak MB':>16}"
