@@ -13,7 +13,8 @@ native GEMM instead (``csrc/gemm.cpp``, ``gemm_kernel``): oneDNN's AVX2 kernels 
 GFLOP/s at a decode step's M = 64 on the development machine where the native one reaches
 145-150, and 135-147 against 155-167 at M = 512 (docs/cpu-kernels.md). ``FERRUM_CPU_GEMM``
 picks the kernel: ``auto`` (the default, as above), ``native`` (wherever it is built: also on an
-AVX-512 CPU, for comparison) or ``onednn``. It is read once, when the first weight is packed.
+AVX-512 CPU, for comparison) or ``onednn``. It is read once, when the first weight is packed,
+and the choice is logged once (event ``cpu_gemm``).
 
 ``prepack_linears(module)`` swaps every ``nn.Linear`` under ``module`` for a ``PackedLinear`` that
 shares the same ``weight``/``bias`` Parameters (so ``state_dict``/``named_parameters`` and
@@ -31,6 +32,7 @@ module then runs only its packed GEMMs: it cannot be trained, moved, cast or exp
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -60,6 +62,7 @@ _available: dict[torch.dtype, bool] = {}
 # FERRUM_CPU_GEMM's values (see the module docstring).
 GEMM_KERNELS = ("auto", "native", "onednn")
 _native_gemm: bool | None = None  # decided once: is the native GEMM used for float32?
+_LOG = logging.getLogger(__name__)
 
 
 def mkldnn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -109,6 +112,11 @@ def _use_native_gemm() -> bool:
         else:
             built, avx512 = module.gemm_isa()
             _native_gemm = bool(built) and (choice == "native" or not avx512)
+        # One line for operators: which GEMM float32 (and widened bfloat16) linears run.
+        _LOG.info(
+            "cpu_gemm",
+            extra={"float32_kernel": "native" if _native_gemm else "onednn", "setting": choice},
+        )
     return _native_gemm
 
 
