@@ -9,9 +9,9 @@ Where oneDNN packs float32 but not bfloat16 (an AVX2 CPU), bfloat16 weights are 
 to float32 (``pack_dtype``).
 
 On a CPU with AVX2 but not AVX-512, float32 (and widened bfloat16) weights are packed for the
-native GEMM instead (``csrc/gemm.cpp``, ``gemm_kernel``): oneDNN's AVX2 kernels reach 90-100
-GFLOP/s at a decode step's M = 64 on the development machine where the native one reaches
-145-150, and 135-147 against 155-167 at M = 512 (docs/cpu-kernels.md). ``FERRUM_CPU_GEMM``
+native GEMM instead (``csrc/gemm.cpp``, ``gemm_kernel``): on the development machine it runs
+a decode step's M = 64 at 99-109 GFLOP/s where oneDNN's AVX2 kernels run 83-95, and is level
+with them at M = 512 (docs/cpu-kernels.md). ``FERRUM_CPU_GEMM``
 picks the kernel: ``auto`` (the default, as above), ``native`` (wherever it is built: also on an
 AVX-512 CPU, for comparison) or ``onednn``. It is read once, when the first weight is packed,
 and the choice is logged once (event ``cpu_gemm``).

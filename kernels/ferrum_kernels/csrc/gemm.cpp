@@ -10,9 +10,9 @@
 // thread reads only its part of the weight, once per block of rows.
 //
 // Measured on the AVX2 development machine (2 cores, W1's shapes, weights cold as in a real
-// step): 145-150 GFLOP/s at M = 64 against oneDNN's 90-100, and 155-167 at M = 512 against
-// 135-147 (docs/cpu-kernels.md). oneDNN's AVX2 GEMM is slow at small M; on an AVX-512 CPU its
-// wider kernels are used instead (cpu_linear.gemm_kernel).
+// step; benchmarks/gemm_bench.py): 99-109 GFLOP/s at M = 64 against oneDNN's 83-95, level with
+// it at M = 512 (docs/cpu-kernels.md). oneDNN's AVX2 GEMM is weakest at small M; on an AVX-512
+// CPU its wider kernels are used instead (cpu_linear.gemm_kernel).
 //
 // Rounding: each output is summed in K order within a block and the blocks in order, the same
 // for every row whatever M is, so a row's result does not depend on the rows batched with it.
@@ -31,8 +31,8 @@ namespace ferrum_gemm {
 
 constexpr int64_t kMr = 6;   // rows of x per register tile
 constexpr int64_t kNr = 16;  // weight columns per panel (two 8-lane vectors)
-// K per block. Measured with W1's shapes, weights cold: 768 (K whole for most of its linears, so
-// each output is written once) beat 256 by about 7% at K = 768 and tied at K = 2048.
+// K per block: 768 is K whole for most of W1's linears, so each output is written once. 256
+// and 384 (the weight block in L1) measured no faster, within the development machine's noise.
 constexpr int64_t kKc = 768;
 constexpr int64_t kMcPanels = 24;  // 6-row panels per block of rows (144 rows)
 

@@ -1,0 +1,92 @@
+"""The packed linears' GEMMs at W1's shapes: the native AVX2 GEMM against oneDNN's.
+
+Each kernel packs twelve layers' worth of W1's four linear weights (qkv, o, gate_up, down: 300
+MB in float32, ten times the L3 of the development machine), so every call reads its weight
+from memory as a real step does; the LM head (32000 x 768) is timed on its own. For each row
+count (64: a decode step; 512: a prefill step) the two kernels run in interleaved rounds over
+all twelve layers, and each line prints the median and best round in GFLOP/s. Run it alone on a
+quiet machine: a second busy process halves every figure.
+
+    python benchmarks/gemm_bench.py [--rows 64,512] [--rounds 9] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from ferrum_kernels import native
+from ferrum_kernels.cpu_linear import PackedWeight, mkldnn_linear_available
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 768, 2048, 12, 4, 64, 32000, 12
+SHAPES = {  # name -> (N, K) of W1's linears
+    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    "o": (HIDDEN, HEADS * HEAD_DIM),
+    "gate_up": (2 * INTERMEDIATE, HIDDEN),
+    "down": (HIDDEN, INTERMEDIATE),
+}
+
+
+def _round(packs: list[dict[str, PackedWeight]], inputs: dict[int, torch.Tensor]) -> float:
+    started = time.perf_counter()
+    for layer in packs:
+        for name, (_, k) in SHAPES.items():
+            layer[name](inputs[k])
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="64,512")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=0, help="0 = torch's default")
+    args = parser.parse_args()
+    module = native.load()
+    if module is None or not module.gemm_isa()[0] or not mkldnn_linear_available():
+        sys.exit("needs the native GEMM (an AVX2 build) and oneDNN")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    kernels = ("native", "onednn")
+    packs: dict[str, list[dict[str, PackedWeight]]] = {kernel: [] for kernel in kernels}
+    for _ in range(LAYERS):
+        weights = {name: torch.randn(n, k, generator=gen) * 0.02 for name, (n, k) in SHAPES.items()}
+        for kernel in kernels:
+            # A copy each: releasing the plain weight frees its storage.
+            layer = {n: PackedWeight(w.clone(), None, kernel=kernel) for n, w in weights.items()}
+            for pack in layer.values():
+                pack.release_plain()  # as served: only the packed copy
+            packs[kernel].append(layer)
+    head_weight = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02
+    heads = {kernel: PackedWeight(head_weight, None, kernel=kernel) for kernel in kernels}
+    per_token = 2 * sum(n * k for n, k in SHAPES.values()) * LAYERS
+    out = sys.stdout
+    out.write(f"threads {torch.get_num_threads()}, {LAYERS} layers of W1's linears (cold)\n")
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k, generator=gen) for k in (HIDDEN, INTERMEDIATE)}
+        times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+        head_times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+        for kernel in kernels:  # warm-up: first-call costs stay out of the rounds
+            _round(packs[kernel], inputs)
+        for _ in range(args.rounds):
+            for kernel in kernels:
+                times[kernel].append(_round(packs[kernel], inputs))
+                started = time.perf_counter()
+                heads[kernel](inputs[HIDDEN])
+                head_times[kernel].append(time.perf_counter() - started)
+        flops, head_flops = per_token * rows, 2 * VOCAB * HIDDEN * rows
+        for kernel in kernels:
+            layers_rate = flops / statistics.median(times[kernel]) / 1e9
+            best = flops / min(times[kernel]) / 1e9
+            head_rate = head_flops / statistics.median(head_times[kernel]) / 1e9
+            out.write(
+                f"M={rows:4d} {kernel:6s}: layers {layers_rate:6.1f} GFLOP/s median "
+                f"({best:6.1f} best), LM head {head_rate:6.1f} median\n"
+            )
+
+
+if __name__ == "__main__":
+    main()
