@@ -7,7 +7,7 @@ count (64: a decode step; 512: a prefill step) the two kernels run in interleave
 all twelve layers, and each line prints the median and best round in GFLOP/s. Run it alone on a
 quiet machine: a second busy process halves every figure.
 
-    python benchmarks/gemm_bench.py [--rows 64,512] [--rounds 9] [--threads 2]
+    python benchmarks/gemm_bench.py [--rows 64,512] [--rounds 9] [--threads 2] [--layers 12]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from ferrum_kernels import native
 from ferrum_kernels.cpu_linear import PackedWeight, mkldnn_linear_available
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 768, 2048, 12, 4, 64, 32000, 12
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 768, 2048, 12, 4, 64, 32000
 SHAPES = {  # name -> (N, K) of W1's linears
     "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
     "o": (HIDDEN, HEADS * HEAD_DIM),
@@ -38,12 +38,15 @@ def _round(packs: list[dict[str, PackedWeight]], inputs: dict[int, torch.Tensor]
     return time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Prints the rates; returns them too, per "M=<rows> <kernel>", with the largest difference
+    between the two kernels' outputs (one layer's gate_up) under "diff"."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="64,512")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=0, help="0 = torch's default")
-    args = parser.parse_args()
+    parser.add_argument("--layers", type=int, default=12, help="fewer for a smoke run")
+    args = parser.parse_args(argv)
     module = native.load()
     if module is None or not module.gemm_isa()[0] or not mkldnn_linear_available():
         sys.exit("needs the native GEMM (an AVX2 build) and oneDNN")
@@ -52,7 +55,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     kernels = ("native", "onednn")
     packs: dict[str, list[dict[str, PackedWeight]]] = {kernel: [] for kernel in kernels}
-    for _ in range(LAYERS):
+    for _ in range(args.layers):
         weights = {name: torch.randn(n, k, generator=gen) * 0.02 for name, (n, k) in SHAPES.items()}
         for kernel in kernels:
             # A copy each: releasing the plain weight frees its storage.
@@ -62,11 +65,15 @@ def main() -> None:
             packs[kernel].append(layer)
     head_weight = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02
     heads = {kernel: PackedWeight(head_weight, None, kernel=kernel) for kernel in kernels}
-    per_token = 2 * sum(n * k for n, k in SHAPES.values()) * LAYERS
+    per_token = 2 * sum(n * k for n, k in SHAPES.values()) * args.layers
     out = sys.stdout
-    out.write(f"threads {torch.get_num_threads()}, {LAYERS} layers of W1's linears (cold)\n")
+    out.write(f"threads {torch.get_num_threads()}, {args.layers} layers of W1's linears\n")
+    results: dict[str, dict[str, float]] = {}
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=gen) for k in (HIDDEN, INTERMEDIATE)}
+        # The two kernels compute the same linear, to float32 rounding.
+        pair = [packs[kernel][0]["gate_up"](inputs[HIDDEN]) for kernel in kernels]
+        diff = float((pair[0] - pair[1]).abs().max())
         times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
         head_times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
         for kernel in kernels:  # warm-up: first-call costs stay out of the rounds
@@ -86,6 +93,13 @@ def main() -> None:
                 f"M={rows:4d} {kernel:6s}: layers {layers_rate:6.1f} GFLOP/s median "
                 f"({best:6.1f} best), LM head {head_rate:6.1f} median\n"
             )
+            results[f"M={rows} {kernel}"] = {
+                "layers_gflops": layers_rate,
+                "best_gflops": best,
+                "lm_head_gflops": head_rate,
+                "diff": diff,
+            }
+    return results
 
 
 if __name__ == "__main__":

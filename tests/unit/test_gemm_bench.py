@@ -1,0 +1,32 @@
+"""A seconds-long smoke run of the GEMM benchmark (native against oneDNN, as CI runs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from ferrum_kernels import native
+from ferrum_kernels.cpu_linear import mkldnn_linear_available
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gemm_bench.py"
+
+_module = native.load()
+pytestmark = pytest.mark.skipif(
+    _module is None or not _module.gemm_isa()[0] or not mkldnn_linear_available(),
+    reason="needs the native GEMM (an AVX2 build) and oneDNN",
+)
+
+
+def test_smoke_run_times_both_kernels_and_they_agree() -> None:
+    spec = importlib.util.spec_from_file_location("ferrum_gemm_bench", _BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    results = bench.main(["--rows", "7,64", "--rounds", "1", "--layers", "1"])
+    assert sorted(results) == ["M=64 native", "M=64 onednn", "M=7 native", "M=7 onednn"]
+    for row in results.values():
+        assert row["layers_gflops"] > 0 and row["lm_head_gflops"] > 0
+        assert row["diff"] < 1e-5  # weights N(0, 0.02), inputs N(0, 1), K = 768
