@@ -129,7 +129,7 @@ def test_reference_matches_dense_float64(t: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [1, 2, 17, 64])
 def test_cpu_grouped_gemm_matches_reference(dtype: torch.dtype, t: int) -> None:
-    """The CPU backend's experts (packed where oneDNN packs the dtype) against the reference:
+    """The CPU backend's experts (packed where the dtype packs here) against the reference:
     float32 to GEMM rounding; bfloat16 within two bf16 ulps of the output scale."""
     experts = _experts(dtype)
     packed = prepack_experts(experts)
@@ -186,7 +186,7 @@ def test_released_experts_keep_their_outputs_and_free_their_plain_tensors(
     """A serving model's packed experts drop their plain stacked tensors (every pack's view of
     them too, or the storage would stay alive), run the same packed GEMMs bit for bit, count
     as packed (nothing is re-packed from the freed storage), and refuse whatever needs the plain
-    weights. Experts oneDNN cannot pack (bfloat16 on an AVX2-only CPU) keep theirs."""
+    weights. Experts of a dtype nothing packs on this CPU (pack_dtype None) keep theirs."""
     experts = _experts(dtype)
     prepack_experts(experts)
     x = torch.randn(17, H, generator=torch.Generator().manual_seed(9)).to(dtype)
