@@ -87,12 +87,18 @@ def summarize(run: RunOutput, prompts: list[list[int]]) -> dict[str, Any]:
     return out
 
 
+def _gemm_dtype(dtype: str) -> Any:
+    """The torch dtype of a bench dtype whose linears the executor may pack, else None."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+
+
 def packed_gemm_kernel(dtype: str) -> str:
     """ "native" or "onednn" (cpu_linear.gemm_kernel), or "none" where nothing packs `dtype`."""
-    import torch
     from ferrum_kernels.cpu_linear import gemm_kernel, pack_dtype
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    torch_dtype = _gemm_dtype(dtype)
     compute = None if torch_dtype is None else pack_dtype(torch_dtype)
     return "none" if compute is None else gemm_kernel(compute)
 
@@ -107,7 +113,7 @@ def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[s
     from ferrum_kernels.cpu_linear import PackedWeight, packed_linear
 
     c = workload.model
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    torch_dtype = _gemm_dtype(dtype)
     if torch_dtype is None:
         return {}
     h, d = c.hidden_size, c.head_dim
