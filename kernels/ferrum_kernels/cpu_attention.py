@@ -132,6 +132,9 @@ class CpuAttentionPlan:
     window_decodes: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
         default_factory=dict, compare=False
     )
+    # Every row is a decode, item i at row i (a decode-only step): the decode kernel's
+    # [N, H, D] is then the layer's output as it is, with no copy into a fresh one.
+    decodes_are_rows: bool = False
 
     @classmethod
     def build(
@@ -150,13 +153,17 @@ class CpuAttentionPlan:
             ids = None if fresh else tables[i, : math.ceil(ctx / block_size)]
             chunks.append(_Chunk(start, end, ctx, ids))
         prefills = torch.tensor(meta.prefill_items, dtype=torch.int64)
+        decode_rows = meta.decode_rows.contiguous()
+        decodes_are_rows = not chunks and torch.equal(
+            decode_rows, torch.arange(meta.num_tokens, dtype=decode_rows.dtype)
+        )
         return cls(
             meta.num_tokens,
             meta,
             block_size,
             group,
             tuple(chunks),
-            meta.decode_rows.contiguous(),
+            decode_rows,
             meta.decode_block_tables.contiguous(),
             meta.decode_context_lens.contiguous(),
             torch.tensor([(c.start, c.end, c.context_len) for c in chunks], dtype=torch.int64)
@@ -164,6 +171,7 @@ class CpuAttentionPlan:
             .contiguous(),
             tables[prefills.to(tables.device)].contiguous(),
             sum(-(-c.context_len // _KEY_TILE) * _KEY_TILE for c in chunks),
+            decodes_are_rows=decodes_are_rows,
         )
 
     def key_slots(self, window: int) -> int:
@@ -363,15 +371,18 @@ def cpu_paged_attention(
         raise ValueError(
             f"query has {query.shape[0]} rows but the plan describes {plan.num_tokens}"
         )
-    out = query.new_empty(query.shape)  # [T, H, D] contiguous, whatever query's strides
+    decoded = None
     if plan.decode_rows.numel():
         decoded = decode_attention(
             query, kv_layer, plan.decode_tables, plan.decode_lens, plan.decode_rows, scale
         )  # [N, H, D] or None
-        if decoded is not None:
-            out.index_copy_(0, plan.decode_rows, decoded)
-        else:
-            _torch_decodes(query, kv_layer, plan, scale, workspace, out)
+        if decoded is not None and plan.decodes_are_rows:
+            return decoded
+    out = query.new_empty(query.shape)  # [T, H, D] contiguous, whatever query's strides
+    if decoded is not None:
+        out.index_copy_(0, plan.decode_rows, decoded)
+    elif plan.decode_rows.numel():
+        _torch_decodes(query, kv_layer, plan, scale, workspace, out)
     if plan.chunks and not _native_prefill(query, kv_layer, out, plan, scale, workspace):
         _torch_chunks(query, key, value, kv_layer, plan, scale, workspace, out)
     return out
@@ -492,7 +503,7 @@ def cpu_windowed_attention(
     when the native decode kernel cannot take the step's decodes (the caller then runs the
     reference). Chunks go to the native prefill kernel where it takes them, else to the torch
     chunk path."""
-    out = query.new_empty(query.shape)  # [T, H, D]
+    decoded = None
     if plan.decode_rows.numel():
         slots, lens = plan.windowed_decodes(window)
         # The pool as blocks of one token: the slot table then starts each item's window at
@@ -502,6 +513,10 @@ def cpu_windowed_attention(
         decoded = decode_attention(query, tokens, slots, lens, plan.decode_rows, scale)
         if decoded is None:
             return None
+        if plan.decodes_are_rows:
+            return decoded
+    out = query.new_empty(query.shape)  # [T, H, D]
+    if decoded is not None:
         out.index_copy_(0, plan.decode_rows, decoded)
     if plan.chunks and not _native_prefill(query, kv_layer, out, plan, scale, workspace, window):
         _torch_chunks(query, key, value, kv_layer, plan, scale, workspace, out, window)

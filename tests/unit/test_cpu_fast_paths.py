@@ -257,3 +257,35 @@ def test_native_decode_kernel_matches_reference(
     assert got is not None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("with_prefill", [False, True])
+def test_decode_only_step_returns_the_kernels_rows(with_prefill: bool) -> None:
+    """A decode-only step's attention is the decode kernel's output itself (item i is row i, so
+    nothing is copied); with a prompt chunk in the step, the decodes are placed in their rows.
+    Both agree with the reference."""
+    from ferrum_kernels.attention import AttentionMetadata, paged_attention
+    from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
+    from ferrum_kernels.cpu_decode import native_available
+
+    if not native_available():
+        pytest.skip("no C++ toolchain for the native kernel")
+    torch.manual_seed(0)
+    block, kv_heads, head_dim, heads = 4, 2, 32, 4
+    contexts = [5, 9, 3] + ([6] if with_prefill else [])
+    chunk = 6 if with_prefill else 0  # the last item: a whole 6-token prompt
+    kv = torch.randn(2, 16, block, kv_heads, head_dim)
+    table = torch.arange(16).view(4, 4)[: len(contexts)].contiguous()
+    ends = [c - 1 for c in contexts[:3]] + list(range(chunk))
+    starts = [0, 1, 2, 3] + ([3 + chunk] if with_prefill else [])
+    slots = torch.tensor([int(table[i, e // block]) * block + e % block for i, e in
+                          zip([0, 1, 2] + [3] * chunk, ends, strict=True)])  # fmt: skip
+    meta = AttentionMetadata.build(starts, contexts, table, slots)
+    plan = CpuAttentionPlan.build(meta, block)
+    assert plan.decodes_are_rows is not with_prefill
+    rows = 3 + chunk
+    query = torch.randn(rows, heads, head_dim)
+    key = torch.randn(rows, kv_heads, head_dim)
+    got = cpu_paged_attention(query, key, key, kv, plan, head_dim**-0.5, Workspace())
+    want = paged_attention(query, kv, meta, head_dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
