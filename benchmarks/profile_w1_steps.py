@@ -5,7 +5,11 @@ profiles prefill steps (2 x 256 tokens from position 0) and decode steps (64 dec
 prints each kind's wall time per step and the ops taking the most self time. Run it alone on a
 quiet machine.
 
-    python benchmarks/profile_w1_steps.py [--dtype float32] [--reps 3] [--top 12]
+The native kernels and the packed GEMMs are not torch ops, so torch.profiler cannot see them.
+With ``--kernels`` the steps are timed per call of each native kernel and of each packed linear
+(by its N x K) instead, and whatever no call claims (torch ops, Python) is printed as the rest.
+
+    python benchmarks/profile_w1_steps.py [--dtype float32] [--reps 3] [--top 12] [--kernels]
 """
 
 from __future__ import annotations
@@ -15,8 +19,12 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
+from types import SimpleNamespace
+from typing import Any
 
 import torch
+from ferrum_kernels import cpu_linear, native
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import ItemKind, Step, StepItem
 from ferrum_server.engine import Engine
@@ -24,6 +32,82 @@ from ferrum_server.tools.bench.workloads import WORKLOADS, ensure_model
 from torch.profiler import ProfilerActivity, profile
 
 PROMPTS, PROMPT_TOKENS = 64, 256
+
+
+class KernelClock:
+    """Wall time and calls per native kernel and per packed linear shape, taken by wrapping
+    ``native.load()``'s functions and ``PackedWeight.__call__`` (``install``; ``remove`` puts
+    them back). The native GEMM's own entry points are left unwrapped: their time is the
+    linears'."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: defaultdict[str, int] = defaultdict(int)
+        self._load = native.load
+        self._linear = cpu_linear.PackedWeight.__call__
+
+    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+                self.calls[name] += 1
+
+        return call
+
+    def install(self) -> None:
+        module = self._load()
+        if module is not None:
+            wrapped = SimpleNamespace(
+                **{
+                    name: getattr(module, name)
+                    if name.startswith(("pack", "gemm"))
+                    else self.timed(name, getattr(module, name))
+                    for name in dir(module)
+                    if not name.startswith("_") and callable(getattr(module, name))
+                }
+            )
+            native.load = lambda: wrapped
+        linear = self._linear
+
+        def packed_call(pack: cpu_linear.PackedWeight, x: torch.Tensor) -> torch.Tensor:
+            name = f"linear {pack.out_features} x {pack.in_features}"
+            return self.timed(name, linear)(pack, x)  # type: ignore[no-any-return]
+
+        cpu_linear.PackedWeight.__call__ = packed_call  # type: ignore[method-assign,assignment]
+
+    def remove(self) -> None:
+        native.load = self._load
+        cpu_linear.PackedWeight.__call__ = self._linear  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def report(self, label: str, wall_ms: float, reps: int) -> str:
+        lines = [f"== {label}: {wall_ms:.1f} ms per step"]
+        claimed = 0.0
+        for name, seconds in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
+            ms = seconds * 1e3 / reps
+            claimed += ms
+            lines.append(f"  {ms:8.1f} ms  {self.calls[name] // reps:4d} calls  {name}")
+        lines.append(f"  {wall_ms - claimed:8.1f} ms  the rest (torch ops, Python)")
+        return "\n".join(lines) + "\n"
+
+
+def _clock_steps(
+    clock: KernelClock, label: str, fn: Callable[[], None], reps: int, top: int
+) -> None:
+    del top  # every kernel is listed
+    fn()  # the first call of a shape may allocate
+    clock.reset()
+    started = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    wall_ms = (time.perf_counter() - started) * 1e3 / reps
+    sys.stdout.write(clock.report(label, wall_ms, reps))
 
 
 def _profile(label: str, fn: Callable[[], None], reps: int, top: int) -> None:
@@ -46,7 +130,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument(
+        "--kernels", action="store_true", help="time each native kernel and packed linear"
+    )
     args = parser.parse_args()
+    clock = KernelClock() if args.kernels else None
+    measure = _profile if clock is None else partial(_clock_steps, clock)
     folder = ensure_model(WORKLOADS["w1"])
     engine = Engine(
         EngineConfig(
@@ -85,11 +174,15 @@ def main() -> None:
 
     try:
         engine.warmup(64)
-        _profile("prefill step, 2 x 256 tokens from position 0", prefill, args.reps, args.top)
+        if clock is not None:
+            clock.install()
+        measure("prefill step, 2 x 256 tokens from position 0", prefill, args.reps, args.top)
         while len(caches) < PROMPTS:
             prefill()
-        _profile(f"decode step, {PROMPTS} decodes at ~256 context", decode, args.reps, args.top)
+        measure(f"decode step, {PROMPTS} decodes at ~256 context", decode, args.reps, args.top)
     finally:
+        if clock is not None:
+            clock.remove()
         engine.shutdown()
 
 

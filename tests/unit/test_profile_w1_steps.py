@@ -1,0 +1,53 @@
+"""The W1 step profiler's per-kernel clock (benchmarks/profile_w1_steps.py --kernels): it times
+native kernels and packed linears by call, and puts back what it wrapped."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ferrum_kernels import cpu_linear, native
+from ferrum_kernels.cpu_linear import packed_linear
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_w1_steps.py"
+
+
+def _script() -> object:
+    spec = importlib.util.spec_from_file_location("ferrum_profile_w1_steps", _SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_clock_times_kernels_and_linears_then_restores_them() -> None:
+    if native.load() is None:
+        pytest.skip("no C++ toolchain for the native kernels")
+    weight = torch.randn(24, 8)
+    pack = packed_linear(weight)
+    if pack is None:
+        pytest.skip("no packed linears on this CPU")
+    script = _script()
+    clock = script.KernelClock()  # type: ignore[attr-defined]
+    load, call = native.load, cpu_linear.PackedWeight.__call__
+    clock.install()
+    try:
+        x = torch.randn(3, 8)
+        out = pack(x)
+        pack(x)
+        native.load().silu_and_mul(torch.randn(3, 8))
+    finally:
+        clock.remove()
+    torch.testing.assert_close(out, x @ weight.T, atol=1e-5, rtol=0)
+    assert clock.calls == {"linear 24 x 8": 2, "silu_and_mul": 1}
+    assert all(seconds > 0 for seconds in clock.seconds.values())
+    # Put back: later calls are not counted.
+    assert native.load is load and cpu_linear.PackedWeight.__call__ is call
+    pack(x)
+    assert clock.calls["linear 24 x 8"] == 2
+    report = clock.report("step", wall_ms=5.0, reps=1)
+    assert "linear 24 x 8" in report and "the rest" in report
