@@ -6,22 +6,18 @@ installed. The full, time-boxed run:
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from helpers_scripts import load_script
 
 TARGET = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "fuzz_validation.py"
 
 
 def _load() -> object:
-    spec = importlib.util.spec_from_file_location("fuzz_validation", TARGET)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fuzz_validation", TARGET)
 
 
 def test_seeds_decode_and_run_cleanly() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import importlib.util
 import json
 import os
 import re
@@ -33,6 +32,7 @@ from ferrum_server.cli import add_serve_args, serve_configs
 from ferrum_server.config import EngineConfig
 from ferrum_server.metrics import METRIC_DOCS
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from helpers_scripts import load_script
 from structlog.testing import capture_logs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -935,11 +935,7 @@ def test_without_a_compiler_the_native_fallback_is_one_json_line(tmp_path: Path)
 
 
 def _load_healthcheck() -> Any:
-    spec = importlib.util.spec_from_file_location("healthcheck", DEPLOY / "healthcheck.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("healthcheck", DEPLOY / "healthcheck.py")
 
 
 def test_healthcheck_script(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ferrum_kernels import native
 from ferrum_kernels.cpu_linear import mkldnn_linear_available
+from helpers_scripts import load_script
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gemm_bench.py"
 
@@ -20,11 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_smoke_run_times_both_kernels_and_they_agree() -> None:
-    spec = importlib.util.spec_from_file_location("ferrum_gemm_bench", _BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench: Any = load_script("ferrum_gemm_bench", _BENCH)
     results = bench.main(["--rows", "7,64", "--rounds", "1", "--layers", "1"])
     assert sorted(results) == ["M=64 native", "M=64 onednn", "M=7 native", "M=7 onednn"]
     for row in results.values():

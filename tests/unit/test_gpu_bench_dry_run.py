@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from helpers_scripts import load_script
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
 
 
-def _load_bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("ferrum_gpu_bench", _BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+def _load_bench() -> Any:
+    return load_script("ferrum_gpu_bench", _BENCH)
 
 
 def test_dry_run_writes_every_section(tmp_path: Path) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ferrum_kernels import native
+from helpers_scripts import load_script
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_attention_bench.py"
 
@@ -16,11 +16,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain
 
 
 def test_smoke_run_times_both_paths_and_they_agree(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("ferrum_prefill_bench", _BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench: Any = load_script("ferrum_prefill_bench", _BENCH)
     out = tmp_path / "bench.json"
     bench.main(["--repeats", "1", "--shapes", "40x40,24x90", "--json", str(out)])
     rows = json.loads(out.read_text())["results"]

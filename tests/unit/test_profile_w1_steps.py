@@ -3,25 +3,16 @@ native kernels and packed linears by call, and puts back what it wrapped."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from ferrum_kernels import cpu_linear, native
 from ferrum_kernels.cpu_linear import packed_linear
+from helpers_scripts import load_script
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_w1_steps.py"
-
-
-def _script() -> object:
-    spec = importlib.util.spec_from_file_location("ferrum_profile_w1_steps", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_clock_times_kernels_and_linears_then_restores_them() -> None:
@@ -31,8 +22,8 @@ def test_clock_times_kernels_and_linears_then_restores_them() -> None:
     pack = packed_linear(weight)
     if pack is None:
         pytest.skip("no packed linears on this CPU")
-    script = _script()
-    clock = script.KernelClock()  # type: ignore[attr-defined]
+    script: Any = load_script("ferrum_profile_w1_steps", _SCRIPT)
+    clock = script.KernelClock()
     load, call = native.load, cpu_linear.PackedWeight.__call__
     clock.install()
     try:
