@@ -24,7 +24,8 @@ print(f"vllm {vllm.__version__} ready")
 PY
 # vLLM's CPU guide asks for tcmalloc preloaded; the bench preloads it when it finds it (see
 # docs/benchmarks.md). It is a system library: without it, vLLM runs on glibc malloc.
-if ! ls /usr/lib/*/libtcmalloc*.so* /usr/lib/libtcmalloc*.so* >/dev/null 2>&1; then
+# (ls of both patterns fails when either matches nothing, so each is tested on its own.)
+if ! ls /usr/lib/*/libtcmalloc*.so* >/dev/null 2>&1 && ! ls /usr/lib/libtcmalloc*.so* >/dev/null 2>&1; then
     echo "note: no tcmalloc found; install it for vLLM's recommended setup, e.g." \
         "apt-get install libtcmalloc-minimal4 (Debian/Ubuntu)" >&2
 fi
