@@ -369,7 +369,7 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
   {
     std::vector<float> scores, acc(heads * D), qf(heads * D), inv(heads);
     const T* tile[8];
-    __m256 part[8];
+    std::vector<__m256> part(heads * 8);  // [H][8]: each head's 8 dot products of a tile
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < n_items; ++item) {
       const int64_t ctx = lens[item];
@@ -384,18 +384,22 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
       for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
         const int64_t n = std::min<int64_t>(8, ctx - t0);
         fill_tile(k_pool, t0, n);
-        for (int64_t j = n; j < 8; ++j) part[j] = _mm256_setzero_ps();
-        for (int64_t hq = 0; hq < heads; ++hq) {
-          const int64_t off = (hq / group) * D;
-          const float* qh = qf.data() + hq * D;
-          for (int64_t j = 0; j < n; ++j) {
-            const T* kr = tile[j] + off;
+        // Row by row, each row front to back: a row's cache lines are first touched in order
+        // (reading the tile head by head, across its rows, read memory 15-30% slower in
+        // memory_overlap_bench's walk). Every dot product is formed as before.
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t hq = 0; hq < heads; ++hq) {
+            const T* kr = tile[j] + (hq / group) * D;
+            const float* qh = qf.data() + hq * D;
             __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kr));
             for (int c = 1; c < C; ++c)
               a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), load8(kr + 8 * c), a);
-            part[j] = a;
+            part[hq * 8 + j] = a;
           }
-          const __m256 sc = _mm256_mul_ps(reduce8(part), vscale);
+        }
+        for (int64_t hq = 0; hq < heads; ++hq) {
+          for (int64_t j = n; j < 8; ++j) part[hq * 8 + j] = _mm256_setzero_ps();
+          const __m256 sc = _mm256_mul_ps(reduce8(part.data() + hq * 8), vscale);
           float* dst = scores.data() + hq * ctx + t0;
           if (n == 8) {
             _mm256_storeu_ps(dst, sc);
