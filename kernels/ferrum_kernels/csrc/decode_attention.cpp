@@ -280,10 +280,12 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // The AVX2 path (8-lane vectors), shaped as the AVX-512 one: a work unit is a whole item read
 // token row by token row across all KV heads, 8 tokens per tile, the tile's 8 dot products per
-// query head out of one transpose-reduce (reduce8), V accumulated in registers per head, and
-// the softmax's exponentials 8 at a time (exp8). Measured at W1's decode shapes (64 items of
-// about 256 tokens, 12 query / 4 KV heads of 64) on the AVX2 development machine: see
-// docs/cpu-kernels.md.
+// query head out of one transpose-reduce (reduce8), V accumulated per head in an L1-resident
+// row, and the softmax's exponentials 8 at a time (exp8). Both passes take a tile's rows one at
+// a time, front to back: rows touched in order read fastest, and the development machine
+// overlaps little arithmetic with its reads (benchmarks/memory_overlap_bench.py). Measured at
+// W1's decode shapes (64 items of about 256 tokens, 12 query / 4 KV heads of 64) on the AVX2
+// development machine: see docs/cpu-kernels.md.
 
 // Eight 8-lane vectors -> one vector whose lane j is the sum of v[j]'s lanes.
 inline __m256 reduce8(const __m256* v) {
@@ -415,17 +417,17 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
       for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
         const int64_t n = std::min<int64_t>(8, ctx - t0);
         fill_tile(v_pool, t0, n);
-        for (int64_t hq = 0; hq < heads; ++hq) {
-          const int64_t off = (hq / group) * D;
-          const float* ph = scores.data() + hq * ctx + t0;
-          float* ah = acc.data() + hq * D;
-          __m256 a[C];
-          for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(ah + 8 * c);
-          for (int64_t j = 0; j < n; ++j) {
-            const __m256 p = _mm256_set1_ps(ph[j]);
-            for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(p, load8(tile[j] + off + 8 * c), a[c]);
+        // Row order, as the K pass; each head's sum still adds the tokens in order.
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t hq = 0; hq < heads; ++hq) {
+            const T* vr = tile[j] + (hq / group) * D;
+            const __m256 p = _mm256_set1_ps(scores[hq * ctx + t0 + j]);
+            float* ah = acc.data() + hq * D;
+            for (int c = 0; c < C; ++c) {
+              const __m256 sum = _mm256_loadu_ps(ah + 8 * c);
+              _mm256_storeu_ps(ah + 8 * c, _mm256_fmadd_ps(p, load8(vr + 8 * c), sum));
+            }
           }
-          for (int c = 0; c < C; ++c) _mm256_storeu_ps(ah + 8 * c, a[c]);
         }
       }
       T* orow = out + item * heads * D;
