@@ -3,17 +3,20 @@ access pattern.
 
 The walk covers twelve layer pools of K/V, as a W1 decode step does. Each pool holds 64 items of
 --ctx tokens in shuffled 16-token blocks, 1 KB rows of 4 KV heads x 64 floats. The walk runs
-four ways for each thread count:
+five ways for each thread count:
 
-- read: every row summed, loads and adds only;
+- read: every row summed, loads and adds only, each row front to back;
+- read by head: the same sums in tiles of 8 rows, one KV head at a time across the tile's rows
+  (the order the decode kernel read in before the fifteenth session);
 - compute: the same loads and FMAs (three per vector, as the three query heads of a KV head
   use it) over four rows that stay in L1;
 - both: those FMAs over the scattered rows;
 - prefetched: as both, each row prefetched --ahead tokens early.
 
 overlap = (read + compute - both) / min(read, compute). It is 1 when the arithmetic hides under
-the reads, and 0 when the two take turns. On the development VM it is near 0, prefetched or not.
-That sets a floor under the decode attention's time (docs/benchmarks.md, fifteenth session).
+the reads, and 0 when the two take turns. On the development VM it is at most about a third,
+prefetched or not, and reading by head is 15-50% slower than row by row. That sets a floor under the decode attention's time
+(docs/benchmarks.md, fifteenth session).
 Run it alone on a quiet machine.
 
     python benchmarks/memory_overlap_bench.py [--ctx 272] [--layers 12] [--rounds 3]
@@ -42,7 +45,8 @@ _SOURCE = r"""
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
 // mode 0 read, 1 compute (rows 0-3 of the pool, in L1), 2 both, 3 both + prefetch `ahead` rows
-// early. Returns the sum of everything read, so no pass can be optimised away.
+// early, 4 read by head (tiles of 8 rows, one KV head of 64 floats at a time across them).
+// Returns the sum of everything read, so no pass can be optimised away.
 double walk(std::vector<torch::Tensor> pools, torch::Tensor tables, int64_t ctx, int64_t mode,
             int64_t threads, int64_t ahead) {
   const int64_t block = 16, row = 256;
@@ -64,6 +68,16 @@ double walk(std::vector<torch::Tensor> pools, torch::Tensor tables, int64_t ctx,
       const v8 q0 = zero + 0.1f, q1 = zero + 0.2f, q2 = zero + 0.3f;
       for (int pass = 0; pass < 2; ++pass) {  // all of K, then all of V, as the kernel reads
         const float* base = pass ? v_pool : k_pool;
+        if (mode == 4) {
+          for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
+            const int64_t n = std::min<int64_t>(8, ctx - t0);
+            for (int64_t h = 0; h < row; h += 64)
+              for (int64_t j = 0; j < n; ++j)
+                for (int i = 0; i < 8; ++i)
+                  acc[i] += *reinterpret_cast<const v8*>(at(base, t0 + j) + h + 8 * i);
+          }
+          continue;
+        }
         for (int64_t t = 0; t < ctx; ++t) {
           const float* r = mode == 1 ? base + (t % 4) * row : at(base, t);
           if (mode == 3 && t + ahead < ctx) {
@@ -93,12 +107,12 @@ double walk(std::vector<torch::Tensor> pools, torch::Tensor tables, int64_t ctx,
 }
 """
 
-MODES = ("read", "compute", "both", "prefetched")
+MODES = ("read", "compute", "both", "prefetched", "read by head")  # in walk's mode order
 
 
 def _build() -> Any:
     return load_inline(
-        name="ferrum_memory_overlap_bench_v1",
+        name="ferrum_memory_overlap_bench_v2",
         cpp_sources=_SOURCE,
         functions=["walk"],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17"],
@@ -151,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         out.write(
             f"threads {n}: read {ms['read']:.1f} ms ({gigabytes / ms['read'] * 1e3:.1f} GB/s), "
             f"compute {ms['compute']:.1f}, both {ms['both']:.1f}, prefetched "
-            f"{ms['prefetched']:.1f} ms (medians); overlap {ms['overlap']:.2f}\n"
+            f"{ms['prefetched']:.1f}, read by head {ms['read by head']:.1f} ms (medians); "
+            f"overlap {ms['overlap']:.2f}\n"
         )
     return results
 

@@ -27,6 +27,10 @@ def test_the_walks_read_each_items_rows_through_its_table() -> None:
     expected = float(pool.view(2, -1, bench.ROW)[:, slots.flatten()].double().sum())
     read = module.walk([pool], tables, ctx, 0, 2, 4)
     assert math.isclose(read, expected, rel_tol=1e-4, abs_tol=1e-2)
+    # Read by head: the same rows in another order.
+    assert math.isclose(
+        module.walk([pool], tables, ctx, 4, 2, 4), expected, rel_tol=1e-4, abs_tol=1e-2
+    )
     for mode in (2, 3):  # FMAs by 0.1, 0.2 and 0.3: 0.6 of the plain sum
         assert math.isclose(
             module.walk([pool], tables, ctx, mode, 1, 4), 0.6 * expected, rel_tol=1e-4, abs_tol=1e-2

@@ -387,8 +387,8 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
         const int64_t n = std::min<int64_t>(8, ctx - t0);
         fill_tile(k_pool, t0, n);
         // Row by row, each row front to back: a row's cache lines are first touched in order
-        // (reading the tile head by head, across its rows, read memory 15-30% slower in
-        // memory_overlap_bench's walk). Every dot product is formed as before.
+        // (reading the tile head by head, across its rows, reads memory slower: see
+        // memory_overlap_bench's "read by head"). Every dot product is formed as before.
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t hq = 0; hq < heads; ++hq) {
             const T* kr = tile[j] + (hq / group) * D;
