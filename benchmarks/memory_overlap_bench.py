@@ -15,8 +15,8 @@ five ways for each thread count:
 
 overlap = (read + compute - both) / min(read, compute). It is 1 when the arithmetic hides under
 the reads, and 0 when the two take turns. On the development VM it is at most about a third,
-prefetched or not, and reading by head is 15-50% slower than row by row. That sets a floor under the decode attention's time
-(docs/benchmarks.md, fifteenth session).
+prefetched or not, and reading by head is 15-50% slower than row by row. That sets a floor
+under the decode attention's time (docs/benchmarks.md, fifteenth session).
 Run it alone on a quiet machine.
 
     python benchmarks/memory_overlap_bench.py [--ctx 272] [--layers 12] [--rounds 3]
