@@ -1,0 +1,47 @@
+"""A seconds-long smoke run of the per-step host overhead bench (as CI runs it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers_scripts import load_script
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "step_overhead_bench.py"
+
+
+@pytest.mark.parametrize("wire", [False, True])
+def test_smoke_run_times_every_phase(wire: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    bench: Any = load_script("ferrum_step_overhead_bench", _BENCH)
+    args = ["--batches", "3,8", "--steps", "3", "--rounds", "2", "--layers", "2"]
+    medians = bench.main(args + (["--wire"] if wire else []))
+    assert sorted(medians) == [3, 8]
+    for row in medians.values():
+        # Every wrapped phase ran, and the parts add up to the step.
+        for phase in ("validate", "reserve", "plan", "model", "select", "commit", "record"):
+            assert row[phase] > 0, phase
+        assert (row["wire"] > 0) == wire
+        parts = sum(row[p] for p in bench.PHASES)
+        assert parts == pytest.approx(row["step"], rel=1e-6)
+        assert 0 < row["host"] < row["step"]
+    out = capsys.readouterr().out
+    assert "| 8 |" in out and ("wire" in out) == wire
+
+
+def test_wrappers_come_off_after_a_run() -> None:
+    bench: Any = load_script("ferrum_step_overhead_bench", _BENCH)
+    import ferrum_server.engine as engine_module
+
+    validate = engine_module.validate_step
+    bench.main(["--batches", "2", "--steps", "1", "--rounds", "1"])
+    assert engine_module.validate_step is validate
+
+
+@pytest.mark.parametrize(
+    "args", [["--batches", "0"], ["--batches", "a,2"], ["--steps", "0"], ["--layers", "0"]]
+)
+def test_bad_counts_are_refused(args: list[str]) -> None:
+    bench: Any = load_script("ferrum_step_overhead_bench", _BENCH)
+    with pytest.raises(SystemExit):
+        bench.main(args)
