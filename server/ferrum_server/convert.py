@@ -180,12 +180,17 @@ def check_ids(request: Message, path: str = "") -> None:
                 check_ids(child, name + ".")
 
 
-def _column(name: str, values: Seq[V], count: int, default: V) -> Seq[V]:
+def _column(name: str, values: Seq[V], count: int, default: V) -> list[V]:
+    """A column as a list: `count` defaults when the call left it empty."""
     if not values:
         return [default] * count
     if len(values) != count:
         raise InvalidArgument(f"column {name} has {len(values)} entries for {count} items")
-    return values
+    return list(values)
+
+
+# The item kinds a BatchItems column may hold, by their wire values.
+_ITEM_KINDS = {int(kind): kind for kind in (ItemKind.PREFILL_CHUNK, ItemKind.DECODE)}
 
 
 def _policy(value: int) -> OutputPolicy:
@@ -241,32 +246,52 @@ def _sampling_columns(columns: pb.SamplingColumns, count: int) -> list[Sampling]
     logprobs = _column("num_logprobs", columns.num_logprobs, count, 0)
     masks = _column("token_masks", columns.token_masks, count, b"")
     scopes = _column("repetition_penalty_scopes", columns.repetition_penalty_scopes, count, 0)
-    return [
-        Sampling(
-            policy=_policy(policies[i]),
-            temperature=temperatures[i],
-            top_k=top_ks[i],
-            top_p=top_ps[i] or 1.0,
-            seed=seeds[i],
-            repetition_penalty=penalties[i] or 1.0,
-            num_logprobs=logprobs[i],
-            token_mask=masks[i],
-            penalty_scope=_penalty_scope(scopes[i]),
+    # Items with equal settings share one Sampling (built and validated once per call).
+    made: dict[tuple[object, ...], Sampling] = {}
+    samplings: list[Sampling] = []
+    for i in range(count):
+        key = (
+            policies[i],
+            temperatures[i],
+            top_ks[i],
+            top_ps[i],
+            seeds[i],
+            penalties[i],
+            logprobs[i],
+            masks[i],
+            scopes[i],
         )
-        for i in range(count)
-    ]
+        sampling = made.get(key)
+        if sampling is None:
+            sampling = made[key] = Sampling(
+                policy=_policy(policies[i]),
+                temperature=temperatures[i],
+                top_k=top_ks[i],
+                top_p=top_ps[i] or 1.0,
+                seed=seeds[i],
+                repetition_penalty=penalties[i] or 1.0,
+                num_logprobs=logprobs[i],
+                token_mask=masks[i],
+                penalty_scope=_penalty_scope(scopes[i]),
+            )
+        samplings.append(sampling)
+    return samplings
 
 
 def step_from_pb(
     items: pb.BatchItems, mode: DeferralMode, instance_id: int, only: ItemKind | None = None
 ) -> Step:
-    count = len(items.kinds)
-    kinds = items.kinds
-    for i, kind in enumerate(int(k) for k in kinds):
-        if kind not in (ItemKind.PREFILL_CHUNK, ItemKind.DECODE):
+    # Each column is read into a list once (an indexed read of a protobuf container costs
+    # more than a list's): a step of hundreds of decodes is converted on every call.
+    kinds = list(items.kinds)
+    count = len(kinds)
+    allowed = _ITEM_KINDS if only is None else {int(only): only}
+    if not allowed.keys() >= set(kinds):
+        i, kind = next((i, k) for i, k in enumerate(kinds) if k not in allowed)
+        if kind not in _ITEM_KINDS:
             raise InvalidArgument(f"item {i}: unknown item kind {kind}")
-        if only is not None and kind != only:
-            raise InvalidArgument(f"item {i}: this call takes only {only.name} items")
+        assert only is not None
+        raise InvalidArgument(f"item {i}: this call takes only {only.name} items")
     request_ids = _column("request_ids", items.request_ids, count, "")
     cache_ids = _column("cache_ids", items.cache_ids, count, "")
     num_tokens = _column("num_tokens", items.num_tokens, count, 0)
@@ -275,14 +300,15 @@ def step_from_pb(
     max_tokens = _column("maximum_sequence_tokens", items.maximum_sequence_tokens, count, 0)
     narrowing = _column("allow_narrowing", items.allow_narrowing, count, False)
     continues = _column("continue_decode", items.continue_decode, count, False)
-    for i in range(count):
-        # A continuation's token is the one its cache selected: the columns stay unambiguous
-        # only if it carries none.
-        if continues[i] and (int(kinds[i]) != ItemKind.DECODE or num_tokens[i] != 0):
-            raise InvalidArgument(
-                f"item {i}: a continue_decode item is a decode with num_tokens 0 (its token is "
-                "the one its cache selected)"
-            )
+    if any(continues):
+        for i in range(count):
+            # A continuation's token is the one its cache selected: the columns stay
+            # unambiguous only if it carries none.
+            if continues[i] and (int(kinds[i]) != ItemKind.DECODE or num_tokens[i] != 0):
+                raise InvalidArgument(
+                    f"item {i}: a continue_decode item is a decode with num_tokens 0 (its token "
+                    "is the one its cache selected)"
+                )
     flat = list(items.token_ids)
     if sum(num_tokens) != len(flat):
         raise InvalidArgument(
@@ -295,16 +321,17 @@ def step_from_pb(
         end = start + num_tokens[i]
         step_items.append(
             StepItem(
-                kind=ItemKind(kinds[i]),
-                request_id=request_ids[i],
-                cache_id=cache_ids[i],
-                token_ids=flat[start:end],
-                position=positions[i],
-                total_prompt_tokens=totals[i],
-                max_sequence_tokens=max_tokens[i],
-                sampling=samplings[i],
-                allow_narrowing=narrowing[i],
-                continuation=continues[i],
+                _ITEM_KINDS[kinds[i]],
+                request_ids[i],
+                cache_ids[i],
+                flat[start:end],
+                positions[i],
+                totals[i],
+                max_tokens[i],
+                samplings[i],
+                narrowing[i],
+                None,
+                continues[i],
             )
         )
         start = end

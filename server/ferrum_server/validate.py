@@ -17,7 +17,15 @@ import math
 from array import array
 from dataclasses import dataclass, field
 
-from ferrum_server.domain import DeferralMode, ItemKind, OutputPolicy, Sampling, Step, StepItem
+from ferrum_server.domain import (
+    GREEDY,
+    DeferralMode,
+    ItemKind,
+    OutputPolicy,
+    Sampling,
+    Step,
+    StepItem,
+)
 from ferrum_server.errors import (
     AlreadyExists,
     ExecutorError,
@@ -95,6 +103,9 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> Validated:
     seen: set[str] = set()
     openers: set[str] = set()
     resolved = list(items)
+    # Sampling settings already checked in this step (by identity: items converted from one
+    # call share equal settings as one object, and GREEDY is valid by construction).
+    checked: set[int] = {id(GREEDY)}
     for index, item in enumerate(items):
         if item.continuation:
             _check_continuation(index, item)
@@ -110,6 +121,9 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> Validated:
                 continue
             item = resolved[index] = continued
         _check_item(index, item, limits)
+        if id(item.sampling) not in checked:
+            _check_sampling(f"item {index}", item.sampling, limits)
+            checked.add(id(item.sampling))
         if item.cache_id:
             if item.cache_id in seen:
                 raise InvalidArgument(f"item {index}: cache {item.cache_id!r} appears twice")
@@ -246,31 +260,41 @@ def response_bytes(items: list[StepItem], limits: Limits) -> int:
 
 
 def _check_item(index: int, item: StepItem, limits: Limits) -> None:
-    where = f"item {index}"
-    count = len(item.token_ids)
-    if max(len(item.request_id.encode()), len(item.cache_id.encode())) > MAX_ID_BYTES:
-        raise InvalidArgument(f"{where}: ids are limited to {MAX_ID_BYTES} bytes")
+    """The item's shape against the model's limits (its sampling is checked apart). Runs for
+    every item of every step, so the common case costs a few comparisons."""
+    tokens = item.token_ids
+    count = len(tokens)
+    request_id, cache_id = item.request_id, item.cache_id
+    # A str of at most MAX_ID_BYTES / 4 characters fits whatever its characters; encode only
+    # a longer one.
+    if max(len(request_id), len(cache_id)) * 4 > MAX_ID_BYTES and (
+        max(len(request_id.encode()), len(cache_id.encode())) > MAX_ID_BYTES
+    ):
+        raise InvalidArgument(f"item {index}: ids are limited to {MAX_ID_BYTES} bytes")
     if count == 0:
-        raise InvalidArgument(f"{where}: empty token list")
-    if item.kind == ItemKind.DECODE and count != 1:
-        raise InvalidArgument(f"{where}: a decode item carries exactly one token, got {count}")
-    bad = [t for t in item.token_ids if t >= limits.vocab_size]
-    if bad:
+        raise InvalidArgument(f"item {index}: empty token list")
+    kind = item.kind
+    if kind == ItemKind.DECODE and count != 1:
+        raise InvalidArgument(f"item {index}: a decode item carries exactly one token, got {count}")
+    if max(tokens) >= limits.vocab_size:
+        bad = next(t for t in tokens if t >= limits.vocab_size)
         raise InvalidArgument(
-            f"{where}: token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})"
+            f"item {index}: token id {bad} outside the vocabulary [0, {limits.vocab_size})"
         )
     max_len = item.max_sequence_tokens or limits.max_sequence_length
     if max_len > limits.max_sequence_length:
         raise InvalidArgument(
-            f"{where}: maximum_sequence_tokens {max_len} exceeds the model maximum "
+            f"item {index}: maximum_sequence_tokens {max_len} exceeds the model maximum "
             f"{limits.max_sequence_length}"
         )
-    if item.kind == ItemKind.PREFILL_CHUNK:
+    end = item.position + count
+    if kind == ItemKind.PREFILL_CHUNK:
+        where = f"item {index}"
         if item.total_prompt_tokens == 0:
             raise InvalidArgument(f"{where}: a prefill chunk needs total_prompt_tokens > 0")
-        if item.end > item.total_prompt_tokens:
+        if end > item.total_prompt_tokens:
             raise InvalidArgument(
-                f"{where}: chunk [{item.position}, {item.end}) lies outside the prompt of "
+                f"{where}: chunk [{item.position}, {end}) lies outside the prompt of "
                 f"{item.total_prompt_tokens} tokens"
             )
         if item.total_prompt_tokens > max_len:
@@ -278,13 +302,12 @@ def _check_item(index: int, item: StepItem, limits: Limits) -> None:
                 f"{where}: prompt of {item.total_prompt_tokens} tokens exceeds the maximum "
                 f"sequence length {max_len}"
             )
-    if item.end > max_len:
+    if end > max_len:
         raise InvalidArgument(
-            f"{where}: position {item.end - 1} is beyond the maximum sequence length {max_len}"
+            f"item {index}: position {end - 1} is beyond the maximum sequence length {max_len}"
         )
-    if not item.cache_id and (item.kind != ItemKind.PREFILL_CHUNK or item.position != 0):
-        raise InvalidArgument(f"{where}: only a prefill chunk at position 0 may open a cache")
-    _check_sampling(where, item.sampling, limits)
+    if not cache_id and (kind != ItemKind.PREFILL_CHUNK or item.position != 0):
+        raise InvalidArgument(f"item {index}: only a prefill chunk at position 0 may open a cache")
 
 
 def _check_sampling(where: str, sampling: Sampling, limits: Limits) -> None:
@@ -319,19 +342,20 @@ def _mask_allows_any(mask: bytes, vocab_size: int) -> bool:
 
 
 def _check_against_state(index: int, item: StepItem, kv: KvManager) -> Cache | None:
-    where = f"item {index}"
     if not item.cache_id:
         return None
     cache = kv.lookup(item.cache_id)
     if item.request_id and item.request_id != cache.request_id:
-        raise InvalidArgument(f"{where}: cache {item.cache_id!r} belongs to another request")
-    if item.position != cache.num_tokens:
+        raise InvalidArgument(f"item {index}: cache {item.cache_id!r} belongs to another request")
+    committed = len(cache.token_ids)
+    if item.position != committed:
         raise PositionMismatch(
-            f"{where}: position {item.position} does not match the cache's committed length "
-            f"{cache.num_tokens}"
+            f"item {index}: position {item.position} does not match the cache's committed "
+            f"length {committed}"
         )
-    if item.end > cache.max_tokens:
+    end = item.position + len(item.token_ids)
+    if end > cache.max_tokens:
         raise InvalidArgument(
-            f"{where}: position {item.end - 1} is beyond the sequence's maximum {cache.max_tokens}"
+            f"item {index}: position {end - 1} is beyond the sequence's maximum {cache.max_tokens}"
         )
     return cache
