@@ -388,11 +388,19 @@ class Engine:
     ) -> list[tuple[StepItem, Cache]]:
         """Commit the tokens of the items one forward ran and fill in their results."""
         sampled = forward.sampled
-        token_ids: list[int] = sampled.token_ids.tolist() if sampled is not None else []
-        logprobs: list[float] = sampled.logprobs.tolist() if sampled is not None else []
-        top_ids: list[list[int]] = sampled.top_ids.tolist() if sampled is not None else []
-        top_lps: list[list[float]] = sampled.top_logprobs.tolist() if sampled is not None else []
-        position_of_row = {row: k for k, row in enumerate(forward.token_rows)}
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        if sampled is not None:
+            token_ids, logprobs = sampled.token_ids.tolist(), sampled.logprobs.tolist()
+            if sampled.top_ids.shape[-1]:  # else every row's top-n is empty
+                top_ids, top_lps = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
+        # Output row -> its row in `sampled`; the same row when no output returned logits.
+        position_of_row = (
+            {row: k for k, row in enumerate(forward.token_rows)} if forward.logits_rows else None
+        )
+        kv, now = self.kv, time.monotonic()
         ran: list[tuple[StepItem, Cache]] = []
         row = 0
         for index in indices:
@@ -400,36 +408,37 @@ class Engine:
             assert cache is not None  # reserve_step opened it
             if item.kind == ItemKind.PREFILL_CHUNK:
                 digest = item.prompt.digest if item.prompt is not None else b""
-                self.kv.declare_prompt(cache, item.total_prompt_tokens, digest)
-            self.kv.commit(cache, item.token_ids)
+                kv.declare_prompt(cache, item.total_prompt_tokens, digest)
+            kv.commit(cache, item.token_ids, now)
             ran.append((item, cache))
             result = ItemResult(
                 status=ItemStatus.INTERMEDIATE,
                 cache_id=cache.cache_id,
-                committed_tokens=cache.num_tokens,
+                committed_tokens=len(cache.token_ids),
                 completed_num_tokens=len(item.token_ids),
             )
-            if item.num_outputs:
-                if item.sampling.policy == OutputPolicy.LOGITS:
-                    result.status = ItemStatus.LOGITS
-                    result.logits = b"".join(
-                        forward.logits_rows[r] for r in range(row, row + item.num_outputs)
-                    )
-                else:
-                    result.status = ItemStatus.TOKEN
-                    for r in range(row, row + item.num_outputs):
-                        k = position_of_row[r]
-                        result.token_ids.append(token_ids[k])
-                        result.logprobs.append(logprobs[k])
-                        num_top = item.sampling.num_logprobs
-                        result.top_ids.append(top_ids[k][:num_top])
-                        result.top_logprobs.append(top_lps[k][:num_top])
-                    if item.kind != ItemKind.VERIFY:
-                        # What a continuation decode on this cache feeds next. Already on the
-                        # host (the answer carries it), so continuing costs no device sync.
-                        cache.selected_token = result.token_ids[-1]
-                row += item.num_outputs
             results[index] = result
+            num_outputs = item.num_outputs
+            if not num_outputs:
+                continue
+            rows = range(row, row + num_outputs)
+            row += num_outputs
+            if item.sampling.policy == OutputPolicy.LOGITS:
+                result.status = ItemStatus.LOGITS
+                result.logits = b"".join(forward.logits_rows[r] for r in rows)
+                continue
+            result.status = ItemStatus.TOKEN
+            num_top = item.sampling.num_logprobs
+            for r in rows:
+                k = r if position_of_row is None else position_of_row[r]
+                result.token_ids.append(token_ids[k])
+                result.logprobs.append(logprobs[k])
+                result.top_ids.append(top_ids[k][:num_top] if top_ids else [])
+                result.top_logprobs.append(top_lps[k][:num_top] if top_lps else [])
+            if item.kind != ItemKind.VERIFY:
+                # What a continuation decode on this cache feeds next. Already on the host
+                # (the answer carries it), so continuing costs no device sync.
+                cache.selected_token = result.token_ids[-1]
         items = [item for item, _ in ran]
         self.recorder.forward(items, forward.forward_ns + forward.sample_ns, forward.graphed)
         return ran
