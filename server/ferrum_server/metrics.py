@@ -12,6 +12,8 @@ Names carry their unit; counters are listed with the `_total` suffix they are ex
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter as Tally
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -401,6 +403,10 @@ class Metrics:
     def observe_itl(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
+    def observe_itls(self, seconds: Sequence[float]) -> None:
+        """Many inter-token latencies at once (a decode step's outputs): see observe_many."""
+        observe_many(self.itl, seconds)
+
     def set_ready(self, ready: bool) -> None:
         self.ready.set(1 if ready else 0)
 
@@ -450,3 +456,22 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """Observe every value of `values` (finite numbers) in an unlabelled histogram, with the
+    counts and sum that one observe() each would give. The values are bucketed here and each
+    touched bucket is incremented once: a decode step of hundreds of outputs then takes a few
+    locked increments instead of a locked bucket walk per output. This reads prometheus_client's
+    bucket layout; a layout without those attributes takes the plain observe() path."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None:
+        for value in values:
+            histogram.observe(value)
+        return
+    # observe() counts a value in the first bucket whose upper bound is >= the value.
+    for index, count in Tally(bisect_left(bounds, value) for value in values).items():
+        buckets[index].inc(count)
+    total.inc(sum(values))

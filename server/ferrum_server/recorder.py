@@ -133,14 +133,17 @@ class Recorder:
         if graphed:
             metrics.record_cuda_graph_replay()
         now = time.monotonic()
+        itls: list[float] = []
         for item, cache in ran:
             if not item.num_outputs:
                 continue
             if cache.last_token_s:
-                metrics.observe_itl(now - cache.last_token_s)
+                itls.append(now - cache.last_token_s)
             else:
                 metrics.observe_ttft(now - cache.opened_s)
             cache.last_token_s = now
+        if itls:
+            metrics.observe_itls(itls)
 
     def gauges(self, kv: KvManager) -> None:
         """Refresh the KV and cache gauges from the pool as it is now."""

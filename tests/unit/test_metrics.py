@@ -71,6 +71,24 @@ def _exercise(m: Metrics) -> None:
     m.observe_rpc("/ferrum.executor.v1.ExecutorService/GetInfo", "OK", 0.003)
 
 
+def test_observing_many_latencies_at_once_matches_one_observe_each() -> None:
+    # A decode step observes its outputs' inter-token latencies together: the exposition
+    # (every bucket, count and sum) is what one observe() per latency gives, bucket edges
+    # included (a value equal to a bound counts in that bound's bucket).
+    values = [0.0, 0.004, 0.005, 0.0051, 0.012, 0.012, 0.25, 0.25, 3.0, 1e6]
+    one_by_one, together = Metrics(), Metrics()
+    for value in values:
+        one_by_one.observe_itl(value)
+    together.observe_itls(values)
+    together.observe_itls([])
+    name = "ferrum_executor_inter_token_latency_seconds"
+    expected = {k: v for k, v in _samples(one_by_one).items() if k[0].startswith(name)}
+    got = {k: v for k, v in _samples(together).items() if k[0].startswith(name)}
+    assert got == pytest.approx(expected)
+    assert expected[(name + "_count", ())] == len(values)
+    assert expected[(name + "_bucket", (("le", "0.005"),))] == 3  # 0, 0.004, 0.005
+
+
 def test_every_documented_metric_is_exposed() -> None:
     m = Metrics()
     _exercise(m)
