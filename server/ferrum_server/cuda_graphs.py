@@ -32,6 +32,7 @@ import torch
 from ferrum_kernels.attention import AttentionMetadata, DecodeAttentionFn, DecodeBatch
 from ferrum_kernels.backend import KernelBackend, WriteKvFn
 
+from ferrum_server.kv.block_table import padded_block_table
 from ferrum_server.models import CausalLM
 
 DEFAULT_MAX_BATCH = 256
@@ -321,13 +322,12 @@ class DecodeGraphs:
             [*slots, *[layout.scratch_slot] * pad],
             [*(p + 1 for p in positions), *[1] * pad],
         ]
-        # Unused columns point at the scratch block too (never read: contexts mask them).
-        tables = [row + [scratch] * (width - len(row)) for row in block_tables]
-        tables += [[scratch] * width] * pad
         self._wait_for_staging()
         self._host_inputs[:, :size] = torch.tensor(rows, dtype=torch.int64)  # [4, size]
         staged = self._host_tables[: size * width].view(size, width)
-        staged.copy_(torch.tensor(tables, dtype=torch.int64))  # [size, width]
+        # Unused columns point at the scratch block too (never read: contexts mask them).
+        staged[:count].copy_(padded_block_table(block_tables, width, scratch))  # [B, width]
+        staged[count:].fill_(scratch)  # padding rows: [pad, width]
         # The whole [4, Bmax] buffer in one contiguous copy (a few KB; rows past `size` are
         # stale and unread). Of the tables only the columns in use: stale ones are never read.
         self.inputs.copy_(self._host_inputs, non_blocking=True)

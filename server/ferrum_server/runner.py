@@ -18,6 +18,7 @@ from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors
 
 from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.domain import ItemKind, OutputPolicy, PenaltyScope, StepItem
+from ferrum_server.kv.block_table import padded_block_table
 from ferrum_server.kv.manager import Cache
 from ferrum_server.models import CausalLM
 from ferrum_server.parallel.plan import ForwardPlan, PlanSender
@@ -102,8 +103,8 @@ class ModelRunner:
         query_start = [0, *itertools.accumulate(counts)]
         device = self.device
         flat_tokens = list(itertools.chain.from_iterable(item.token_ids for item in items))
-        width = max(len(cache.block_ids) for cache in caches)
-        table_rows = [cache.block_ids + [0] * (width - len(cache.block_ids)) for cache in caches]
+        block_ids = [cache.block_ids for cache in caches]
+        table = padded_block_table(block_ids, max(map(len, block_ids)))
         output_rows: list[int] = []  # flat token rows that go through the LM head
         for index, item in enumerate(items):
             if item.kind == ItemKind.VERIFY:
@@ -115,7 +116,7 @@ class ModelRunner:
             query_start=query_start,
             offsets=[item.position for item in items],
             context_lens=[item.end for item in items],
-            block_tables=torch.tensor(table_rows, dtype=torch.int64, device=device),
+            block_tables=table.to(device),
             output_rows=torch.tensor(output_rows, dtype=torch.int64, device=device),
         )
 
@@ -150,15 +151,21 @@ class ModelRunner:
         row_items: list[tuple[StepItem, Cache, int]] = []  # (item, cache, position sampled)
         row = 0
         for item, cache in zip(items, caches, strict=True):
-            for k in range(item.num_outputs):
-                # The token chosen at this row sits at position end - num_outputs + k + 1.
-                position = item.end - item.num_outputs + k + 1
-                if item.sampling.policy == OutputPolicy.LOGITS:
-                    logits_rows[row] = logits[row].to("cpu").numpy().astype("<f4").tobytes()
-                else:
-                    token_rows.append(row)
-                    row_items.append((item, cache, position))
-                row += 1
+            num_outputs = item.num_outputs
+            if not num_outputs:
+                continue
+            # The token chosen at output k sits at position end - num_outputs + k + 1.
+            first = item.position + len(item.token_ids) - num_outputs + 1
+            if item.sampling.policy == OutputPolicy.LOGITS:
+                for r in range(row, row + num_outputs):
+                    logits_rows[r] = logits[r].to("cpu").numpy().astype("<f4").tobytes()
+            elif num_outputs == 1:  # a decode or a final chunk: the common case
+                token_rows.append(row)
+                row_items.append((item, cache, first))
+            else:
+                token_rows.extend(range(row, row + num_outputs))
+                row_items.extend((item, cache, first + k) for k in range(num_outputs))
+            row += num_outputs
         if not token_rows:
             return None, token_rows, logits_rows
         selected = logits if len(token_rows) == row else logits[token_rows]
