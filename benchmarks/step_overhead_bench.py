@@ -270,4 +270,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
 
 
 if __name__ == "__main__":
+    from ferrum_server import logs
+
+    # As a served executor logs: info and up. At the default (debug) every cache open and
+    # release writes a line, which the bench would time along with the step.
+    logs.configure(level="info", stream=sys.stderr)
     main()
