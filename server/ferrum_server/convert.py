@@ -321,17 +321,16 @@ def step_from_pb(
         end = start + num_tokens[i]
         step_items.append(
             StepItem(
-                _ITEM_KINDS[kinds[i]],
-                request_ids[i],
-                cache_ids[i],
-                flat[start:end],
-                positions[i],
-                totals[i],
-                max_tokens[i],
-                samplings[i],
-                narrowing[i],
-                None,
-                continues[i],
+                kind=_ITEM_KINDS[kinds[i]],
+                request_id=request_ids[i],
+                cache_id=cache_ids[i],
+                token_ids=flat[start:end],
+                position=positions[i],
+                total_prompt_tokens=totals[i],
+                max_sequence_tokens=max_tokens[i],
+                sampling=samplings[i],
+                allow_narrowing=narrowing[i],
+                continuation=continues[i],
             )
         )
         start = end

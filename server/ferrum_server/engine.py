@@ -414,7 +414,7 @@ class Engine:
             result = ItemResult(
                 status=ItemStatus.INTERMEDIATE,
                 cache_id=cache.cache_id,
-                committed_tokens=len(cache.token_ids),
+                committed_tokens=cache.num_tokens,
                 completed_num_tokens=len(item.token_ids),
             )
             results[index] = result

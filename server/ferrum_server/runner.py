@@ -155,7 +155,7 @@ class ModelRunner:
             if not num_outputs:
                 continue
             # The token chosen at output k sits at position end - num_outputs + k + 1.
-            first = item.position + len(item.token_ids) - num_outputs + 1
+            first = item.end - num_outputs + 1
             if item.sampling.policy == OutputPolicy.LOGITS:
                 for r in range(row, row + num_outputs):
                     logits_rows[r] = logits[r].to("cpu").numpy().astype("<f4").tobytes()

@@ -287,7 +287,7 @@ def _check_item(index: int, item: StepItem, limits: Limits) -> None:
             f"item {index}: maximum_sequence_tokens {max_len} exceeds the model maximum "
             f"{limits.max_sequence_length}"
         )
-    end = item.position + count
+    end = item.end
     if kind == ItemKind.PREFILL_CHUNK:
         where = f"item {index}"
         if item.total_prompt_tokens == 0:
@@ -347,15 +347,14 @@ def _check_against_state(index: int, item: StepItem, kv: KvManager) -> Cache | N
     cache = kv.lookup(item.cache_id)
     if item.request_id and item.request_id != cache.request_id:
         raise InvalidArgument(f"item {index}: cache {item.cache_id!r} belongs to another request")
-    committed = len(cache.token_ids)
-    if item.position != committed:
+    if item.position != cache.num_tokens:
         raise PositionMismatch(
             f"item {index}: position {item.position} does not match the cache's committed "
-            f"length {committed}"
+            f"length {cache.num_tokens}"
         )
-    end = item.position + len(item.token_ids)
-    if end > cache.max_tokens:
+    if item.end > cache.max_tokens:
         raise InvalidArgument(
-            f"item {index}: position {end - 1} is beyond the sequence's maximum {cache.max_tokens}"
+            f"item {index}: position {item.end - 1} is beyond the sequence's maximum "
+            f"{cache.max_tokens}"
         )
     return cache

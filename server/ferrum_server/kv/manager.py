@@ -404,21 +404,19 @@ class KvManager:
     def commit(self, cache: Cache, token_ids: list[int], now: float | None = None) -> None:
         """Append committed tokens (their KV is written); `now` (monotonic) is when, passed by
         a caller committing many caches at once."""
-        committed = cache.token_ids
-        num_tokens = len(committed) + len(token_ids)
-        bs = self.block_size
-        if -(-num_tokens // bs) > len(cache.block_ids):
+        if self.blocks_for(cache.num_tokens + len(token_ids)) > len(cache.block_ids):
             raise RuntimeError("commit() past the reserved blocks")
-        committed.extend(token_ids)
+        cache.token_ids.extend(token_ids)
         cache.selected_token = -1  # the engine sets it again when this item selected one
         cache.touched_s = time.monotonic() if now is None else now
         first_chunk = cache.pending_admission
         cache.pending_admission = False
-        if num_tokens >= cache.prompt_total:
+        if not cache.prompt_in_progress:
             cache.context = None  # the admitted tokens were all committed: nothing to check
         # Committed blocks are hashed even without prefix caching: the hashes are the cache's
         # token identity (a later prefill chunk's prompt is compared with them).
-        full_blocks = num_tokens // bs
+        bs = self.block_size
+        full_blocks = cache.num_tokens // bs
         if len(cache.block_hashes) == full_blocks and not first_chunk:
             return  # no block filled up, and nothing promised to publish (most decodes)
         parent = cache.block_hashes[-1] if cache.block_hashes else _ROOT_HASH
