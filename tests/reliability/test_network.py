@@ -76,6 +76,7 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                 start = threading.Event()  # both calls queue until the link is reset
                 hold = server.hold_engine_until(start)
                 queued = server.engine.queued_runs
+                batches_ended = server.rpcs_handled("UnifiedBatch")
                 tally.send("with-step-id")
                 tally.send("without-step-id")
                 with_id = asyncio.ensure_future(client.decode(decode))
@@ -90,6 +91,13 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                         lambda: server.engine.queued_runs >= queued + 2, "both calls queued"
                     )
                     assert proxy.reset() >= 1  # both calls lose their connection mid-flight
+                    # Start the work only once the server has seen the orphan's call end: a
+                    # handler that finished first would send its answer into the dead link, and
+                    # no server can tell that from a delivered one (the cache lease covers it).
+                    await wait_until(
+                        lambda: server.rpcs_handled("UnifiedBatch") > batches_ended,
+                        "the server saw the orphan's call end",
+                    )
                 finally:
                     start.set()
                 answer = await with_id  # retried by the client on UNAVAILABLE, deduplicated
@@ -102,7 +110,7 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                 assert answer.completed.kv_cache.num_tokens == ref.num_tokens + 1
                 assert server.engine.kv.caches[ref.cache_id].num_tokens == ref.num_tokens + 1
                 assert server.engine.stats.steps - steps <= 2  # decode once (+ the orphan)
-                assert "no-step-id" not in server.live_requests()  # orphan's cache released
+                assert "no-step-id" not in server.live_requests()  # the orphan left no cache
                 await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
         finally:
             await proxy.close()
