@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,31 +15,37 @@ from typing import Any
 def start_server_process(
     extra_args: Sequence[str] = (), timeout_s: float = 120.0, **popen: Any
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """Start `ferrum-executor serve` on 127.0.0.1, port 0; return (process, port) once SERVING."""
+    """Start `ferrum-executor serve` on 127.0.0.1, port 0; return (process, port) once SERVING.
+
+    The port file's folder is removed once the port is read (or the start fails): every bench
+    run and test starts servers, and each left a folder behind in the temp directory."""
     folder = tempfile.mkdtemp(prefix="ferrum-")
-    port_file = pathlib.Path(folder) / "port"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ferrum_server",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            *extra_args,
-        ],
-        **popen,
-    )
-    deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError("the server did not start in time")
-        time.sleep(0.05)
-    return process, int(port_file.read_text())
+    try:
+        port_file = pathlib.Path(folder) / "port"
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ferrum_server",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                *extra_args,
+            ],
+            **popen,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists():
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {process.returncode}")
+            if time.monotonic() > deadline:
+                process.kill()
+                raise TimeoutError("the server did not start in time")
+            time.sleep(0.05)
+        return process, int(port_file.read_text())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

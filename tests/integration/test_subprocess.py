@@ -6,14 +6,20 @@ import asyncio
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from ferrum_server.server_process import start_server_process
 from ferrum_server.tools.demo import run_demo
 
 
-def test_demo_scheduler_drives_a_server_subprocess() -> None:
+def test_demo_scheduler_drives_a_server_subprocess(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     process, port = start_server_process(["--block-size", "8"])
+    assert list(tmp_path.iterdir()) == []  # the port file's folder is gone once read
     try:
         report = asyncio.run(run_demo(f"127.0.0.1:{port}", num_requests=3, max_new_tokens=6))
         again = asyncio.run(run_demo(f"127.0.0.1:{port}", num_requests=3, max_new_tokens=6))
@@ -49,6 +55,15 @@ def test_bad_configuration_exits_nonzero_with_one_clear_line(
     assert result.returncode != 0
     assert fragment in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_server_that_fails_to_start_leaves_no_folder_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RuntimeError, match="exited with code"):
+        start_server_process(["--block-size", "0"], stderr=subprocess.DEVNULL)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_port_in_use_exits_nonzero_with_one_clear_line() -> None:
