@@ -19,8 +19,8 @@ def test_demo_scheduler_drives_a_server_subprocess(
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     process, port = start_server_process(["--block-size", "8"])
-    assert list(tmp_path.iterdir()) == []  # the port file's folder is gone once read
     try:
+        assert list(tmp_path.iterdir()) == []  # the port file's folder is gone once read
         report = asyncio.run(run_demo(f"127.0.0.1:{port}", num_requests=3, max_new_tokens=6))
         again = asyncio.run(run_demo(f"127.0.0.1:{port}", num_requests=3, max_new_tokens=6))
     finally:
