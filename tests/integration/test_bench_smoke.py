@@ -153,12 +153,15 @@ def test_the_vllm_worker_runs_with_tcmalloc_and_intel_openmp_when_present(tmp_pa
         "iomp": str(iomp),
     }
     # A stand-in for the venv's interpreter (argv: itself, worker, IN, OUT): it reports the
-    # LD_PRELOAD it was started with.
+    # LD_PRELOAD it was started with, and leaves an IPC socket's file where vLLM would.
     python = venv / "bin" / "python"
     python.write_text(
         f"#!{sys.executable}\n"
         "import json, os, sys\n"
-        "out = {'wall_s': 1.0, 'requests': [], 'notes': {'seen': os.environ['LD_PRELOAD']}}\n"
+        "rpc = os.environ['VLLM_RPC_BASE_PATH']\n"
+        "open(os.path.join(rpc, 'socket'), 'w').close()\n"
+        "notes = {'seen': os.environ['LD_PRELOAD'], 'rpc': rpc}\n"
+        "out = {'wall_s': 1.0, 'requests': [], 'notes': notes}\n"
         "open(sys.argv[3], 'w').write(json.dumps(out))\n"
     )
     python.chmod(0o755)
@@ -172,6 +175,7 @@ def test_the_vllm_worker_runs_with_tcmalloc_and_intel_openmp_when_present(tmp_pa
     assert found["iomp"] == str(iomp)  # (tcmalloc too if this machine has it)
     assert preload == [*found.values(), "/elsewhere/libother.so"]
     assert run.notes["seen"] == ":".join(preload)
+    assert not Path(run.notes["rpc"]).exists()  # the run's folder went, sockets and all
 
 
 def test_summary_statistics() -> None:

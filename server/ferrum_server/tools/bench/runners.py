@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -461,23 +462,25 @@ def run_vllm(spec: RunSpec) -> RunOutput:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, spec.kv_cache_bytes // 1024**3 + 1)))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.pop("PYTHONPATH", None)
-    folder = Path(os.environ.get("TMPDIR", "/tmp"))
-    request = folder / f"ferrum-vllm-{os.getpid()}-in.json"
-    result = folder / f"ferrum-vllm-{os.getpid()}-out.json"
-    request.write_text(
-        json.dumps(
-            {
-                "model": spec.model_dir,
-                "dtype": spec.dtype,
-                "prompts": spec.prompts,
-                "max_new_tokens": spec.max_new_tokens,
-                "arrivals_s": spec.arrivals_s,
-                "progress": spec.progress,
-                "prefix_caching": spec.prefix_caching,
-            }
+    # One folder for the run's request, result and vLLM's IPC sockets (it leaves them in the
+    # temp directory, several a run, when VLLM_RPC_BASE_PATH is not set): all removed with it.
+    with tempfile.TemporaryDirectory(prefix="ferrum-vllm-") as name:
+        folder = Path(name)
+        env.setdefault("VLLM_RPC_BASE_PATH", name)
+        request, result = folder / "in.json", folder / "out.json"
+        request.write_text(
+            json.dumps(
+                {
+                    "model": spec.model_dir,
+                    "dtype": spec.dtype,
+                    "prompts": spec.prompts,
+                    "max_new_tokens": spec.max_new_tokens,
+                    "arrivals_s": spec.arrivals_s,
+                    "progress": spec.progress,
+                    "prefix_caching": spec.prefix_caching,
+                }
+            )
         )
-    )
-    try:
         process = subprocess.Popen(
             [spec.vllm_python, str(worker), str(request), str(result)], env=env
         )
@@ -485,9 +488,6 @@ def run_vllm(spec: RunSpec) -> RunOutput:
         if code != 0 or not result.is_file():
             raise RuntimeError(f"the vLLM worker exited with code {code}")
         data = json.loads(result.read_text())
-    finally:
-        request.unlink(missing_ok=True)
-        result.unlink(missing_ok=True)
     traces = [RequestTrace(**r) for r in data["requests"]]
     notes = {**data.get("notes", {}), "ld_preload": ld_preload, "preloads_found": preloads}
     return RunOutput("vllm", data["wall_s"], traces, data.get("peak_rss_bytes", {}), [], notes)
