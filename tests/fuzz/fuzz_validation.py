@@ -2,6 +2,11 @@
 
 Run (time-boxed):  python tests/fuzz/fuzz_validation.py -max_total_time=60 [corpus_dir]
 
+Without a corpus folder the run keeps its corpus in $FERRUM_FUZZ_CORPUS, by default
+~/.cache/ferrum-executor/fuzz-corpus, seeded with SEEDS: one folder that every run reuses and
+grows. (A fresh temporary folder per run was left behind each time: libFuzzer ends the process
+without running Python's exit handlers.)
+
 Input format: byte 0 picks the request type, the rest is that protobuf message's wire bytes
 (undecodable bytes are skipped: the transport refuses them before any handler). Cache ids of
 the form "@k" name the k-th live cache, so the fuzzer can reach state-dependent checks. Every
@@ -12,9 +17,10 @@ anything else is a crash. `decode` and `run_one` work without atheris (CI smoke)
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
@@ -170,17 +176,24 @@ SEEDS: list[bytes] = [
 ]
 
 
+def write_seeds(corpus: Path) -> None:
+    """Put SEEDS into the corpus folder (created if missing); the same names every time."""
+    corpus.mkdir(parents=True, exist_ok=True)
+    for index, seed in enumerate(SEEDS):
+        (corpus / f"seed-{index}").write_bytes(seed)
+
+
 def main() -> None:
     if atheris is None:
         sys.exit("atheris is not installed: pip install atheris")
     argv = list(sys.argv)
     if not any(not arg.startswith("-") for arg in argv[1:]):
-        # No corpus folder given: start from the seeds instead of from nothing.
-        corpus = tempfile.mkdtemp(prefix="ferrum-fuzz-")
-        for index, seed in enumerate(SEEDS):
-            with open(f"{corpus}/seed-{index}", "wb") as handle:
-                handle.write(seed)
-        argv.append(corpus)
+        # No corpus folder given: the reused one, with the seeds, instead of nothing.
+        default = Path.home() / ".cache" / "ferrum-executor" / "fuzz-corpus"
+        corpus = Path(os.environ.get("FERRUM_FUZZ_CORPUS") or default)
+        write_seeds(corpus)
+        print(f"fuzz corpus: {corpus}", file=sys.stderr)
+        argv.append(str(corpus))
     atheris.Setup(argv, run_one)
     atheris.Fuzz()
 
