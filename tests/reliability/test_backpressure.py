@@ -220,7 +220,7 @@ def test_non_reading_stream_is_held_back_while_another_caller_is_served(
 
 
 def test_one_callers_backlog_does_not_delay_another_callers_step(
-    server: InProcessServer,
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Caller A queues 24 steps while the engine is busy, then caller B queues one: B's step
     runs second (fair turns), not 25th (submission order)."""
@@ -228,12 +228,13 @@ def test_one_callers_backlog_does_not_delay_another_callers_step(
     # order the answers reach the client is not: two answers sent a step apart can be read
     # in either order, and once b0 was read third.)
     opened: list[str] = []
-    kv = server.engine.kv
-    open_cache = kv.open
+    open_cache = server.engine.kv.open
 
     def recording_open(request_id: str, max_tokens: int) -> Any:
         opened.append(request_id)
         return open_cache(request_id, max_tokens)
+
+    monkeypatch.setattr(server.engine.kv, "open", recording_open)
 
     async def scenario() -> None:
         async with grpc.aio.insecure_channel(server.target) as channel:
@@ -274,11 +275,7 @@ def test_one_callers_backlog_does_not_delay_another_callers_step(
                 start.set()
             await asyncio.gather(*backlog, single, held)
 
-    kv.open = recording_open
-    try:
-        run_scenario(scenario())
-    finally:
-        del kv.open  # the class's method shows through again
+    run_scenario(scenario())
     assert sorted(opened) == sorted([f"a{i}" for i in range(24)] + ["b0"])
     assert opened.index("b0") <= 1, opened
     assert server.blocks_leaked() == 0

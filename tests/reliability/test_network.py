@@ -109,7 +109,8 @@ def test_reset_mid_call_step_id_retry_runs_exactly_once(server: InProcessServer)
                 await hold
                 assert answer.completed.kv_cache.num_tokens == ref.num_tokens + 1
                 assert server.engine.kv.caches[ref.cache_id].num_tokens == ref.num_tokens + 1
-                assert server.engine.stats.steps - steps <= 2  # decode once (+ the orphan)
+                # The decode ran once; the orphan's work was dropped before it started.
+                assert server.engine.stats.steps - steps <= 2
                 assert "no-step-id" not in server.live_requests()  # the orphan left no cache
                 await client.release_cache(pb.ReleaseCacheRequest(cache_id=ref.cache_id))
         finally:
