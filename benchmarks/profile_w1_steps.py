@@ -3,7 +3,7 @@
 Builds (or reuses) the W1 weights, prefills 64 prompts of 256 tokens in steps of two, then
 profiles prefill steps (2 x 256 tokens from position 0) and decode steps (64 decodes), and
 prints each kind's wall time per step and the ops taking the most self time. Run it alone on a
-quiet machine.
+quiet machine. The steps run on the engine thread, as in a server (see ``steps`` in ``main``).
 
 The native kernels and the packed GEMMs are not torch ops, so torch.profiler cannot see them.
 With ``--kernels`` the steps are timed per call of each native kernel and of each packed linear
@@ -15,6 +15,7 @@ With ``--kernels`` the steps are timed per call of each native kernel and of eac
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from collections import defaultdict
@@ -146,8 +147,8 @@ def main() -> None:
             max_batch_size=256,
         )
     )
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 32000, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(64)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(32000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
     caches: list[str] = []
     last: list[int] = []
     position: list[int] = []
@@ -172,7 +173,7 @@ def main() -> None:
             last[i] = result.token_ids[0]
             position[i] += 1
 
-    try:
+    def steps() -> None:
         engine.warmup(64)
         if clock is not None:
             clock.install()
@@ -180,6 +181,13 @@ def main() -> None:
         while len(caches) < PROMPTS:
             prefill()
         measure(f"decode step, {PROMPTS} decodes at ~256 context", decode, args.reps, args.top)
+
+    try:
+        # Everything on the engine thread, as a server runs it: torch.profiler records only
+        # the thread it runs on, and a torch call on this thread would open a second OpenMP
+        # team, after which libgomp throttles every team's spin-waits (each parallel region
+        # then pays a futex wake, which doubled the short kernels after each GEMM).
+        engine.call_sync(steps)
     finally:
         if clock is not None:
             clock.remove()

@@ -32,6 +32,7 @@ import dataclasses
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -201,7 +202,13 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, float]]:
     blocks = -(-(PROMPT_TOKENS + 3 + args.steps * args.rounds) // BLOCK_SIZE) * max(batches)
     token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     with tempfile.TemporaryDirectory() as folder:
-        save_hf_folder(build_weights(config, seed=0), config, Path(folder))
+        # Built on a thread that ends here: a torch call on this thread would open an OpenMP
+        # team beside the engine thread's, and libgomp then throttles every team's spin-waits.
+        builder = threading.Thread(
+            target=lambda: save_hf_folder(build_weights(config, seed=0), config, Path(folder))
+        )
+        builder.start()
+        builder.join()
         engine = Engine(
             EngineConfig(
                 model=folder,
@@ -214,7 +221,8 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, float]]:
         )
     clock = PhaseClock()
     medians: dict[int, dict[str, float]] = {}
-    try:
+
+    def steps() -> None:
         engine.warmup(max(batches))
         remove = clock.install(engine)
         try:
@@ -230,6 +238,9 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, float]]:
                 engine.release_caches(seqs.caches)
         finally:
             remove()
+
+    try:
+        engine.call_sync(steps)  # on the engine thread, as a server runs its steps
     finally:
         engine.shutdown()
     return medians
