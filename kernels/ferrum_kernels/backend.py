@@ -86,7 +86,7 @@ from ferrum_kernels.attention import (
     paged_attention,
     write_kv,
 )
-from ferrum_kernels.cpu_attention import CpuAttention
+from ferrum_kernels.cpu_attention import CpuAttention, write_kv_cpu
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
 from ferrum_kernels.cpu_linear import prepack_linears
 from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
@@ -254,7 +254,7 @@ def cpu_backend() -> KernelBackend:
     return KernelBackend(
         name="cpu",
         attention=CpuAttention(),
-        write_kv=write_kv,
+        write_kv=write_kv_cpu,
         rms_norm_residual=rms_norm_residual_cpu,
         rotary=rotary_cpu,
         silu_and_mul=silu_and_mul_cpu,

@@ -2,6 +2,10 @@
 the same math up to float rounding), but cheaper in the ways that matter on a CPU.
 ``CpuAttention`` is the CPU backend's attention: the KV write, then ``cpu_paged_attention``.
 
+* The KV write (``write_kv_cpu``) copies each new row of K and of V into its slot with one
+  native call a layer (``csrc/kv_store.cpp``), instead of two ``index_copy_`` calls over strided
+  views of the qkv projection.
+
 * The per-step bookkeeping (which items decode, which rows and blocks they use, masks) is built
   once per forward in a ``CpuAttentionPlan`` and reused by every layer.
 * KV blocks are gathered with ``index_select`` of whole contiguous blocks into a grow-only
@@ -58,6 +62,7 @@ __all__ = [
     "Workspace",
     "cpu_paged_attention",
     "cpu_windowed_attention",
+    "write_kv_cpu",
 ]
 
 # Decodes per group: small enough that a group's gathered K/V stays in cache, large enough that
@@ -572,6 +577,39 @@ def _native_prefill(
     return True
 
 
+def write_kv_cpu(
+    kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """``attention.write_kv``'s contract: the same pool afterwards, bit for bit (a copy). The
+    native store takes a contiguous CPU pool, K/V already in its dtype with contiguous rows (as
+    the views of the qkv projection are), and checks every slot before it writes; anything else
+    goes to ``write_kv``."""
+    module = native.load()
+    if (
+        module is None
+        or kv_layer.device.type != "cpu"
+        or not kv_layer.is_contiguous()
+        or key.dtype != kv_layer.dtype
+        or value.dtype != kv_layer.dtype
+        or key.device != kv_layer.device
+        or value.device != kv_layer.device
+        or slot_mapping.device != kv_layer.device
+        or slot_mapping.dtype != torch.int64
+        or key.dim() != 3
+        or value.dim() != 3
+        or key.stride(2) != 1
+        or key.stride(1) != key.shape[2]
+        or value.stride(2) != 1
+        or value.stride(1) != value.shape[2]
+    ):
+        write_kv(kv_layer, key, value, slot_mapping)
+        return
+    module.store_kv_(kv_layer, key, value, slot_mapping)
+
+
 class CpuAttention:
     """The CPU backend's attention, ``(query, key, value, kv_layer, meta, scale, window=0,
     softcap=0.0) -> [T, H, D]``: writes this step's K/V into the pool, then runs
@@ -611,7 +649,7 @@ class CpuAttention:
         softcap: float = 0.0,
     ) -> torch.Tensor:
         # Written before attending so each new token sees its own K/V.
-        write_kv(kv_layer, key, value, meta.slot_mapping)
+        write_kv_cpu(kv_layer, key, value, meta.slot_mapping)
         # A pool elsewhere, or a soft-capped layer (no native kernel caps its scores): the
         # reference serves it.
         if kv_layer.device.type != "cpu" or softcap:

@@ -41,6 +41,7 @@ _SOURCES = (
     "sampling.cpp",
     "prefill_attention.cpp",
     "gemm.cpp",
+    "kv_store.cpp",
 )
 _FUNCTIONS = [
     "decode_attention",
@@ -55,6 +56,7 @@ _FUNCTIONS = [
     "gemm_isa",
     "pack_gemm_weight",
     "packed_gemm",
+    "store_kv_",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]
 
