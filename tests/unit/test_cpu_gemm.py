@@ -70,7 +70,13 @@ def test_native_gemm_rows_do_not_depend_on_the_batch() -> None:
     x = torch.randn(200, 900, generator=gen)
     packed = _module.pack_gemm_weight(w)
     whole = _module.packed_gemm(x, packed, None, 100)
-    for rows in (slice(0, 1), slice(3, 10), slice(140, 200)):
+    # Batches ending in a 6-row panel of every fill from 1 to 5 rows, and in whole panels.
+    for rows in (
+        slice(0, 1),
+        slice(3, 10),
+        slice(140, 200),
+        *(slice(9, 9 + n) for n in (2, 3, 4, 5, 16)),
+    ):
         assert torch.equal(
             _module.packed_gemm(x[rows].contiguous(), packed, None, 100), whole[rows]
         )
