@@ -35,6 +35,8 @@ def choose_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         (64, 200, 768),  # a decode step's rows, K = one block
         (151, 48, 1000),  # two row blocks (144 rows each), K over one block (768)
         (7, 20, 1),
+        (12, 40, 13),  # whole row panels, K past a multiple of 8 (the packing's scalar tail)
+        (6, 16, 9),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])

@@ -107,6 +107,60 @@ inline void tile(int64_t kc, const float* __restrict a, const float* __restrict 
   }
 }
 
+// Six whole rows of x (k apart) into one panel, k-major: dst[i * 6 + r] = x[r * k + i]. Eight
+// columns at a time: the six rows' vectors (and two of zeros) are transposed 8 x 8 in registers,
+// and each column is stored as a whole vector at dst + 6i; its last two lanes spill into the
+// next column's first two slots, which that column's store then overwrites. The panel's very
+// last column is stored alone, so nothing past the panel is touched (another thread may be
+// packing the next one). The scalar loop this replaced stored one float at a time, 6 floats
+// apart: 1.7% of a W1 prefill step's samples.
+inline void pack_rows6(const float* __restrict x, int64_t k, float* __restrict dst) {
+  const float* s0 = x;
+  const float* s1 = x + k;
+  const float* s2 = x + 2 * k;
+  const float* s3 = x + 3 * k;
+  const float* s4 = x + 4 * k;
+  const float* s5 = x + 5 * k;
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 t0 = _mm256_unpacklo_ps(_mm256_loadu_ps(s0 + i), _mm256_loadu_ps(s1 + i));
+    const __m256 t1 = _mm256_unpackhi_ps(_mm256_loadu_ps(s0 + i), _mm256_loadu_ps(s1 + i));
+    const __m256 t2 = _mm256_unpacklo_ps(_mm256_loadu_ps(s2 + i), _mm256_loadu_ps(s3 + i));
+    const __m256 t3 = _mm256_unpackhi_ps(_mm256_loadu_ps(s2 + i), _mm256_loadu_ps(s3 + i));
+    const __m256 t4 = _mm256_unpacklo_ps(_mm256_loadu_ps(s4 + i), _mm256_loadu_ps(s5 + i));
+    const __m256 t5 = _mm256_unpackhi_ps(_mm256_loadu_ps(s4 + i), _mm256_loadu_ps(s5 + i));
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, zero, 0x44), u5 = _mm256_shuffle_ps(t4, zero, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, zero, 0x44), u7 = _mm256_shuffle_ps(t5, zero, 0xEE);
+    // Column j of the eight: rows 0-3 from u(j % 4)'s half j / 4, rows 4-5 from u(4 + j % 4)'s.
+    const __m256 col[8] = {
+        _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+        _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+        _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+        _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+    float* d = dst + i * kMr;
+    for (int j = 0; j < 7; ++j) _mm256_storeu_ps(d + j * kMr, col[j]);
+    if (i + 8 < k) {
+      _mm256_storeu_ps(d + 7 * kMr, col[7]);
+    } else {  // the panel's last column: its six floats only
+      alignas(32) float last[8];
+      _mm256_store_ps(last, col[7]);
+      std::memcpy(d + 7 * kMr, last, kMr * sizeof(float));
+    }
+  }
+  for (; i < k; ++i) {
+    float* d = dst + i * kMr;
+    d[0] = s0[i];
+    d[1] = s1[i];
+    d[2] = s2[i];
+    d[3] = s3[i];
+    d[4] = s4[i];
+    d[5] = s5[i];
+  }
+}
+
 void gemm(const float* __restrict x, const float* __restrict packed, const float* __restrict bias,
           float* __restrict out, float* __restrict xp, int64_t m, int64_t n, int64_t k) {
   const int64_t row_panels = (m + kMr - 1) / kMr;
@@ -118,6 +172,10 @@ void gemm(const float* __restrict x, const float* __restrict packed, const float
     for (int64_t p = 0; p < row_panels; ++p) {
       float* dst = xp + p * k * kMr;
       const int64_t rows = std::min(kMr, m - p * kMr);
+      if (rows == kMr) {
+        pack_rows6(x + p * kMr * k, k, dst);
+        continue;
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const float* src = x + (p * kMr + r) * k;
         for (int64_t i = 0; i < k; ++i) dst[i * kMr + r] = src[i];
