@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -821,32 +822,72 @@ def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
         _say(" | ".join(cells))
 
 
+def _attempt(
+    report: dict[str, Any],
+    name: str,
+    fn: Callable[[], Any],
+    save: Callable[[], None],
+    keep: bool = True,
+) -> Any | None:
+    """Run one section and, with ``keep``, store its value under ``name``. A failure is recorded
+    under ``errors`` (with its traceback) and the later sections still run; the report is written
+    after every section, so a run that a device lease cuts short keeps what it measured. Returns
+    the section's value, None if it failed."""
+    started = time.perf_counter()
+    try:
+        value = fn()
+        if keep:
+            report[name] = value
+    except Exception as exc:
+        report.setdefault("errors", {})[name] = traceback.format_exc()
+        _say(f"\n!! section {name} failed: {exc!r}", file=sys.stderr)
+        value = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    report.setdefault("section_seconds", {})[name] = time.perf_counter() - started
+    save()
+    return value
+
+
 def run(
-    plan: Plan, *, skip_engine: bool = False, tp_args: argparse.Namespace | None = None
+    plan: Plan,
+    *,
+    skip_engine: bool = False,
+    tp_args: argparse.Namespace | None = None,
+    save: Callable[[dict[str, Any]], None] = lambda report: None,
 ) -> dict[str, Any]:
-    """tp_args: the parsed flags of a ``--tensor-parallel-size N`` run (N > 1), else None."""
+    """tp_args: the parsed flags of a ``--tensor-parallel-size N`` run (N > 1), else None.
+    save: called with the report after every section (see ``_attempt``)."""
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else "cpu",
         "backend": select_backend(plan.device).name,
         "torch": torch.__version__,
         "tensor_parallel_size": tp_args.tensor_parallel_size if tp_args else 1,
     }
-    rates = measure_rates(plan)
-    report["rates"] = rates
+
+    def attempt(name: str, fn: Callable[[], Any], keep: bool = True) -> Any | None:
+        return _attempt(report, name, fn, lambda: save(report), keep)
+
+    rates = attempt("rates", lambda: measure_rates(plan))
+    if rates is None:
+        return report  # every later section is judged against these rates
     _print_table("rates", [rates])
     if tp_args is not None:
         world = tp_args.tensor_parallel_size
-        report["tensor_parallel"] = run_tensor_parallel(plan, world, tp_args)
+        attempt("tensor_parallel", lambda: run_tensor_parallel(plan, world, tp_args))
         _say(
             f"\n(TP={world}: kernels, CUDA graphs and the engine section are single-device "
             "and skipped; run without --tensor-parallel-size for them)"
         )
         return report
 
-    report["kernels"] = bench_kernels(plan)
-    _print_table("kernels (torch vs triton)", report["kernels"])
+    kernels = attempt("kernels", lambda: bench_kernels(plan))
+    if kernels is not None:
+        _print_table("kernels (torch vs triton)", kernels)
 
-    model = build_model(plan)
+    model = attempt("model", lambda: build_model(plan), keep=False)
+    if model is None:
+        return report
     # The kernels the server would wire in (Triton on CUDA), for eager and graph steps alike.
     model.bind_backend(select_backend(plan.device))
     report["weight_bytes"] = weight_bytes(model)
@@ -854,12 +895,19 @@ def run(
     prefill_items = [(0, n) for n in plan.prefill_items]
     num_blocks = max(blocks_for(plan, decode_items), blocks_for(plan, prefill_items))
     kv = make_kv_cache(plan, num_blocks + 1)  # + the graphs' scratch block
-    graphs = build_decode_graphs(plan, model, kv, scratch_block=num_blocks)
-    report["decode"] = bench_decode(plan, model, kv, rates, graphs)
-    _print_table("decode step (context ~512; eager and CUDA graph)", report["decode"])
+    # partial, not lambda: the sections must not hold kv and graphs past their ``del``.
+    graphs = attempt(
+        "cuda_graphs",
+        partial(build_decode_graphs, plan, model, kv, scratch_block=num_blocks),
+        keep=False,
+    )
+    decode = attempt("decode", partial(bench_decode, plan, model, kv, rates, graphs))
+    if decode is not None:
+        _print_table("decode step (context ~512; eager and CUDA graph)", decode)
     del graphs
-    report["prefill"] = bench_prefill(plan, model, kv, rates)
-    _print_table("prefill", [report["prefill"]])
+    prefill = attempt("prefill", partial(bench_prefill, plan, model, kv, rates))
+    if prefill is not None:
+        _print_table("prefill", [prefill])
     del kv
     if plan.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -867,12 +915,13 @@ def run(
     if not skip_engine:
         # CUDA: the engine measures and plans its own pool; CPU: a small fixed one.
         budget = 0 if plan.device.type == "cuda" else 4 * 1024**2
-        engine = run_engine(plan, model, budget)
-        report["memory_plan"] = engine.pop("memory_plan")
-        report["engine"] = engine
-        _print_table("offline throughput (engine, greedy)", [report["engine"]])
-        gib = {k: v / GIB if k != "kv_blocks" else v for k, v in report["memory_plan"].items()}
-        _print_table("engine memory plan (GiB)", [gib])
+        engine = attempt("engine", lambda: run_engine(plan, model, budget))
+        if engine is not None:
+            report["memory_plan"] = engine.pop("memory_plan")
+            save(report)
+            _print_table("offline throughput (engine, greedy)", [engine])
+            gib = {k: v / GIB if k != "kv_blocks" else v for k, v in report["memory_plan"].items()}
+            _print_table("engine memory plan (GiB)", [gib])
     return report
 
 
@@ -917,11 +966,22 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         plan = real_plan(args)
-    report = run(plan, skip_engine=args.skip_engine, tp_args=args if world > 1 else None)
-    report["dry_run"] = bool(args.dry_run)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str))
+
+    def save(report: dict[str, Any]) -> None:
+        report["dry_run"] = bool(args.dry_run)
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+
+    report = run(plan, skip_engine=args.skip_engine, tp_args=args if world > 1 else None, save=save)
+    save(report)
     _say(f"\nwrote {args.out}")
+    failed = sorted(report.get("errors", {}))
+    if failed:
+        _say(
+            f"sections that failed (tracebacks under 'errors'): {', '.join(failed)}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -10,15 +10,22 @@
 # size; it needs N visible GPUs and stops before anything runs when there are fewer. The split
 # ranks are bounded by gpu_bench.py's SPLIT_DEADLINE_S (300 s), so the command stays within 10
 # minutes.
+# A failing step does not stop the later ones (a device lease may allow only one try): the
+# benchmark writes its JSON after every section and records a failing section's traceback in
+# it; the command exits non-zero if the tests or any section failed. On a bare machine with no
+# install of this package, the checkout's server/, kernels/ and client/ go on PYTHONPATH.
 # Usage: benchmarks/run_gpu_checks.sh [out.json] [gpu_bench.py args, e.g. --requests 200,
 #        --tensor-parallel-size 2]
 set -euo pipefail
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
-[[ -x "$PY" ]] || PY=python
+[[ -x "$PY" ]] || PY=python3
+if ! "$PY" -c 'import ferrum_server' 2>/dev/null; then
+  export PYTHONPATH="$PWD/server:$PWD/kernels:$PWD/client${PYTHONPATH:+:$PYTHONPATH}"
+fi
 OUT="gpu_bench.json"
 if [[ $# -gt 0 && "$1" != -* ]]; then
   OUT="$1"
@@ -58,11 +65,13 @@ names = ", ".join(torch.cuda.get_device_name(i) for i in range(max(tp, 1)))
 print(f"torch {torch.__version__}, triton {triton.__version__}, TP={tp} on {names}")
 PYEOF
 
+failed=0
 echo "== GPU kernel tests"
-"$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovider
+"$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovider -rfE --durations=5 --timeout 150 || failed=1
 
 echo "== benchmark (TP=$TP)"
-"$PY" benchmarks/gpu_bench.py --out "$OUT" "$@"
+"$PY" benchmarks/gpu_bench.py --out "$OUT" "$@" || failed=1
+[[ -f "$OUT" ]] || { echo "the benchmark wrote no report" >&2; exit 1; }
 
 echo "== summary (TP=$TP)"
 "$PY" - "$OUT" <<'PYEOF'
@@ -71,7 +80,23 @@ report = json.load(open(sys.argv[1]))
 for row in report.get("decode", []):
     graph = row.get("graph_step_ms")
     extra = f", graph {graph:.3f} ms (x{row['graph_speedup']:.2f})" if graph else ""
-    print(f"TP=1 decode b={row['batch']}: eager {row['step_ms']:.3f} ms{extra}")
+    print(
+        f"TP=1 decode b={row['batch']}: eager {row['step_ms']:.3f} ms{extra}; "
+        f"weight-read floor {row['weight_floor_ms']:.3f} ms (eager x{row['vs_weight_floor']:.2f})"
+    )
+prefill = report.get("prefill")
+if prefill:
+    print(
+        f"TP=1 prefill {prefill['tokens']} tokens: {prefill['step_ms']:.1f} ms, "
+        f"{prefill['tokens_per_s']:.0f} tok/s, {prefill['fraction_of_gemm_rate']:.0%} of the GEMM rate"
+    )
+engine = report.get("engine")
+if engine:
+    print(
+        f"TP=1 engine offline: {engine['output_tokens_per_s']:.0f} output tok/s, "
+        f"{engine['total_tokens_per_s']:.0f} total tok/s, {engine['requests']} requests "
+        f"in {engine['seconds']:.1f} s, {engine['graph_steps']} graph steps"
+    )
 split = report.get("tensor_parallel")
 if split:
     for section, key in (("decode", "batch"), ("prefill", "tokens")):
@@ -87,4 +112,7 @@ plan = report.get("memory_plan")
 if plan:
     parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in plan.items() if k != "kv_blocks")
     print(f"TP=1 memory plan: {parts}, {plan['kv_blocks']} KV blocks")
+for name in report.get("errors", {}):
+    print(f"section {name} FAILED (traceback in the report's 'errors')")
 PYEOF
+exit "$failed"

@@ -84,3 +84,51 @@ def test_tensor_parallel_needs_that_many_gpus(
     assert not out.exists()
     assert bench.main(["--dry-run", "--tensor-parallel-size", "0", "--out", str(out)]) == 2
     assert not out.exists()
+
+
+def test_a_failing_section_is_recorded_and_the_rest_still_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device lease may allow one try: a section that raises leaves its traceback in the
+    report, the later sections still run, and the exit code says something failed."""
+    bench = _load_bench()
+
+    def broken(plan: object) -> None:
+        raise RuntimeError("kernel launch failed")
+
+    monkeypatch.setattr(bench, "bench_kernels", broken)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--dry-run", "--requests", "4", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert list(report["errors"]) == ["kernels"]
+    assert "RuntimeError: kernel launch failed" in report["errors"]["kernels"]
+    assert "kernels" not in report
+    assert report["decode"] and report["prefill"]["tokens"] == 32
+    assert report["engine"]["requests"] == 4
+    assert set(report["section_seconds"]) == {
+        "rates",
+        "kernels",
+        "model",
+        "cuda_graphs",
+        "decode",
+        "prefill",
+        "engine",
+    }
+
+
+def test_the_report_is_written_after_every_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed mid-way (a lease's time limit) keeps what the finished sections measured."""
+    bench = _load_bench()
+    out = tmp_path / "bench.json"
+    seen: list[set[str]] = []
+    real_prefill = bench.bench_prefill
+
+    def prefill_then_look(*args: object) -> object:
+        seen.append(set(json.loads(out.read_text())))
+        return real_prefill(*args)
+
+    monkeypatch.setattr(bench, "bench_prefill", prefill_then_look)
+    assert bench.main(["--dry-run", "--requests", "4", "--out", str(out)]) == 0
+    assert {"rates", "kernels", "decode"} <= seen[0] and "prefill" not in seen[0]
