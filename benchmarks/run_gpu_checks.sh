@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (a few minutes on an H100/H200):
 #   1. the CUDA tests (tests/gpu: kernels, CUDA graph replay vs eager, the measured memory plan;
-#      in their own pytest process: the interpreter-mode unit tests set TRITON_INTERPRET=1
-#      process-wide, so they must not be collected alongside);
+#      one pytest process per file, apart from the other tests: the interpreter-mode unit tests
+#      set TRITON_INTERPRET=1 process-wide, so they must not be collected alongside);
 #   2. the Llama-3-8B-shaped benchmark, JSON report to $OUT (default gpu_bench.json), then a
 #      summary of decode latency with and without CUDA graphs and the engine's memory plan.
 # With --tensor-parallel-size N (N > 1) step 2 times the model split over N GPUs (cuda:0..N-1,
@@ -66,8 +66,14 @@ print(f"torch {torch.__version__}, triton {triton.__version__}, TP={tp} on {name
 PYEOF
 
 failed=0
-echo "== GPU kernel tests"
-"$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovider -rfE --durations=5 --timeout 150 || failed=1
+echo "== GPU tests"
+# One process per file: a CUDA fault (an illegal address) poisons the process's context and
+# would abort every test after it.
+for test_file in tests/gpu/test_*.py; do
+  echo "-- $test_file"
+  "$PY" -m pytest "$test_file" -m gpu -q -p no:cacheprovider -rfE --durations=3 --timeout 150 \
+    || failed=1
+done
 
 echo "== benchmark (TP=$TP)"
 "$PY" benchmarks/gpu_bench.py --out "$OUT" "$@" || failed=1

@@ -211,8 +211,12 @@ class DecodeGraphs:
         # while a copy may still be reading it.
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, Graph] = {}
-        # Per bucket: the metadata object the model sees (kept alive with its device tensors).
-        self._metas: dict[int, AttentionMetadata] = {}
+        # Per bucket: the captured function. A CUDA graph holds raw device addresses, not
+        # references, so everything the function closes over must outlive the graph: the
+        # metadata the model sees and the decode attention's index tensors (built outside
+        # capture by the ordinary allocator). Dropped, their memory goes back to the allocator
+        # and the replays read whatever is put there next.
+        self._captured: dict[int, Callable[[], None]] = {}
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -228,7 +232,9 @@ class DecodeGraphs:
             if size not in self.layout.batch_sizes:
                 raise ValueError(f"{size} is not one of the buckets {self.layout.batch_sizes}")
             if size not in self.graphs:
-                self.graphs[size] = self.capturer.capture(self._forward_fn(size))
+                forward = self._forward_fn(size)
+                self.graphs[size] = self.capturer.capture(forward)
+                self._captured[size] = forward
 
     def _forward_fn(self, size: int) -> Callable[[], None]:
         """The function captured for one bucket: only static views, no host values."""
@@ -248,7 +254,6 @@ class DecodeGraphs:
         # which is the static slot row. The host context lengths are upper bounds only.
         max_context = batch.max_context
         meta = AttentionMetadata.build(list(range(size + 1)), [max_context] * size, tables, slots)
-        self._metas[size] = meta
         logits = self.logits[:size]  # [B, V]
         model, kv_cache = self.model, self.kv_cache
 

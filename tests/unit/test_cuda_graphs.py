@@ -7,9 +7,11 @@ graph-safe attention is the torch reference over the whole table width.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -297,6 +299,46 @@ def test_graphs_need_graph_safe_attention_and_a_scratch_block() -> None:
             _graph_backend(),
             EagerCapturer(),
         )
+
+
+class _AddressOnlyGraph:
+    """Like a CUDA graph: it replays what was captured but holds no reference to it (a real
+    graph keeps raw device addresses, so whatever the captured function closed over must be
+    kept alive by its owner, or the replay reads freed memory)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = weakref.ref(fn)
+
+    def replay(self) -> None:
+        fn = self._fn()
+        if fn is None:
+            raise AssertionError("the captured function (and the tensors it holds) was freed")
+        fn()
+
+
+class _AddressOnlyCapturer:
+    def capture(self, fn: Callable[[], None]) -> _AddressOnlyGraph:
+        fn()
+        return _AddressOnlyGraph(fn)
+
+
+def test_graphs_keep_what_their_captured_forward_holds_alive() -> None:
+    """The decode attention's index tensors and the metadata are built outside capture; the
+    first GPU run found them freed after capture (garbage logits, then illegal accesses)."""
+    p = _Pool(num_blocks=64, max_batch=4)
+    p.graphs = DecodeGraphs(
+        p.model, p.kv, p.graphs.layout, _graph_backend(), _AddressOnlyCapturer()
+    )
+    p.graphs.capture()
+    gc.collect()
+    seqs = [p.open(5 + 3 * i, seed=i) for i in range(3)]
+    items = p.decode_items(seqs, 0)
+    p.runner.graphs = p.graphs
+    graphed = p.runner.run(items, seqs)
+    p.runner.graphs = None
+    eager = p.runner.run(items, seqs)
+    assert graphed.graphed and not eager.graphed
+    torch.testing.assert_close(_logits(graphed), _logits(eager), atol=1e-5, rtol=1e-5)
 
 
 # -- the engine wiring ----------------------------------------------------------------------
