@@ -71,6 +71,7 @@ from ferrum_server.cuda_graphs import (
     DecodeGraphs,
     EagerCapturer,
     GraphCapturer,
+    bucket_for,
     graph_batch_sizes,
     graph_capturer_for,
 )
@@ -353,9 +354,14 @@ def bench_decode(
         items = [(plan.decode_context, 1)] * batch_size
         batch = make_batch(plan, items, plan.config.vocab_size)
         step_s = time_it(lambda batch=batch: run_step(model, kv, batch, backend), plan)
-        graph_s = 0.0
+        graph_s = replay_s = 0.0
         if graphs is not None:
             graph_s = time_it(lambda batch=batch: run_graph_step(graphs, batch, backend), plan)
+            # The replay alone, on the inputs the last step staged: the rest of graph_s is the
+            # host staging, the input copies and the eager sampling.
+            bucket = bucket_for(batch_size, graphs.batch_sizes)
+            assert bucket is not None
+            replay_s = time_it(graphs.graphs[bucket].replay, plan)
         kv_read = (
             batch_size * (plan.decode_context + 1) * kv_bytes_per_token(plan.config, plan.dtype)
         )
@@ -370,7 +376,11 @@ def bench_decode(
                 "vs_weight_floor": step_s / floor,
                 "tokens_per_s": batch_size / step_s,
                 **(
-                    {"graph_step_ms": graph_s * 1e3, "graph_speedup": step_s / graph_s}
+                    {
+                        "graph_step_ms": graph_s * 1e3,
+                        "graph_replay_ms": replay_s * 1e3,
+                        "graph_speedup": step_s / graph_s,
+                    }
                     if graph_s
                     else {}
                 ),
@@ -725,6 +735,8 @@ def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) ->
     prefilling: list[Request] = []  # admitted, prompt not fully cached yet
     reserved = 0
     steps = prefill_tokens = decode_tokens = 0
+    # Per step: (holds prefill chunks, wall seconds of execute, the engine's own timings).
+    records: list[tuple[bool, float, Any]] = []
     started = time.perf_counter()
     while waiting or running or prefilling:
         items: list[StepItem] = []
@@ -763,7 +775,10 @@ def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) ->
             budget -= len(chunk)
         if not items:
             raise RuntimeError("continuous batching loop stalled (KV budget too small?)")
-        outcome = engine.execute(Step(items))
+        has_prefill = any(item.kind == ItemKind.PREFILL_CHUNK for item in items)
+        step_started = time.perf_counter()
+        outcome = engine.execute(Step(items))  # returns host token ids: the device is done
+        records.append((has_prefill, time.perf_counter() - step_started, outcome.timings))
         steps += 1
         for item, req, result in zip(items, owners, outcome.results, strict=True):
             if result.status == ItemStatus.DEFERRED:
@@ -795,7 +810,31 @@ def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) ->
         "requests_per_s": len(requests) / elapsed,
         "output_tokens_per_s": outputs / elapsed,
         "total_tokens_per_s": (prefill_tokens + decode_tokens) / elapsed,
+        "execute_seconds": sum(wall for _, wall, _ in records),
+        "steps_by_kind": _step_breakdown(records),
     }
+
+
+def _step_breakdown(records: list[tuple[bool, float, Any]]) -> dict[str, dict[str, float]]:
+    """Steps that held prefill chunks and decode-only steps apart: how many, their wall time
+    in ``execute``, and the engine's own split of it (``forward_ns`` is the launches' host
+    time on CUDA; sampling waits for the device)."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, prefill in (("with_prefill", True), ("decode_only", False)):
+        rows = [(wall, t) for has_prefill, wall, t in records if has_prefill is prefill]
+        if not rows:
+            continue
+        walls = sorted(wall for wall, _ in rows)
+        n = len(rows)
+        out[kind] = {
+            "steps": n,
+            "seconds": sum(walls),
+            "p50_ms": walls[n // 2] * 1e3,
+            "mean_forward_ms": sum(t.forward_ns for _, t in rows) / n / 1e6,
+            "mean_sample_ms": sum(t.sample_ns for _, t in rows) / n / 1e6,
+            "mean_engine_total_ms": sum(t.total_ns for _, t in rows) / n / 1e6,
+        }
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

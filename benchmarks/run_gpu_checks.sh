@@ -85,7 +85,10 @@ import json, sys
 report = json.load(open(sys.argv[1]))
 for row in report.get("decode", []):
     graph = row.get("graph_step_ms")
-    extra = f", graph {graph:.3f} ms (x{row['graph_speedup']:.2f})" if graph else ""
+    extra = ""
+    if graph:
+        extra = f", graph {graph:.3f} ms (x{row['graph_speedup']:.2f}; replay alone"
+        extra += f" {row['graph_replay_ms']:.3f} ms)"
     print(
         f"TP=1 decode b={row['batch']}: eager {row['step_ms']:.3f} ms{extra}; "
         f"weight-read floor {row['weight_floor_ms']:.3f} ms (eager x{row['vs_weight_floor']:.2f})"
@@ -103,6 +106,12 @@ if engine:
         f"{engine['total_tokens_per_s']:.0f} total tok/s, {engine['requests']} requests "
         f"in {engine['seconds']:.1f} s, {engine['graph_steps']} graph steps"
     )
+    for kind, row in engine.get("steps_by_kind", {}).items():
+        print(
+            f"  {kind}: {row['steps']} steps, {row['seconds']:.2f} s, p50 {row['p50_ms']:.1f} ms; "
+            f"engine forward {row['mean_forward_ms']:.1f}, sample {row['mean_sample_ms']:.1f}, "
+            f"total {row['mean_engine_total_ms']:.1f} ms a step"
+        )
 split = report.get("tensor_parallel")
 if split:
     for section, key in (("decode", "batch"), ("prefill", "tokens")):

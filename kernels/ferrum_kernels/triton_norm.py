@@ -142,7 +142,8 @@ def _rotate_heads(
     x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
     dt = x1.dtype
     # Each product and sum is rounded to the activation dtype, as eager torch does; a float32
-    # product of two half-precision values is exact, so these match torch bit for bit.
+    # product of two half-precision values is exact, so these match torch bit for bit (with fp
+    # fusion off at launch: see rotary_triton).
     a = (x1.to(tl.float32) * c).to(dt).to(tl.float32)
     b = (x2.to(tl.float32) * s).to(dt).to(tl.float32)
     o1 = (a - b).to(dt)
@@ -217,5 +218,10 @@ def rotary_triton(
         HALF=half,
         HEADS_PAD=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
         HALF_PAD=triton.next_power_of_2(half),
+        # Without this the first H200 run differed from eager torch by one ulp in bf16 and fp16:
+        # LLVM narrows each rounded float32 product to a native half-precision multiply, then
+        # contracts multiply and subtract into one fma, which skips the product's rounding that
+        # eager torch does. (The interpreter drops this compile option; it never fuses.)
+        enable_fp_fusion=False,
     )
     return q, k

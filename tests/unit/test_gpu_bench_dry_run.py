@@ -34,6 +34,10 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     engine = report["engine"]
     assert engine["requests"] == 6 and engine["output_tokens"] == 6 * 4
     assert engine["output_tokens_per_s"] > 0
+    kinds = engine["steps_by_kind"]
+    assert kinds["with_prefill"]["steps"] + kinds["decode_only"]["steps"] == engine["steps"]
+    assert 0 < engine["execute_seconds"] <= engine["seconds"]
+    assert all(row["graph_replay_ms"] > 0 for row in report["decode"])
 
 
 def test_flop_model_counts_linear_layers() -> None:
