@@ -10,13 +10,19 @@ Sections (each printed as a table row and stored in the JSON written to ``--out`
 * ``decode``: one decode step (forward + LM head + greedy sample) at batch 1/8/64/256 with ~512
   tokens of context each, against the weight-read floor = weight bytes / copy bandwidth (and the
   same floor including the KV bytes the step must read); eager and replayed from a CUDA graph
-  (``graph_step_ms``; on the CPU dry run the graph is an eager stand-in).
+  (``graph_step_ms``, and the replay alone, ``graph_replay_ms``; on the CPU dry run the graph is
+  an eager stand-in).
+* ``profile``: torch.profiler over a few decode steps, eager and graph-replayed, at the smallest
+  and largest batch: wall time per step, the device's busy time (its kernels' own time summed)
+  and the ops taking the most device and host time. The engine section profiles a few of its
+  steady-state decode steps the same way (``engine.profile_decode_steps``).
 * ``prefill``: tokens/s of a fresh 8192-token prefill step, against the floor set by the
   measured GEMM rate for the step's matmul FLOPs.
 * ``engine``: offline throughput through the in-process ``Engine`` with a simple continuous
   batching loop (decodes first, then chunked prefill up to the token budget), greedy; on CUDA
   the engine sizes its own KV pool (measured activations and CUDA graphs) and decode steps
-  replay its graphs (``graph_steps``).
+  replay its graphs (``graph_steps``). ``steps_by_kind`` splits the steps that held prefill
+  chunks from decode-only ones, with the engine's own forward / sampling / total time.
 * ``memory_plan``: how that engine divided device memory (total, budget, weights, peak
   activations, CUDA graphs reserved / measured, KV pool).
 
@@ -197,6 +203,86 @@ def time_it(fn: Callable[[], object], plan: Plan, iters: int | None = None) -> f
         fn()
     _sync(plan.device)
     return (time.perf_counter() - start) / n
+
+
+class StepProfiler:
+    """torch.profiler over a few steps, summarised small enough for the JSON report: per step,
+    the wall time, the device's busy time (the kernels' own time, summed: below the wall time
+    when the host or launches leave the device idle) and the host's, and the ops that take the
+    most of each. On CPU only the host side is recorded."""
+
+    def __init__(self, device: torch.device, top: int = 12) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self.device = device
+        self.top = top
+        self._profile = profile(activities=activities)
+        self._steps = 0
+        self._wall = 0.0
+
+    def start(self) -> StepProfiler:
+        _sync(self.device)
+        self._profile.start()
+        self._started = time.perf_counter()
+        return self
+
+    def step(self) -> None:
+        self._steps += 1
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def stop(self) -> dict[str, Any]:
+        _sync(self.device)
+        self._wall = time.perf_counter() - self._started
+        self._profile.stop()
+        return self.summary()
+
+    def __enter__(self) -> StepProfiler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def summary(self) -> dict[str, Any]:
+        n = max(self._steps, 1)
+        events = list(self._profile.key_averages())
+
+        def top(attr: str) -> list[dict[str, Any]]:
+            ranked = sorted(events, key=lambda e: getattr(e, attr), reverse=True)
+            return [
+                {
+                    "op": e.key[:96],
+                    "calls_per_step": e.count / n,
+                    "us_per_step": getattr(e, attr) / n,
+                }
+                for e in ranked[: self.top]
+                if getattr(e, attr) > 0
+            ]
+
+        return {
+            "steps": self._steps,
+            "wall_ms_per_step": self._wall / n * 1e3,
+            "device_busy_ms_per_step": sum(e.self_device_time_total for e in events) / n / 1e3,
+            "host_op_ms_per_step": sum(e.self_cpu_time_total for e in events) / n / 1e3,
+            "top_device": top("self_device_time_total"),
+            "top_host": top("self_cpu_time_total"),
+        }
+
+
+def profile_steps(fn: Callable[[], object], plan: Plan, steps: int = 5) -> dict[str, Any]:
+    """StepProfiler's summary of ``steps`` calls of fn after the plan's warm-up calls."""
+    for _ in range(plan.warmup):
+        fn()
+    with StepProfiler(plan.device) as prof:
+        for _ in range(steps):
+            fn()
+            prof.step()
+    return prof.summary()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,6 +509,26 @@ def bench_prefill(
         "gemm_floor_ms": floor * 1e3,
         "fraction_of_gemm_rate": floor / step_s,
     }
+
+
+def bench_profile(
+    plan: Plan, model: LlamaForCausalLM, kv: torch.Tensor, graphs: DecodeGraphs | None
+) -> dict[str, Any]:
+    """Where a decode step's time goes, kernel by kernel: eager and graph-replayed at the
+    smallest and largest batch (the graph rows are the whole step: staging, replay, sampling).
+    With CUPTI the kernels inside a replay are recorded one by one."""
+    backend = select_backend(plan.device)
+    out: dict[str, Any] = {}
+    for batch_size in sorted({min(plan.decode_batches), max(plan.decode_batches)}):
+        batch = make_batch(plan, [(plan.decode_context, 1)] * batch_size, plan.config.vocab_size)
+        out[f"decode_b{batch_size}_eager"] = profile_steps(
+            lambda batch=batch: run_step(model, kv, batch, backend), plan
+        )
+        if graphs is not None:
+            out[f"decode_b{batch_size}_graph"] = profile_steps(
+                lambda batch=batch: run_graph_step(graphs, batch, backend), plan
+            )
+    return out
 
 
 def bench_kernels(plan: Plan) -> list[dict[str, Any]]:
@@ -737,6 +843,11 @@ def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) ->
     steps = prefill_tokens = decode_tokens = 0
     # Per step: (holds prefill chunks, wall seconds of execute, the engine's own timings).
     records: list[tuple[bool, float, Any]] = []
+    # A few steady-state decode steps under the profiler, from the first decode-only step at or
+    # after this one (the first wave of prompts is in by then).
+    profile_from = 2 if plan.device.type == "cpu" else 40
+    profiler: StepProfiler | None = None
+    profiled: dict[str, Any] = {}
     started = time.perf_counter()
     while waiting or running or prefilling:
         items: list[StepItem] = []
@@ -776,9 +887,18 @@ def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) ->
         if not items:
             raise RuntimeError("continuous batching loop stalled (KV budget too small?)")
         has_prefill = any(item.kind == ItemKind.PREFILL_CHUNK for item in items)
+        if not profiled and profiler is None and steps >= profile_from and not has_prefill:
+            profiler = StepProfiler(plan.device).start()
+            profiled["batch_sizes"] = []
         step_started = time.perf_counter()
         outcome = engine.execute(Step(items))  # returns host token ids: the device is done
         records.append((has_prefill, time.perf_counter() - step_started, outcome.timings))
+        if profiler is not None:
+            profiler.step()
+            profiled["batch_sizes"].append(len(items))
+            if profiler.steps == 5:
+                profiled.update(profiler.stop())
+                profiler = None
         steps += 1
         for item, req, result in zip(items, owners, outcome.results, strict=True):
             if result.status == ItemStatus.DEFERRED:
@@ -798,6 +918,8 @@ def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) ->
             running.remove(req)
             engine.release(req.cache_id)
             reserved -= math.ceil((len(req.prompt) + out_len) / bs)
+    if profiler is not None:  # the run ended inside the window
+        profiled.update(profiler.stop())
     _sync(plan.device)
     elapsed = time.perf_counter() - started
     outputs = len(requests) * out_len
@@ -812,6 +934,7 @@ def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) ->
         "total_tokens_per_s": (prefill_tokens + decode_tokens) / elapsed,
         "execute_seconds": sum(wall for _, wall, _ in records),
         "steps_by_kind": _step_breakdown(records),
+        "profile_decode_steps": profiled,
     }
 
 
@@ -859,6 +982,17 @@ def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
             v = row.get(k, "")
             cells.append(f"{v:>14.3f}" if isinstance(v, float) else f"{v!s:>14}")
         _say(" | ".join(cells))
+
+
+def _print_profiles(profiles: dict[str, dict[str, Any]]) -> None:
+    for name, prof in profiles.items():
+        wall, busy = prof["wall_ms_per_step"], prof["device_busy_ms_per_step"]
+        host = prof["host_op_ms_per_step"]
+        _say(f"\n== profile {name}: {wall:.3f} ms a step, device busy {busy:.3f}, host {host:.3f}")
+        for side in ("top_device", "top_host"):
+            for row in prof[side][:6]:
+                us, calls = row["us_per_step"], row["calls_per_step"]
+                _say(f"  {side[4:]:>6} {us:9.1f} us  x{calls:<6.1f} {row['op']}")
 
 
 def _attempt(
@@ -943,6 +1077,9 @@ def run(
     decode = attempt("decode", partial(bench_decode, plan, model, kv, rates, graphs))
     if decode is not None:
         _print_table("decode step (context ~512; eager and CUDA graph)", decode)
+    profiled = attempt("profile", partial(bench_profile, plan, model, kv, graphs))
+    if profiled is not None:
+        _print_profiles(profiled)
     del graphs
     prefill = attempt("prefill", partial(bench_prefill, plan, model, kv, rates))
     if prefill is not None:

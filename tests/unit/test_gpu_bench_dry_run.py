@@ -38,6 +38,19 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert kinds["with_prefill"]["steps"] + kinds["decode_only"]["steps"] == engine["steps"]
     assert 0 < engine["execute_seconds"] <= engine["seconds"]
     assert all(row["graph_replay_ms"] > 0 for row in report["decode"])
+    # Kernel-level profiles: eager and graph at the smallest and largest batch, and a few
+    # steady-state engine decode steps (on CPU only the host side is recorded).
+    assert set(report["profile"]) == {
+        "decode_b1_eager", "decode_b1_graph", "decode_b4_eager", "decode_b4_graph"
+    }  # fmt: skip
+    for prof in [*report["profile"].values(), engine["profile_decode_steps"]]:
+        assert prof["wall_ms_per_step"] > 0
+        assert prof["top_host"] and prof["top_host"][0]["us_per_step"] > 0
+        assert prof["device_busy_ms_per_step"] == 0  # no CUDA activity on CPU
+    assert all(prof["steps"] == 5 for prof in report["profile"].values())
+    # Up to 5 engine steps: this small run may end inside the window.
+    engine_profile = engine["profile_decode_steps"]
+    assert 1 <= engine_profile["steps"] == len(engine_profile["batch_sizes"]) <= 5
 
 
 def test_flop_model_counts_linear_layers() -> None:
@@ -115,6 +128,7 @@ def test_a_failing_section_is_recorded_and_the_rest_still_run(
         "model",
         "cuda_graphs",
         "decode",
+        "profile",
         "prefill",
         "engine",
     }
