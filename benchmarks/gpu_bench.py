@@ -800,7 +800,9 @@ def make_requests(plan: Plan) -> list[Request]:
     ]
 
 
-def run_engine(plan: Plan, model: LlamaForCausalLM, kv_budget_bytes: int) -> dict[str, Any]:
+def run_engine(
+    plan: Plan, model: LlamaForCausalLM, kv_budget_bytes: int, profile: bool = True
+) -> dict[str, Any]:
     """kv_budget_bytes: 0 lets the engine size its pool from measurements (CUDA)."""
     config = EngineConfig(
         model="injected",
@@ -817,7 +819,7 @@ def run_engine(plan: Plan, model: LlamaForCausalLM, kv_budget_bytes: int) -> dic
     with mock.patch.object(startup, "load_model", return_value=(model, plan.config)):
         engine = engine_module.Engine(config)
     try:
-        report = _drive(plan, engine, make_requests(plan))
+        report = _drive(plan, engine, make_requests(plan), profile)
         report["graph_steps"] = engine.stats.graph_steps
         report["cuda_graph_batch_sizes"] = list(engine.graph_batch_sizes)
         report["memory_plan"] = {
@@ -829,7 +831,9 @@ def run_engine(plan: Plan, model: LlamaForCausalLM, kv_budget_bytes: int) -> dic
         engine.shutdown()
 
 
-def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) -> dict[str, Any]:
+def _drive(
+    plan: Plan, engine: engine_module.Engine, requests: list[Request], profile: bool = True
+) -> dict[str, Any]:
     """Continuous batching: every running request decodes, then chunked prefill fills the rest
     of the token budget. Admission reserves each request's final length in blocks up front, so
     no step is ever deferred for lack of KV."""
@@ -845,7 +849,7 @@ def _drive(plan: Plan, engine: engine_module.Engine, requests: list[Request]) ->
     records: list[tuple[bool, float, Any]] = []
     # A few steady-state decode steps under the profiler, from the first decode-only step at or
     # after this one (the first wave of prompts is in by then).
-    profile_from = 2 if plan.device.type == "cpu" else 40
+    profile_from = (2 if plan.device.type == "cpu" else 40) if profile else math.inf
     profiler: StepProfiler | None = None
     profiled: dict[str, Any] = {}
     started = time.perf_counter()
@@ -1026,6 +1030,7 @@ def run(
     plan: Plan,
     *,
     skip_engine: bool = False,
+    profile: bool = True,
     tp_args: argparse.Namespace | None = None,
     save: Callable[[dict[str, Any]], None] = lambda report: None,
 ) -> dict[str, Any]:
@@ -1077,21 +1082,21 @@ def run(
     decode = attempt("decode", partial(bench_decode, plan, model, kv, rates, graphs))
     if decode is not None:
         _print_table("decode step (context ~512; eager and CUDA graph)", decode)
-    profiled = attempt("profile", partial(bench_profile, plan, model, kv, graphs))
-    if profiled is not None:
-        _print_profiles(profiled)
-    del graphs
     prefill = attempt("prefill", partial(bench_prefill, plan, model, kv, rates))
     if prefill is not None:
         _print_table("prefill", [prefill])
-    del kv
+    if profile:  # after the plain timings: a profiler that crashes the process costs only itself
+        profiled = attempt("profile", partial(bench_profile, plan, model, kv, graphs))
+        if profiled is not None:
+            _print_profiles(profiled)
+    del graphs, kv
     if plan.device.type == "cuda":
         torch.cuda.empty_cache()
 
     if not skip_engine:
         # CUDA: the engine measures and plans its own pool; CPU: a small fixed one.
         budget = 0 if plan.device.type == "cuda" else 4 * 1024**2
-        engine = attempt("engine", lambda: run_engine(plan, model, budget))
+        engine = attempt("engine", lambda: run_engine(plan, model, budget, profile))
         if engine is not None:
             report["memory_plan"] = engine.pop("memory_plan")
             save(report)
@@ -1107,6 +1112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of every code path")
     parser.add_argument("--requests", type=int, default=1000, help="offline workload size")
     parser.add_argument("--skip-engine", action="store_true", help="skip the offline section")
+    parser.add_argument(
+        "--no-profile", action="store_true", help="skip the torch.profiler summaries"
+    )
     parser.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -1148,7 +1156,13 @@ def main(argv: list[str] | None = None) -> int:
         report["dry_run"] = bool(args.dry_run)
         args.out.write_text(json.dumps(report, indent=2, default=str))
 
-    report = run(plan, skip_engine=args.skip_engine, tp_args=args if world > 1 else None, save=save)
+    report = run(
+        plan,
+        skip_engine=args.skip_engine,
+        profile=not args.no_profile,
+        tp_args=args if world > 1 else None,
+        save=save,
+    )
     save(report)
     _say(f"\nwrote {args.out}")
     failed = sorted(report.get("errors", {}))

@@ -150,3 +150,12 @@ def test_the_report_is_written_after_every_section(
     monkeypatch.setattr(bench, "bench_prefill", prefill_then_look)
     assert bench.main(["--dry-run", "--requests", "4", "--out", str(out)]) == 0
     assert {"rates", "kernels", "decode"} <= seen[0] and "prefill" not in seen[0]
+
+
+def test_no_profile_skips_every_profiler(tmp_path: Path) -> None:
+    bench = _load_bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--dry-run", "--requests", "4", "--no-profile", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "profile" not in report and "profile" not in report["section_seconds"]
+    assert report["engine"]["profile_decode_steps"] == {}
