@@ -275,11 +275,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from ferrum_server.startup import check_split
 
             check_split(configs.engine)
-            return follow(configs.engine, configs.server)
-        return asyncio.run(_serve(configs.engine, configs.server, args.port_file))
+            code = follow(configs.engine, configs.server)
+        else:
+            code = asyncio.run(_serve(configs.engine, configs.server, args.port_file))
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"ferrum-executor: cannot start: {exc}\n")
         return 2
+    if configs.engine.parallel_size > 1:
+        exit_without_teardown(code)
+    return code
+
+
+def exit_without_teardown(code: int) -> typing.NoReturn:
+    """End a split model's rank process once it has stopped, skipping the interpreter's
+    teardown. torch.distributed's C++ threads (gloo's, the TCP store's) may still be alive
+    then, and a joinable std::thread destroyed at exit aborts the process ("terminate called
+    without an active exception", exit -6): CI saw it once, after rank 0 had logged "stopped".
+    The server has released everything by now, the logs are written a line per write and
+    flushed here, and the OS frees the rest."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def add_serve_command(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
