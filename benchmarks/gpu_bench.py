@@ -7,6 +7,8 @@ Sections (each printed as a table row and stored in the JSON written to ``--out`
 * ``kernels``: torch reference vs Triton for decode attention (with the step's KV write, as a
   layer runs it; incl. a split-K long-context case) and for sampling over the full vocabulary
   (greedy, top-p).
+* ``split_sweep``: the Triton decode attention at every forced KV split count, beside the
+  split heuristic's choice, for each attention case (CUDA only).
 * ``decode``: one decode step (forward + LM head + greedy sample) at batch 1/8/64/256 with ~512
   tokens of context each, against the weight-read floor = weight bytes / copy bandwidth (and the
   same floor including the KV bytes the step must read); eager and replayed from a CUDA graph
@@ -529,6 +531,66 @@ def bench_profile(
                 lambda batch=batch: run_graph_step(graphs, batch, backend), plan
             )
     return out
+
+
+# Forced KV partition counts the split sweep times (those that leave each split at least four
+# blocks of context).
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+# (query, one layer's pool, metadata, scale, forced split count or None for the heuristic)
+SplitAttend = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor
+]
+
+
+def _triton_split_attend() -> SplitAttend | None:
+    try:
+        from ferrum_kernels.triton_attention import paged_attention_triton
+    except ImportError:
+        return None
+
+    def attend(
+        q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: float, n: int | None
+    ) -> torch.Tensor:
+        return paged_attention_triton(q, kv, meta, scale, num_splits=n)
+
+    return attend
+
+
+def bench_split_sweep(plan: Plan, attend: SplitAttend | None = None) -> list[dict[str, Any]]:
+    """Decode attention's time by forced KV split count at every attention case, beside the
+    heuristic's own choice (``choose_num_splits``, set without a GPU): the data to set it from.
+    The first H200 run read KV at 994 GB/s for one item of 32k and 833 GB/s for 64 items of
+    512, against a 4.3 TB/s copy. Triton on CUDA (``attend`` stands in elsewhere); empty
+    without it."""
+    if attend is None:
+        attend = _triton_split_attend() if plan.device.type == "cuda" else None
+        if attend is None:
+            return []
+    c = plan.config
+    scale = c.head_dim**-0.5
+    rows: list[dict[str, Any]] = []
+    for batch_size, context in plan.attn_cases:
+        items = [(context - 1, 1)] * batch_size
+        kv = torch.randn(
+            (2, blocks_for(plan, items), plan.block_size, c.num_kv_heads, c.head_dim),
+            device=plan.device,
+        ).to(plan.dtype)  # one layer's pool, this step's K/V included
+        batch = make_batch(plan, items, c.vocab_size)
+        q = torch.randn(batch_size, c.num_heads, c.head_dim, dtype=plan.dtype, device=plan.device)
+        kv_bytes = kv_bytes_per_token(c, plan.dtype) // c.num_layers * batch_size * context
+        row: dict[str, Any] = {"case": f"b={batch_size} ctx={context}"}
+        row["heuristic_us"] = time_it(partial(attend, q, kv, batch.meta, scale, None), plan) * 1e6
+        timed: dict[int, float] = {}
+        for n in SPLIT_COUNTS:
+            if n == 1 or context // n >= 4 * plan.block_size:
+                timed[n] = time_it(partial(attend, q, kv, batch.meta, scale, n), plan) * 1e6
+                row[f"s{n}_us"] = timed[n]
+        best = min(timed, key=timed.__getitem__)
+        row["best_splits"] = best
+        row["best_kv_gbps"] = kv_bytes / (timed[best] / 1e6) / 1e9
+        row["heuristic_kv_gbps"] = kv_bytes / (row["heuristic_us"] / 1e6) / 1e9
+        rows.append(row)
+    return rows
 
 
 def bench_kernels(plan: Plan) -> list[dict[str, Any]]:
@@ -1062,6 +1124,9 @@ def run(
     kernels = attempt("kernels", lambda: bench_kernels(plan))
     if kernels is not None:
         _print_table("kernels (torch vs triton)", kernels)
+    sweep = attempt("split_sweep", lambda: bench_split_sweep(plan))
+    if sweep:
+        _print_table("decode attention by KV split count (us; Triton)", sweep)
 
     model = attempt("model", lambda: build_model(plan), keep=False)
     if model is None:

@@ -93,6 +93,14 @@ for row in report.get("decode", []):
         f"TP=1 decode b={row['batch']}: eager {row['step_ms']:.3f} ms{extra}; "
         f"weight-read floor {row['weight_floor_ms']:.3f} ms (eager x{row['vs_weight_floor']:.2f})"
     )
+for row in report.get("split_sweep", []):
+    best = row["best_splits"]
+    best_us = row["s%d_us" % best]
+    print(
+        f"TP=1 decode attention {row['case']}: heuristic {row['heuristic_us']:.1f} us "
+        f"({row['heuristic_kv_gbps']:.0f} GB/s), best {best} splits "
+        f"{best_us:.1f} us ({row['best_kv_gbps']:.0f} GB/s)"
+    )
 prefill = report.get("prefill")
 if prefill:
     print(

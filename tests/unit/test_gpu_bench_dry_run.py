@@ -125,6 +125,7 @@ def test_a_failing_section_is_recorded_and_the_rest_still_run(
     assert set(report["section_seconds"]) == {
         "rates",
         "kernels",
+        "split_sweep",
         "model",
         "cuda_graphs",
         "decode",
@@ -159,3 +160,26 @@ def test_no_profile_skips_every_profiler(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert "profile" not in report and "profile" not in report["section_seconds"]
     assert report["engine"]["profile_decode_steps"] == {}
+
+
+def test_split_sweep_times_every_count_that_leaves_each_split_four_blocks() -> None:
+    """Off CUDA the sweep is empty; with an attention function it times the heuristic and each
+    forced count whose splits still hold four blocks, and names the fastest."""
+    import argparse
+
+    from ferrum_kernels.attention import paged_attention
+
+    bench = _load_bench()
+    plan = bench.dry_plan(argparse.Namespace(requests=4))
+    assert bench.bench_split_sweep(plan) == []
+    seen: list[int | None] = []
+
+    def attend(q: Any, kv: Any, meta: Any, scale: float, n: int | None) -> Any:
+        seen.append(n)
+        return paged_attention(q, kv, meta, scale)
+
+    (row,) = bench.bench_split_sweep(plan, attend)  # one case: 2 items of 40 tokens, blocks of 4
+    assert row["case"] == "b=2 ctx=40"
+    assert set(seen) == {None, 1, 2}  # 40 // 4 < 16 tokens a split: no more than 2
+    assert {k for k in row if k.startswith("s")} == {"s1_us", "s2_us"}
+    assert row["best_splits"] in (1, 2) and row["best_kv_gbps"] > 0 and row["heuristic_us"] > 0
