@@ -218,10 +218,11 @@ def rotary_triton(
         HALF=half,
         HEADS_PAD=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
         HALF_PAD=triton.next_power_of_2(half),
-        # Without this the first H200 run differed from eager torch by one ulp in bf16 and fp16:
-        # LLVM narrows each rounded float32 product to a native half-precision multiply, then
-        # contracts multiply and subtract into one fma, which skips the product's rounding that
-        # eager torch does. (The interpreter drops this compile option; it never fuses.)
+        # Fusion on, the first H200 run differed from eager torch by one ulp in bf16 and fp16.
+        # The likely cause (not yet confirmed on a GPU): LLVM narrows each rounded float32
+        # product to a native half-precision multiply, then contracts multiply and subtract
+        # into one fma, skipping the product's rounding that eager torch does. (The interpreter
+        # drops this compile option; it never fuses.)
         enable_fp_fusion=False,
     )
     return q, k
