@@ -954,16 +954,19 @@ def _drive(
             raise RuntimeError("continuous batching loop stalled (KV budget too small?)")
         has_prefill = any(item.kind == ItemKind.PREFILL_CHUNK for item in items)
         if not profiled and profiler is None and steps >= profile_from and not has_prefill:
-            profiler = StepProfiler(plan.device).start()
+            # On the engine thread: torch.profiler records the host ops of its own thread.
+            profiler = engine.call_sync(StepProfiler(plan.device).start)
             profiled["batch_sizes"] = []
         step_started = time.perf_counter()
-        outcome = engine.execute(Step(items))  # returns host token ids: the device is done
+        # On the engine thread, as a server runs every step (and the thread hop with it).
+        # Returns host token ids: the device is done with the step.
+        outcome = engine.call_sync(engine.execute, Step(items))
         records.append((has_prefill, time.perf_counter() - step_started, outcome.timings))
         if profiler is not None:
             profiler.step()
             profiled["batch_sizes"].append(len(items))
             if profiler.steps == 5:
-                profiled.update(profiler.stop())
+                profiled.update(engine.call_sync(profiler.stop))
                 profiler = None
         steps += 1
         for item, req, result in zip(items, owners, outcome.results, strict=True):
@@ -982,10 +985,10 @@ def _drive(
                 req.generated.extend(result.token_ids)
         for req in [r for r in running if len(r.generated) >= out_len]:
             running.remove(req)
-            engine.release(req.cache_id)
+            engine.call_sync(engine.release, req.cache_id)
             reserved -= math.ceil((len(req.prompt) + out_len) / bs)
     if profiler is not None:  # the run ended inside the window
-        profiled.update(profiler.stop())
+        profiled.update(engine.call_sync(profiler.stop))
     _sync(plan.device)
     elapsed = time.perf_counter() - started
     outputs = len(requests) * out_len

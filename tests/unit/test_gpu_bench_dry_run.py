@@ -183,3 +183,31 @@ def test_split_sweep_times_every_count_that_leaves_each_split_four_blocks() -> N
     assert set(seen) == {None, 1, 2}  # 40 // 4 < 16 tokens a split: no more than 2
     assert {k for k in row if k.startswith("s")} == {"s1_us", "s2_us"}
     assert row["best_splits"] in (1, 2) and row["best_kv_gbps"] > 0 and row["heuristic_us"] > 0
+
+
+def test_engine_steps_run_on_the_engine_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a server runs them: every step and release on the engine's own thread."""
+    import threading
+
+    from ferrum_server import engine as engine_module
+
+    threads: set[str] = set()
+    real_execute = engine_module.Engine.execute
+    real_release = engine_module.Engine.release
+
+    def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return real_execute(self, *args, **kwargs)
+
+    def release(self: Any, *args: Any, **kwargs: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return real_release(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.Engine, "execute", execute)
+    monkeypatch.setattr(engine_module.Engine, "release", release)
+    bench = _load_bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--dry-run", "--requests", "4", "--no-profile", "--out", str(out)]) == 0
+    assert threads and all(name.startswith("ferrum-engine") for name in threads), threads
