@@ -83,7 +83,7 @@ from ferrum_server.cuda_graphs import (
     graph_batch_sizes,
     graph_capturer_for,
 )
-from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem
+from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem, Timings
 from ferrum_server.models import LlamaForCausalLM, ModelConfig, tiny_config
 from ferrum_server.parallel import SINGLE_RANK, TensorParallel, collective_backend
 from ferrum_server.parallel.sharding import vocab_shard
@@ -244,12 +244,6 @@ class StepProfiler:
         self._profile.stop()
         return self.summary()
 
-    def __enter__(self) -> StepProfiler:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def summary(self) -> dict[str, Any]:
         n = max(self._steps, 1)
         events = list(self._profile.key_averages())
@@ -280,11 +274,11 @@ def profile_steps(fn: Callable[[], object], plan: Plan, steps: int = 5) -> dict[
     """StepProfiler's summary of ``steps`` calls of fn after the plan's warm-up calls."""
     for _ in range(plan.warmup):
         fn()
-    with StepProfiler(plan.device) as prof:
-        for _ in range(steps):
-            fn()
-            prof.step()
-    return prof.summary()
+    prof = StepProfiler(plan.device).start()
+    for _ in range(steps):
+        fn()
+        prof.step()
+    return prof.stop()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,14 +564,7 @@ def bench_split_sweep(plan: Plan, attend: SplitAttend | None = None) -> list[dic
     scale = c.head_dim**-0.5
     rows: list[dict[str, Any]] = []
     for batch_size, context in plan.attn_cases:
-        items = [(context - 1, 1)] * batch_size
-        kv = torch.randn(
-            (2, blocks_for(plan, items), plan.block_size, c.num_kv_heads, c.head_dim),
-            device=plan.device,
-        ).to(plan.dtype)  # one layer's pool, this step's K/V included
-        batch = make_batch(plan, items, c.vocab_size)
-        q = torch.randn(batch_size, c.num_heads, c.head_dim, dtype=plan.dtype, device=plan.device)
-        kv_bytes = kv_bytes_per_token(c, plan.dtype) // c.num_layers * batch_size * context
+        kv, batch, q, kv_bytes = _attention_case(plan, batch_size, context)
         row: dict[str, Any] = {"case": f"b={batch_size} ctx={context}"}
         row["heuristic_us"] = time_it(partial(attend, q, kv, batch.meta, scale, None), plan) * 1e6
         timed: dict[int, float] = {}
@@ -593,6 +580,23 @@ def bench_split_sweep(plan: Plan, attend: SplitAttend | None = None) -> list[dic
     return rows
 
 
+def _attention_case(
+    plan: Plan, batch_size: int, context: int
+) -> tuple[torch.Tensor, Batch, torch.Tensor, int]:
+    """One layer's pool, the batch of ``batch_size`` decodes at ``context`` (this step's token
+    included), their queries [B, H, D] and the KV bytes the attention must read."""
+    c = plan.config
+    items = [(context - 1, 1)] * batch_size
+    kv = torch.randn(
+        (2, blocks_for(plan, items), plan.block_size, c.num_kv_heads, c.head_dim),
+        device=plan.device,
+    ).to(plan.dtype)
+    batch = make_batch(plan, items, c.vocab_size)
+    q = torch.randn(batch_size, c.num_heads, c.head_dim, dtype=plan.dtype, device=plan.device)
+    kv_bytes = kv_bytes_per_token(c, plan.dtype) // c.num_layers * batch_size * context
+    return kv, batch, q, kv_bytes
+
+
 def bench_kernels(plan: Plan) -> list[dict[str, Any]]:
     """Decode attention and sampling, torch reference vs Triton (CUDA only for Triton)."""
     c = plan.config
@@ -605,18 +609,11 @@ def bench_kernels(plan: Plan) -> list[dict[str, Any]]:
             rows.append({"kernel": "triton", "skipped": str(exc)})
     scale = c.head_dim**-0.5
     for batch_size, context in plan.attn_cases:
-        items = [(context - 1, 1)] * batch_size
-        kv = torch.randn(
-            (2, blocks_for(plan, items), plan.block_size, c.num_kv_heads, c.head_dim),
-            device=plan.device,
-        ).to(plan.dtype)  # one layer's pool
-        batch = make_batch(plan, items, c.vocab_size)
-        q = torch.randn(batch_size, c.num_heads, c.head_dim, dtype=plan.dtype, device=plan.device)
+        kv, batch, q, kv_bytes = _attention_case(plan, batch_size, context)
         k, v = torch.randn(
             2, batch_size, c.num_kv_heads, c.head_dim, dtype=plan.dtype, device=plan.device
         )  # this step's K/V, written by the attention call
         row: dict[str, Any] = {"kernel": f"decode_attention b={batch_size} ctx={context}"}
-        kv_bytes = kv_bytes_per_token(c, plan.dtype) // c.num_layers * batch_size * context
         for name, backend in backends:
             s = time_it(partial(backend.attention, q, k, v, kv, batch.meta, scale), plan)
             row[f"{name}_us"] = s * 1e6
@@ -908,7 +905,7 @@ def _drive(
     reserved = 0
     steps = prefill_tokens = decode_tokens = 0
     # Per step: (holds prefill chunks, wall seconds of execute, the engine's own timings).
-    records: list[tuple[bool, float, Any]] = []
+    records: list[tuple[bool, float, Timings]] = []
     # A few steady-state decode steps under the profiler, from the first decode-only step at or
     # after this one (the first wave of prompts is in by then).
     profile_from = (2 if plan.device.type == "cpu" else 40) if profile else math.inf
@@ -1007,7 +1004,7 @@ def _drive(
     }
 
 
-def _step_breakdown(records: list[tuple[bool, float, Any]]) -> dict[str, dict[str, float]]:
+def _step_breakdown(records: list[tuple[bool, float, Timings]]) -> dict[str, dict[str, float]]:
     """Steps that held prefill chunks and decode-only steps apart: how many, their wall time
     in ``execute``, and the engine's own split of it (``forward_ns`` is the launches' host
     time on CUDA; sampling waits for the device)."""
