@@ -48,6 +48,7 @@ config in seconds (used by tests/unit/test_gpu_bench_dry_run.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -1082,7 +1083,11 @@ def _attempt(
         _say(f"\n!! section {name} failed: {exc!r}", file=sys.stderr)
         value = None
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            # After a device fault (an illegal address) this raises too, as it did on the first
+            # H200 run from inside this handler, which lost the report; the later sections then
+            # fail fast and are recorded.
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
     report.setdefault("section_seconds", {})[name] = time.perf_counter() - started
     save()
     return value

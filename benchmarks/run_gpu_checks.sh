@@ -114,20 +114,20 @@ if engine:
         f"{engine['total_tokens_per_s']:.0f} total tok/s, {engine['requests']} requests "
         f"in {engine['seconds']:.1f} s, {engine['graph_steps']} graph steps"
     )
-    profiles = dict(report.get("profile", {}))
-    if engine.get("profile_decode_steps"):
-        profiles["engine_decode_steps"] = engine["profile_decode_steps"]
-    for name, prof in profiles.items():
-        print(
-            f"  profile {name}: {prof['wall_ms_per_step']:.2f} ms a step, device busy "
-            f"{prof['device_busy_ms_per_step']:.2f} ms, host ops {prof['host_op_ms_per_step']:.2f} ms"
-        )
     for kind, row in engine.get("steps_by_kind", {}).items():
         print(
             f"  {kind}: {row['steps']} steps, {row['seconds']:.2f} s, p50 {row['p50_ms']:.1f} ms; "
             f"engine forward {row['mean_forward_ms']:.1f}, sample {row['mean_sample_ms']:.1f}, "
             f"total {row['mean_engine_total_ms']:.1f} ms a step"
         )
+profiles = dict(report.get("profile", {}))
+if engine and engine.get("profile_decode_steps"):
+    profiles["engine_decode_steps"] = engine["profile_decode_steps"]
+for name, prof in profiles.items():
+    print(
+        f"TP=1 profile {name}: {prof['wall_ms_per_step']:.2f} ms a step, device busy "
+        f"{prof['device_busy_ms_per_step']:.2f} ms, host ops {prof['host_op_ms_per_step']:.2f} ms"
+    )
 split = report.get("tensor_parallel")
 if split:
     for section, key in (("decode", "batch"), ("prefill", "tokens")):

@@ -211,3 +211,24 @@ def test_engine_steps_run_on_the_engine_thread(
     out = tmp_path / "bench.json"
     assert bench.main(["--dry-run", "--requests", "4", "--no-profile", "--out", str(out)]) == 0
     assert threads and all(name.startswith("ferrum-engine") for name in threads), threads
+
+
+def test_a_device_fault_that_breaks_the_cleanup_still_leaves_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an illegal address every CUDA call raises, the cache release in the failure path
+    included (the first H200 run lost its report that way)."""
+    import torch
+
+    bench = _load_bench()
+
+    def faulted(*args: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(bench, "bench_kernels", faulted)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", faulted)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--dry-run", "--requests", "4", "--no-profile", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert list(report["errors"]) == ["kernels"] and report["engine"]["requests"] == 4
