@@ -32,6 +32,7 @@ import torch
 from ferrum_kernels.attention import AttentionMetadata, DecodeAttentionFn, DecodeBatch
 from ferrum_kernels.backend import KernelBackend, WriteKvFn
 
+from ferrum_server.device_tokens import DeviceToken, place_device_tokens
 from ferrum_server.kv.block_table import padded_block_table
 from ferrum_server.models import CausalLM
 
@@ -283,9 +284,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(
-        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        device_tokens: list[DeviceToken] | None = None,
     ) -> torch.Tensor:
-        """Logits [B, V] float32 of a decode step: one token per item at `positions`.
+        """Logits [B, V] float32 of a decode step: one token per item at `positions`; the
+        items in `device_tokens` take theirs from the device instead of `token_ids`.
 
         The result is a view of the static logits buffer: valid until the next `run`.
         """
@@ -297,6 +303,10 @@ class DecodeGraphs:
         if width > self.layout.max_blocks_per_sequence:
             raise ValueError(f"a block table of {width} blocks is wider than the graphs")
         self._stage(token_ids, positions, block_tables, size, width)
+        if device_tokens:
+            # After the staging copy in stream order, so these rows win.
+            rows = [token.index for token in device_tokens]
+            place_device_tokens(self.inputs[_TOKEN], rows, device_tokens)
         self.graphs[size].replay()
         return self.logits[:count]
 

@@ -17,11 +17,13 @@ import contextlib
 import dataclasses
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
+from ferrum_kernels.sampling import SampleOutput
 
 from ferrum_server import faults, logs
 from ferrum_server.capacity import (
@@ -33,6 +35,7 @@ from ferrum_server.capacity import (
     PreemptionReceipt,
 )
 from ferrum_server.config import EngineConfig
+from ferrum_server.device_tokens import DeviceToken
 from ferrum_server.domain import (
     CapacityDeferral,
     Completion,
@@ -80,7 +83,7 @@ from ferrum_server.recorder import Recorder
 from ferrum_server.runner import ForwardOutput
 from ferrum_server.startup import BuiltParts, build_parts, check_split
 from ferrum_server.tickets import Ticket
-from ferrum_server.validate import check_instance, validate_step
+from ferrum_server.validate import Validated, check_instance, validate_step
 
 is_out_of_memory = faults.is_out_of_memory
 _LOG = logs.get(__name__)
@@ -88,6 +91,34 @@ _LOG = logs.get(__name__)
 T = TypeVar("T")
 
 _OOM_MESSAGE = "device out of memory in the forward; nothing was committed"
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step whose forward is launched (`Engine.launch`): its input tokens are committed, its
+    outputs are on their way to the host, and `Engine.finish` answers it."""
+
+    step: Step  # as it ran: continuation tokens filled in, narrowed chunks cut
+    caches: list[Cache | None]
+    cache_ids: frozenset[str]  # the caches it holds (a release of one finishes it first)
+    results: list[ItemResult | None]  # filled at launch for the items that did not run
+    groups: list[tuple[list[int], ForwardOutput]]  # item indices and the forward they ran in
+    host: list[SampleOutput | None]  # per group: its sampled outputs, copied to the host
+    copied: torch.cuda.Event | None  # recorded after those copies (CUDA)
+    ran: list[tuple[StepItem, Cache]]
+    lengths: dict[int, int]  # item index -> its cache's committed length after the item
+    narrowed: dict[int, StepItem]
+    deferrals: dict[int, CapacityDeferral]
+    failed: list[int]
+    started: int  # perf_counter_ns
+    submitted_ns: int
+    outcome: StepOutcome | None = None
+    error: BaseException | None = None
+
+    def cache_id(self, index: int) -> str:
+        """The cache item `index` ran on (opened at launch for an opening item); "" if none."""
+        cache = self.caches[index]
+        return cache.cache_id if cache is not None else ""
 
 
 class Engine:
@@ -151,6 +182,8 @@ class Engine:
             self._event_stamp, on_drop=self.recorder.metrics.record_events_dropped
         )
         self.kv.release_listeners.append(self._on_release)
+        # Steps launched and not finished, oldest first (at most two; see `launch`).
+        self._launched: deque[LaunchedStep] = deque()
 
     def _build_parts(self) -> BuiltParts:
         return build_parts(self.config, self.instance_id, self.group.join())
@@ -175,11 +208,24 @@ class Engine:
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run fn(*args) on the engine thread, after everything submitted before it."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, fn, *args)
+        return await loop.run_in_executor(self._thread, self._settled(fn), *args)
 
     def call_sync(self, fn: Callable[..., T], *args: object) -> T:
         """Blocking form of `call`, for callers outside an event loop (tools, tests)."""
-        return self._thread.submit(fn, *args).result()
+        return self._thread.submit(self._settled(fn), *args).result()
+
+    def _settled(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """fn, run only once every launched step has finished, unless fn is one of the calls
+        that keep launched steps in flight (`launch`, `finish`, `release`), so that everything
+        else sees committed tokens on the host."""
+        if getattr(fn, "__self__", None) is self and getattr(fn, "__func__", None) in _IN_FLIGHT:
+            return fn
+
+        def settled(*args: object) -> T:
+            self._settle()
+            return fn(*args)
+
+        return settled
 
     async def run(
         self,
@@ -193,7 +239,8 @@ class Engine:
         left while it ran."""
         ticket.on_orphan = on_orphan
         future: Future[T] = Future()
-        self._turns.put(ticket.caller, Job(future, lambda: ticket.execute(fn, args)))
+        settled = self._settled(fn)
+        self._turns.put(ticket.caller, Job(future, lambda: ticket.execute(settled, args)))
         self._thread.submit(self._turns.run_next)
         return await asyncio.wrap_future(future)
 
@@ -235,32 +282,86 @@ class Engine:
     # -- steps ----------------------------------------------------------------------------
 
     def execute(self, step: Step, submitted_ns: int = 0) -> StepOutcome:
-        """validate → reserve → forward → commit → record.
+        """validate → reserve → forward → commit → record: `launch`, then `finish`.
 
         A refused step changes nothing, a deferred item runs nothing, and an item whose forward
         failed commits nothing.
         """
+        self._settle()
+        return self.finish(self.launch(step, submitted_ns))
+
+    def launch(self, step: Step, submitted_ns: int = 0) -> LaunchedStep:
+        """Validate, reserve, launch the forward and commit the step's input tokens; its
+        outputs stay on the device until `finish`.
+
+        On a GPU the host returns while the device still runs the forward, so a caller that
+        knows its next step (continuation decodes) launches it before finishing this one, and
+        the host's work for one step overlaps the device's for the other. A continuation decode
+        whose cache's token was selected by a step still in flight reads that token on the
+        device (its KV commit is resolved when that step finishes). At most one step stays in
+        flight behind the one launched: an older one is finished first. Under tensor
+        parallelism every earlier step is finished first (the other ranks take their input
+        tokens from the host). Every other engine call first finishes what is in flight, except
+        `release` of a cache no launched step holds.
+        """
         started = time.perf_counter_ns()
         self._check_healthy()
+        self._settle(keep=0 if self.tp.is_parallel else 1)
         validated = validate_step(step, self.kv, self.limits)
-        # Continuation decodes now carry the token their cache selected.
+        if self._launched and not _may_run_ahead(validated):
+            # A penalised continuation needs its cache's tokens on the host.
+            self._settle()
+            validated = validate_step(step, self.kv, self.limits)
+        # Continuation decodes now carry the token their cache selected (or a placeholder).
         step = dataclasses.replace(step, items=validated.items)
         if self.drain_began_ns and not 0 < submitted_ns < self.drain_began_ns:
             _refuse_openers(step, validated.caches, validated.refused)
         self.recorder.begin(len(step.items))
         try:
-            return self._execute(step, validated.caches, validated.refused, started, submitted_ns)
-        finally:
+            launched = self._launch(
+                step, validated.caches, validated.refused, started, submitted_ns
+            )
+        except BaseException:
             self.recorder.end(len(step.items))
+            raise
+        self._launched.append(launched)
+        return launched
 
-    def _execute(
+    def finish(self, launched: LaunchedStep) -> StepOutcome:
+        """Wait for a launched step's outputs and answer it, finishing every step launched
+        before it first (in launch order). Finishing it again answers the same outcome."""
+        while launched.outcome is None and launched.error is None:
+            if not self._launched:
+                raise InvalidArgument("finish() of a step this engine did not launch")
+            self._finish_next()
+        if launched.error is not None:
+            raise launched.error
+        assert launched.outcome is not None
+        return launched.outcome
+
+    def _settle(self, keep: int = 0) -> None:
+        """Finish launched steps, oldest first, until at most `keep` are in flight."""
+        while len(self._launched) > keep:
+            self._finish_next()
+
+    def _finish_next(self) -> None:
+        launched = self._launched.popleft()
+        try:
+            launched.outcome = self._finish(launched)
+        except BaseException as exc:
+            launched.error = exc
+            raise
+        finally:
+            self.recorder.end(len(launched.step.items))
+
+    def _launch(
         self,
         step: Step,
         caches: list[Cache | None],
         refused: dict[int, ExecutorError],
         started: int,
         submitted_ns: int,
-    ) -> StepOutcome:
+    ) -> LaunchedStep:
         held = [len(cache.block_ids) if cache is not None else 0 for cache in caches]
         reservation = self.capacity.reserve_step(step, caches, skip=refused)
         deferrals, narrowed = reservation.deferrals, reservation.narrowed
@@ -275,10 +376,47 @@ class Engine:
         for index, deferral in deferrals.items():
             results[index] = _unrun(step.items[index], caches[index], deferral=deferral)
         runnable = [i for i in range(len(step.items)) if i not in deferrals and i not in refused]
-        groups, failed = self._forward(step, caches, runnable, held) if runnable else ([], [])
+        # Continuation decodes whose token is still on the device (a step in flight chose it).
+        on_device = {
+            i: source
+            for i in runnable
+            if step.items[i].continuation and (source := _device_source(caches[i])) is not None
+        }
+        groups, failed = (
+            self._forward(step, caches, runnable, held, on_device) if runnable else ([], [])
+        )
         ran: list[tuple[StepItem, Cache]] = []
+        lengths: dict[int, int] = {}
         for indices, forward in groups:
-            ran += self._commit(step, caches, indices, forward, results)
+            ran += self._commit_inputs(step, caches, indices, forward, on_device, lengths)
+        return LaunchedStep(
+            step=step,
+            caches=caches,
+            cache_ids=frozenset(cache.cache_id for cache in caches if cache is not None),
+            results=results,
+            groups=groups,
+            host=[_copy_to_host(forward.sampled) for _, forward in groups],
+            copied=_record_copies(self.device),
+            ran=ran,
+            lengths=lengths,
+            narrowed=narrowed,
+            deferrals=deferrals,
+            failed=failed,
+            started=started,
+            submitted_ns=submitted_ns,
+        )
+
+    def _finish(self, launched: LaunchedStep) -> StepOutcome:
+        step, caches, results = launched.step, launched.caches, launched.results
+        groups, failed, narrowed = launched.groups, launched.failed, launched.narrowed
+        try:
+            if launched.copied is not None:
+                launched.copied.synchronize()
+        except Exception as exc:  # the device failed while running the step
+            self._fault(exc)
+            raise ExecutionFailed("the forward pass failed") from exc
+        for (indices, forward), host in zip(groups, launched.host, strict=True):
+            self._fill_results(step, caches, indices, forward, host, launched.lengths, results)
         for index in narrowed:
             narrowed_result = results[index]
             if narrowed_result is not None and narrowed_result.completed_num_tokens:
@@ -293,11 +431,13 @@ class Engine:
         if collective_ns:
             self.recorder.metrics.record_collective(collective_ns / 1e9)
         graphed = any(forward.graphed for _, forward in groups)
+        ran, deferrals = launched.ran, launched.deferrals
         self.recorder.step(deferrals.values(), ran, forward_ns + sample_ns, graphed)
         self.publish_gauges()
         if ran and self.events.active:
             elapsed_ns = forward_ns + sample_ns
             self.events.publish(_step_event(step, ran, len(deferrals), len(failed), elapsed_ns))
+        submitted_ns, started = launched.submitted_ns, launched.started
         timings = Timings(
             queue_ns=max(0, started - submitted_ns) if submitted_ns else 0,
             forward_ns=forward_ns,
@@ -308,7 +448,12 @@ class Engine:
         return StepOutcome(results=[r for r in results if r is not None], timings=timings)
 
     def _forward(
-        self, step: Step, caches: list[Cache | None], runnable: list[int], held: list[int]
+        self,
+        step: Step,
+        caches: list[Cache | None],
+        runnable: list[int],
+        held: list[int],
+        on_device: dict[int, tuple[torch.Tensor, int]],
     ) -> tuple[list[tuple[list[int], ForwardOutput]], list[int]]:
         """Run the runnable items; return (item groups that ran, items that ran out of memory).
 
@@ -317,7 +462,7 @@ class Engine:
         released.
         """
         try:
-            groups, failed = self._isolate(step, caches, runnable)
+            groups, failed = self._isolate(step, caches, runnable, on_device)
         except Exception as exc:
             self._undo(step, caches, runnable, held)
             if is_out_of_memory(exc):
@@ -330,15 +475,20 @@ class Engine:
         return groups, failed
 
     def _isolate(
-        self, step: Step, caches: list[Cache | None], indices: list[int]
+        self,
+        step: Step,
+        caches: list[Cache | None],
+        indices: list[int],
+        on_device: dict[int, tuple[torch.Tensor, int]],
     ) -> tuple[list[tuple[list[int], ForwardOutput]], list[int]]:
         """One forward of `indices`; on device OOM in a per-item step, bisect so that only the
         items that cannot run fail and the others still complete."""
         items = [step.items[i] for i in indices]
+        tokens = [DeviceToken(k, *on_device[i]) for k, i in enumerate(indices) if i in on_device]
         try:
             if self.faults is not None:
                 self.faults.before_forward([item.request_id for item in items])
-            forward = self.runner.run(items, [caches[i] for i in indices])  # type: ignore[misc]
+            forward = self.runner.run(items, [caches[i] for i in indices], tokens)  # type: ignore[misc]
             return [(indices, forward)], []
         except Exception as exc:
             if not is_out_of_memory(exc) or step.mode == DeferralMode.ALL_OR_NOTHING:
@@ -348,8 +498,8 @@ class Engine:
             if len(indices) == 1:
                 return [], indices
         middle = len(indices) // 2
-        first_ran, first_failed = self._isolate(step, caches, indices[:middle])
-        second_ran, second_failed = self._isolate(step, caches, indices[middle:])
+        first_ran, first_failed = self._isolate(step, caches, indices[:middle], on_device)
+        second_ran, second_failed = self._isolate(step, caches, indices[middle:], on_device)
         return first_ran + second_ran, first_failed + second_failed
 
     def _undo(
@@ -378,28 +528,20 @@ class Engine:
             self.kv.release(cache_id, reason=Retirement.ABANDONED)
         return len(live)
 
-    def _commit(
+    def _commit_inputs(
         self,
         step: Step,
         caches: list[Cache | None],
         indices: list[int],
         forward: ForwardOutput,
-        results: list[ItemResult | None],
+        on_device: dict[int, tuple[torch.Tensor, int]],
+        lengths: dict[int, int],
     ) -> list[tuple[StepItem, Cache]]:
-        """Commit the tokens of the items one forward ran and fill in their results."""
+        """Commit the input tokens of the items one forward ran (their KV is written in stream
+        order), note each cache's length, and point each cache that selected a token at it
+        on the device until `_fill_results` brings it to the host."""
         sampled = forward.sampled
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        top_ids: list[list[int]] = []
-        top_lps: list[list[float]] = []
-        if sampled is not None:
-            token_ids, logprobs = sampled.token_ids.tolist(), sampled.logprobs.tolist()
-            if sampled.top_ids.shape[-1]:  # else every row's top-n is empty
-                top_ids, top_lps = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
-        # Output row -> its row in `sampled`; the same row when no output returned logits.
-        position_of_row = (
-            {row: k for k, row in enumerate(forward.token_rows)} if forward.logits_rows else None
-        )
+        position_of_row = _position_of_row(forward)
         kv, now = self.kv, time.monotonic()
         ran: list[tuple[StepItem, Cache]] = []
         row = 0
@@ -409,8 +551,50 @@ class Engine:
             if item.kind == ItemKind.PREFILL_CHUNK:
                 digest = item.prompt.digest if item.prompt is not None else b""
                 kv.declare_prompt(cache, item.total_prompt_tokens, digest)
-            kv.commit(cache, item.token_ids, now)
+            kv.commit(cache, item.token_ids, now, unresolved=index in on_device)
+            lengths[index] = cache.num_tokens
             ran.append((item, cache))
+            num_outputs = item.num_outputs
+            row += num_outputs
+            if (
+                num_outputs
+                and sampled is not None
+                and item.kind != ItemKind.VERIFY
+                and item.sampling.policy != OutputPolicy.LOGITS
+            ):
+                last = row - 1 if position_of_row is None else position_of_row[row - 1]
+                cache.selected_on_device = (sampled.token_ids, last)
+        return ran
+
+    def _fill_results(
+        self,
+        step: Step,
+        caches: list[Cache | None],
+        indices: list[int],
+        forward: ForwardOutput,
+        host: SampleOutput | None,
+        lengths: dict[int, int],
+        results: list[ItemResult | None],
+    ) -> None:
+        """Fill in the results of the items one forward ran, from its outputs on the host; the
+        token each selected becomes its cache's selected token, or resolves the placeholder a
+        continuation decode launched since committed for it."""
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        if host is not None:
+            token_ids, logprobs = host.token_ids.tolist(), host.logprobs.tolist()
+            if host.top_ids.shape[-1]:  # else every row's top-n is empty
+                top_ids, top_lps = host.top_ids.tolist(), host.top_logprobs.tolist()
+        position_of_row = _position_of_row(forward)
+        kv = self.kv
+        sampled_on_device = forward.sampled.token_ids if forward.sampled is not None else None
+        row = 0
+        for index in indices:
+            item, cache = step.items[index], caches[index]
+            assert cache is not None  # reserve_step opened it
+            length = lengths[index]
             # Each result is built whole, in one call: a default one filled in field by field
             # and list by list took about 1.8 us an item against 1.2 (256 items in a loop).
             num_outputs = item.num_outputs
@@ -418,7 +602,7 @@ class Engine:
                 results[index] = ItemResult(
                     ItemStatus.INTERMEDIATE,
                     cache.cache_id,
-                    cache.num_tokens,
+                    length,
                     completed_num_tokens=len(item.token_ids),
                 )
                 continue
@@ -428,7 +612,7 @@ class Engine:
                 results[index] = ItemResult(
                     ItemStatus.LOGITS,
                     cache.cache_id,
-                    cache.num_tokens,
+                    length,
                     logits=b"".join(forward.logits_rows[r] for r in rows),
                     completed_num_tokens=len(item.token_ids),
                 )
@@ -449,7 +633,7 @@ class Engine:
             results[index] = ItemResult(
                 ItemStatus.TOKEN,
                 cache.cache_id,
-                cache.num_tokens,
+                length,
                 chosen,
                 picked_lps,
                 picked_top,
@@ -459,10 +643,13 @@ class Engine:
             if item.kind != ItemKind.VERIFY:
                 # What a continuation decode on this cache feeds next. Already on the host
                 # (the answer carries it), so continuing costs no device sync.
-                cache.selected_token = chosen[-1]
-        items = [item for item, _ in ran]
+                if cache.unresolved_position == length:  # one launched since fed it
+                    kv.resolve(cache, length, chosen[-1])
+                elif _is_source(cache.selected_on_device, sampled_on_device, k):
+                    cache.selected_token = chosen[-1]
+                    cache.selected_on_device = None
+        items = [step.items[index] for index in indices]
         self.recorder.forward(items, forward.forward_ns + forward.sample_ns, forward.graphed)
-        return ran
 
     def publish_gauges(self) -> None:
         """Refresh the KV and cache gauges (engine thread)."""
@@ -472,6 +659,8 @@ class Engine:
 
     def release(self, cache_id: str, instance_id: int = 0) -> ReleaseResult:
         check_instance(instance_id, self.limits)
+        if any(cache_id in launched.cache_ids for launched in self._launched):
+            self._settle()  # its blocks may still be written, or its tokens resolved
         return self.kv.release(cache_id)
 
     def complete(
@@ -731,6 +920,70 @@ class Engine:
         return self.capacity.blocks_deferral(
             "warmup", DeferralStage.STEP_ADMISSION, blocks, pool.num_available
         )
+
+
+def _may_run_ahead(validated: Validated) -> bool:
+    """Whether a step may launch while another is in flight: a continuation decode that reads
+    its token on the device must not need its cache's tokens on the host (a repetition
+    penalty over them)."""
+    for index, item in enumerate(validated.items):
+        cache = validated.caches[index]
+        if (
+            item.continuation
+            and index not in validated.refused
+            and _device_source(cache) is not None
+            and item.sampling.repetition_penalty not in (0.0, 1.0)
+        ):
+            return False
+    return True
+
+
+def _device_source(cache: Cache | None) -> tuple[torch.Tensor, int] | None:
+    """Where a cache's selected token is on the device, while the step that chose it is in
+    flight; None once it is on the host (or there is none)."""
+    if cache is None or cache.selected_token >= 0:
+        return None
+    return cache.selected_on_device  # type: ignore[return-value]
+
+
+def _is_source(source: object, tensor: torch.Tensor | None, row: int) -> bool:
+    """Whether `source` (a cache's selected_on_device) is row `row` of `tensor`."""
+    if not isinstance(source, tuple) or tensor is None:
+        return False
+    return source[0] is tensor and source[1] == row
+
+
+def _position_of_row(forward: ForwardOutput) -> dict[int, int] | None:
+    """Output row -> its row in `sampled`; None when no output returned logits (the same row)."""
+    if not forward.logits_rows:
+        return None
+    return {row: k for k, row in enumerate(forward.token_rows)}
+
+
+def _copy_to_host(sampled: SampleOutput | None) -> SampleOutput | None:
+    """Start copying a forward's sampled outputs to the host (pinned, asynchronous on CUDA);
+    the same tensors on CPU."""
+    if sampled is None or sampled.token_ids.device.type == "cpu":
+        return sampled
+    return SampleOutput(
+        *(
+            getattr(sampled, field.name).to("cpu", non_blocking=True)
+            for field in dataclasses.fields(sampled)
+        )
+    )
+
+
+def _record_copies(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the copies `_copy_to_host` started (CUDA); None on CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+# Engine calls that leave launched steps in flight (`Engine._settled`).
+_IN_FLIGHT = frozenset({Engine.launch, Engine.finish, Engine.release})
 
 
 def _refuse_openers(

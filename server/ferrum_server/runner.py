@@ -17,6 +17,7 @@ from ferrum_kernels.backend import KernelBackend, select_backend
 from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors
 
 from ferrum_server.cuda_graphs import DecodeGraphs
+from ferrum_server.device_tokens import DeviceToken, place_device_tokens
 from ferrum_server.domain import ItemKind, OutputPolicy, PenaltyScope, StepItem
 from ferrum_server.kv.block_table import padded_block_table
 from ferrum_server.kv.manager import Cache
@@ -64,12 +65,23 @@ class ModelRunner:
         self.followers: PlanSender | None = None
 
     @torch.inference_mode()
-    def run(self, items: list[StepItem], caches: list[Cache]) -> ForwardOutput:
-        """Run one forward over `items` whose caches already hold blocks for the new tokens."""
+    def run(
+        self,
+        items: list[StepItem],
+        caches: list[Cache],
+        device_tokens: list[DeviceToken] | None = None,
+    ) -> ForwardOutput:
+        """Run one forward over `items` whose caches already hold blocks for the new tokens.
+
+        `device_tokens`: decode items (by index into `items`) whose input token is still on
+        the device (their token_ids hold a placeholder)."""
         started = time.perf_counter_ns()
         if self._graphable(items, caches):
-            return self._run_graph(items, caches, started)
+            return self._run_graph(items, caches, started, device_tokens or [])
         plan = self._plan(items, caches)
+        if device_tokens:
+            rows = [plan.query_start[token.index] for token in device_tokens]
+            place_device_tokens(plan.token_ids, rows, device_tokens)
         if self.followers is not None:
             self.followers.forward(plan)  # the other ranks run the same forward on their shard
         logits = self.run_plan(plan)  # [R, vocab] float32
@@ -129,12 +141,19 @@ class ModelRunner:
             return False
         return graphs.accepts(len(items), max(len(cache.block_ids) for cache in caches))
 
-    def _run_graph(self, items: list[StepItem], caches: list[Cache], started: int) -> ForwardOutput:
+    def _run_graph(
+        self,
+        items: list[StepItem],
+        caches: list[Cache],
+        started: int,
+        device_tokens: list[DeviceToken],
+    ) -> ForwardOutput:
         assert self.graphs is not None
         logits = self.graphs.run(
             [item.token_ids[0] for item in items],
             [item.position for item in items],
             [cache.block_ids for cache in caches],
+            device_tokens,
         )  # [B, vocab] float32: every decode item has exactly one output row
         forwarded = time.perf_counter_ns()
         sampled, token_rows, logits_rows = self._select(items, caches, logits)

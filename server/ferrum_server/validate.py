@@ -171,6 +171,10 @@ def _continue(index: int, item: StepItem, kv: KvManager) -> StepItem | ExecutorE
             f"{cache.num_tokens}"
         )
     if cache.selected_token < 0:
+        if cache.selected_on_device is not None:
+            # Selected by a step launched but not finished: the forward reads the token on the
+            # device (Engine.launch); 0 holds its place on the host.
+            return dataclasses.replace(item, token_ids=[0])
         return PositionMismatch(
             f"{where}: cache {item.cache_id!r} holds no selected token to continue from (the "
             "last item that ran on it was a non-final prefill chunk, a full-logits item or a "

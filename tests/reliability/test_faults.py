@@ -140,10 +140,10 @@ def test_real_out_of_memory_errors_take_the_same_path(server: InProcessServer) -
     engine = server.engine
     real_run = engine.runner.run
 
-    def flaky(items: list[Any], seqs: list[Any]) -> Any:
+    def flaky(items: list[Any], seqs: list[Any], *rest: Any) -> Any:
         if any(item.request_id == "big" for item in items):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_run(items, seqs)
+        return real_run(items, seqs, *rest)
 
     items = [
         StepItem(ItemKind.PREFILL_CHUNK, name, "", prompt(i, 5), 0, 5)

@@ -137,6 +137,14 @@ class Cache:
     # continuation decode feeds (-1: none; any commit or truncation clears it, and the engine
     # sets it after a commit that selected a token).
     selected_token: int = -1
+    # While the step that selected it is launched but not finished (Engine.launch): where the
+    # token is on the device, (token tensor, row); a continuation decode launched meanwhile
+    # reads it there. Cleared with selected_token.
+    selected_on_device: object | None = None
+    # A committed token not yet known on the host (a continuation decode launched before the
+    # step that selected its input finished): its position, else -1. Its block is hashed when
+    # `resolve` fills it in.
+    unresolved_position: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -401,22 +409,53 @@ class KvManager:
         self.clock.bump({KV_BLOCKS} if freed else set())
         return freed
 
-    def commit(self, cache: Cache, token_ids: list[int], now: float | None = None) -> None:
+    def commit(
+        self,
+        cache: Cache,
+        token_ids: list[int],
+        now: float | None = None,
+        *,
+        unresolved: bool = False,
+    ) -> None:
         """Append committed tokens (their KV is written); `now` (monotonic) is when, passed by
-        a caller committing many caches at once."""
+        a caller committing many caches at once. With `unresolved`, the one token is a
+        placeholder for a token still on the device: `resolve` fills it in later, and its
+        block is not hashed until then."""
         if self.blocks_for(cache.num_tokens + len(token_ids)) > len(cache.block_ids):
             raise RuntimeError("commit() past the reserved blocks")
+        if cache.unresolved_position >= 0:
+            raise RuntimeError("commit() after an unresolved token (resolve it first)")
         cache.token_ids.extend(token_ids)
         cache.selected_token = -1  # the engine sets it again when this item selected one
+        cache.selected_on_device = None
+        if unresolved:
+            if len(token_ids) != 1:
+                raise RuntimeError("only a single-token commit may be unresolved")
+            cache.unresolved_position = cache.num_tokens - 1
         cache.touched_s = time.monotonic() if now is None else now
         first_chunk = cache.pending_admission
         cache.pending_admission = False
         if not cache.prompt_in_progress:
             cache.context = None  # the admitted tokens were all committed: nothing to check
+        self._hash_full_blocks(cache, first_chunk)
+
+    def resolve(self, cache: Cache, position: int, token: int) -> None:
+        """Fill in the unresolved token at `position` (see `commit`) and hash its block if full."""
+        if cache.unresolved_position != position:
+            raise RuntimeError(f"no unresolved token at position {position}")
+        cache.token_ids[position] = token
+        cache.unresolved_position = -1
+        self._hash_full_blocks(cache, first_chunk=False)
+
+    def _hash_full_blocks(self, cache: Cache, first_chunk: bool) -> None:
+        """Hash the full committed blocks not hashed yet (up to an unresolved token), and
+        publish them under prefix caching."""
         # Committed blocks are hashed even without prefix caching: the hashes are the cache's
         # token identity (a later prefill chunk's prompt is compared with them).
         bs = self.block_size
         full_blocks = cache.num_tokens // bs
+        if cache.unresolved_position >= 0:
+            full_blocks = min(full_blocks, cache.unresolved_position // bs)
         if len(cache.block_hashes) == full_blocks and not first_chunk:
             return  # no block filled up, and nothing promised to publish (most decodes)
         parent = cache.block_hashes[-1] if cache.block_hashes else _ROOT_HASH
@@ -490,6 +529,9 @@ class KvManager:
         del cache.token_ids[new_len:]
         del cache.block_hashes[new_len // bs :]
         cache.selected_token = -1  # whatever was selected followed tokens that may be gone
+        cache.selected_on_device = None
+        if cache.unresolved_position >= new_len:
+            cache.unresolved_position = -1  # truncated away
         released = self.pool.free(dropped)
         self.clock.bump({KV_BLOCKS} if released or unmarked else set())
         return released, copies

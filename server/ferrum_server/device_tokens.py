@@ -1,0 +1,44 @@
+"""Input tokens that are still on the device: what a step launched ahead reads.
+
+A continuation decode launched before the step that selected its input has finished
+(Engine.launch) cannot have that token on the host without waiting for the device. Its input is
+instead the selecting step's sampled token tensor at one row, copied into the forward's input
+ids on the device, in stream order after the step that writes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceToken:
+    """Item `index` of a forward takes its one input token from `source[row]` (int64)."""
+
+    index: int
+    source: torch.Tensor  # [N] int64: a launched step's sampled token ids
+    row: int
+
+
+def place_device_tokens(target: torch.Tensor, rows: list[int], tokens: list[DeviceToken]) -> None:
+    """target[rows[i]] = tokens[i].source[tokens[i].row] on the device, with no host sync:
+    one gather and one scatter per source tensor (a step's tokens come from one or two)."""
+    groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for row, token in zip(rows, tokens, strict=True):
+        _, targets, sources = groups.setdefault(id(token.source), (token.source, [], []))
+        targets.append(row)
+        sources.append(token.row)
+    for source, targets, sources in groups.values():
+        indices = _to_device(torch.tensor([sources, targets], dtype=torch.int64), target.device)
+        picked = source.index_select(0, indices[0])
+        target.index_copy_(0, indices[1], picked.to(target.dtype))
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device: a blocking copy to a GPU
+    synchronizes the stream, which would wait for the very step launched ahead of this one."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

@@ -1,0 +1,397 @@
+"""Engine.launch / Engine.finish: a step launched while the one before it is still in flight.
+
+A continuation decode launched before the step that selected its token has finished reads that
+token on the device and commits a placeholder that the earlier step's finish resolves. Every
+test here compares against the same requests run one step at a time with explicit tokens
+(`Engine.execute`): the tokens, the caches' committed tokens and their block hashes must match.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+from ferrum_kernels.attention import reference_decode_attention
+from ferrum_kernels.backend import torch_backend
+from ferrum_server import startup
+from ferrum_server.config import EngineConfig
+from ferrum_server.cuda_graphs import EagerCapturer
+from ferrum_server.domain import (
+    GREEDY,
+    ItemKind,
+    ItemStatus,
+    Sampling,
+    Step,
+    StepItem,
+)
+from ferrum_server.engine import Engine, LaunchedStep
+from ferrum_server.errors import InvalidArgument
+from ferrum_server.kv.manager import KvManager
+from ferrum_server.models import tiny_config
+
+BLOCK = 4
+VOCAB = tiny_config().vocab_size
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    out_len: int
+    sampling: Sampling = GREEDY
+    cache_id: str = ""
+    prefilled: int = 0  # prompt tokens in launched steps
+    launched_outputs: int = 0  # outputs of launched steps
+    tokens: list[int] = field(default_factory=list)  # outputs answered so far
+
+    @property
+    def done_launching(self) -> bool:
+        return self.prefilled == len(self.prompt) and self.launched_outputs == self.out_len
+
+
+def _requests(count: int, seed: int = 0) -> list[Request]:
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, VOCAB, (2 * BLOCK,), generator=gen).tolist()
+    requests = []
+    for r in range(count):
+        length = 3 + (7 * r) % 19
+        own = torch.randint(0, VOCAB, (length,), generator=gen).tolist()
+        # Every third prompt starts with the same two blocks (prefix caching registers them).
+        prompt = shared + own if r % 3 == 0 else own
+        sampling = Sampling(temperature=0.9, top_p=0.9, seed=100 + r) if r % 2 else GREEDY
+        requests.append(Request(f"r{r}", prompt, 2 + (5 * r) % 9, sampling))
+    return requests
+
+
+def _build(
+    requests: list[Request], budget: int, explicit: bool
+) -> tuple[list[StepItem], list[Request]]:
+    """The next step: every decoding request decodes, then prompt chunks fill the budget.
+    `explicit`: decodes carry their input token (all earlier steps finished), else they
+    continue from the token their cache selected."""
+    items: list[StepItem] = []
+    owners: list[Request] = []
+    for req in requests:
+        if req.done_launching or req.prefilled < len(req.prompt):
+            continue
+        position = len(req.prompt) + req.launched_outputs - 1
+        if explicit:
+            item = StepItem(
+                ItemKind.DECODE,
+                req.rid,
+                req.cache_id,
+                [req.tokens[-1]],
+                position,
+                sampling=req.sampling,
+            )
+        else:
+            item = StepItem(
+                ItemKind.DECODE,
+                req.rid,
+                req.cache_id,
+                [],
+                position,
+                sampling=req.sampling,
+                continuation=True,
+            )
+        items.append(item)
+        owners.append(req)
+        req.launched_outputs += 1
+        budget -= 1
+    for req in requests:
+        if budget <= 0:
+            break
+        if req.prefilled == len(req.prompt):
+            continue
+        chunk = req.prompt[req.prefilled : req.prefilled + budget]
+        items.append(
+            StepItem(
+                ItemKind.PREFILL_CHUNK,
+                req.rid,
+                req.cache_id,
+                chunk,
+                req.prefilled,
+                len(req.prompt),
+                sampling=req.sampling,
+            )
+        )
+        owners.append(req)
+        req.prefilled += len(chunk)
+        req.launched_outputs += int(req.prefilled == len(req.prompt))
+        budget -= len(chunk)
+    return items, owners
+
+
+def _answer(items: list[StepItem], owners: list[Request], results: list) -> None:
+    for item, req, result in zip(items, owners, results, strict=True):
+        assert result.status in (ItemStatus.TOKEN, ItemStatus.INTERMEDIATE), result
+        req.cache_id = result.cache_id
+        req.tokens.extend(result.token_ids)
+
+
+def _finish_done(engine: Engine, requests: list[Request], ended: dict[str, tuple]) -> None:
+    """Record and release the caches of requests whose every output is answered."""
+    for req in requests:
+        if req.rid not in ended and len(req.tokens) == req.out_len:
+            cache = engine.kv.caches[req.cache_id]
+            assert cache.unresolved_position == -1
+            ended[req.rid] = (list(cache.token_ids), list(cache.block_hashes))
+            engine.release(req.cache_id)
+
+
+def run_sequential(engine: Engine, requests: list[Request], budget: int) -> dict[str, tuple]:
+    """One step at a time with explicit tokens; per request (outputs, tokens, block hashes)."""
+    ended: dict[str, tuple] = {}
+    while len(ended) < len(requests):
+        items, owners = _build(requests, budget, explicit=True)
+        _answer(items, owners, engine.execute(Step(items)).results)
+        _finish_done(engine, requests, ended)
+    return {r.rid: (r.tokens, *ended[r.rid]) for r in requests}
+
+
+def run_ahead(
+    engine: Engine, requests: list[Request], budget: int, in_flight_seen: list[int]
+) -> dict[str, tuple]:
+    """Each step launched before the previous one is finished (continuation decodes)."""
+    ended: dict[str, tuple] = {}
+    flight: deque[tuple[LaunchedStep, list[StepItem], list[Request]]] = deque()
+    while len(ended) < len(requests):
+        items, owners = _build(requests, budget, explicit=False)
+        if items:
+            launched = engine.launch(Step(items))
+            for index, req in enumerate(owners):
+                req.cache_id = launched.cache_id(index)  # opened at launch
+            flight.append((launched, items, owners))
+            in_flight_seen.append(len(engine._launched))
+        if flight and (len(flight) > 1 or not items):
+            launched, done_items, done_owners = flight.popleft()
+            _answer(done_items, done_owners, engine.finish(launched).results)
+            _finish_done(engine, requests, ended)
+    return {r.rid: (r.tokens, *ended[r.rid]) for r in requests}
+
+
+def _engine(**overrides: object) -> Engine:
+    config = EngineConfig(
+        block_size=BLOCK,
+        kv_cache_bytes=256 * tiny_config().kv_bytes_per_token(torch.float32) * BLOCK,
+        max_batch_size=16,
+        max_batch_tokens=64,
+    )
+    return Engine(replace(config, **overrides))
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps 'replay' eager stand-ins of CUDA graphs on CPU (the graph path's inputs)."""
+    monkeypatch.setattr(startup, "graph_capturer_for", lambda device: EagerCapturer())
+    monkeypatch.setattr(
+        startup,
+        "select_backend",
+        lambda device, prefer="auto": replace(
+            torch_backend(), decode_attention=reference_decode_attention
+        ),
+    )
+
+
+def _compare(engine_factory, count: int = 9, budget: int = 24) -> list[int]:
+    reference = engine_factory()
+    try:
+        want = run_sequential(reference, _requests(count), budget)
+    finally:
+        reference.shutdown()
+    engine = engine_factory()
+    seen: list[int] = []
+    try:
+        got = run_ahead(engine, _requests(count), budget, seen)
+        assert not engine._launched
+        assert engine.kv.pool.num_used == 0  # every cache released, nothing leaked
+    finally:
+        engine.shutdown()
+    assert got == want
+    return seen
+
+
+def test_steps_launched_ahead_match_steps_run_one_at_a_time() -> None:
+    seen = _compare(_engine)
+    assert max(seen) == 2  # the pipeline was full: two steps in flight
+
+
+@pytest.mark.usefixtures("eager_graphs")
+def test_graph_replays_read_continuation_tokens_on_the_device() -> None:
+    factory = lambda: _engine(cuda_graph_max_batch=8)  # noqa: E731
+    engine = factory()
+    try:
+        assert engine.graph_batch_sizes  # decode-only steps replay
+    finally:
+        engine.shutdown()
+    _compare(factory, count=7, budget=12)
+
+
+def test_a_penalised_continuation_waits_for_the_step_before_it() -> None:
+    def penalised() -> list[Request]:
+        requests = _requests(4)
+        requests[1].sampling = Sampling(repetition_penalty=1.3)
+        return requests
+
+    reference = _engine()
+    try:
+        want = run_sequential(reference, penalised(), 24)
+    finally:
+        reference.shutdown()
+    engine = _engine()
+    try:
+        got = run_ahead(engine, penalised(), 24, [])
+    finally:
+        engine.shutdown()
+    assert got == want
+
+
+def _two_in_flight(engine: Engine) -> tuple[LaunchedStep, LaunchedStep, list[str]]:
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
+    first = engine.execute(
+        Step(
+            [
+                StepItem(ItemKind.PREFILL_CHUNK, f"q{i}", "", p, 0, len(p))
+                for i, p in enumerate(prompts)
+            ]
+        )
+    )
+    caches = [r.cache_id for r in first.results]
+
+    def decode(offset: int) -> Step:
+        return Step(
+            [
+                StepItem(
+                    ItemKind.DECODE, f"q{i}", caches[i], [], len(p) + offset, continuation=True
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
+
+    a = engine.launch(decode(0))
+    b = engine.launch(decode(1))
+    assert list(engine._launched) == [a, b]
+    return a, b, caches
+
+
+def test_release_of_a_cache_in_flight_finishes_what_holds_it() -> None:
+    engine = _engine()
+    try:
+        a, b, caches = _two_in_flight(engine)
+        engine.release(caches[0])
+        assert a.outcome is not None and b.outcome is not None and not engine._launched
+        assert engine.finish(b) is b.outcome  # answered once, the same outcome after
+        # The other cache is whole: its placeholder was resolved to the token step `a` chose.
+        cache = engine.kv.caches[caches[1]]
+        assert cache.unresolved_position == -1
+        assert cache.token_ids[-1] == a.outcome.results[1].token_ids[0]
+        assert cache.selected_token == b.outcome.results[1].token_ids[0]
+    finally:
+        engine.shutdown()
+
+
+def test_release_of_another_cache_leaves_steps_in_flight() -> None:
+    engine = _engine()
+    try:
+        a, b, _ = _two_in_flight(engine)
+        opened = engine.kv.open("loner", 16)
+        engine.release(opened.cache_id)
+        assert list(engine._launched) == [a, b] and a.outcome is None
+        engine.finish(b)  # finishes `a` first
+        assert a.outcome is not None and not engine._launched
+    finally:
+        engine.shutdown()
+
+
+def test_every_other_engine_call_sees_finished_steps() -> None:
+    engine = _engine()
+    try:
+        a, b, caches = _two_in_flight(engine)
+        usage = engine.call_sync(engine.kv.usage)  # any call through the engine thread
+        assert a.outcome is not None and b.outcome is not None and not engine._launched
+        assert usage.used_blocks == engine.kv.pool.num_used
+        truncated, _ = engine.call_sync(engine.truncate, caches[0], 5)
+        assert truncated.num_tokens == 5
+    finally:
+        engine.shutdown()
+
+
+def test_finish_of_a_step_launched_elsewhere_is_refused() -> None:
+    engine, other = _engine(), _engine()
+    try:
+        _, b, _ = _two_in_flight(other)
+        other.finish(b)
+        with pytest.raises(InvalidArgument):
+            engine.finish(replace(b, outcome=None))
+    finally:
+        engine.shutdown()
+        other.shutdown()
+
+
+def test_a_deferred_continuation_behind_a_step_in_flight_continues_later() -> None:
+    # A pool of 6 blocks: a (5 tokens) and b (8) hold two each, a third cache the other two.
+    # a decodes at positions 5 and 6 within its blocks; b at 8 needs a third block.
+    engine = _engine(kv_cache_bytes=6 * tiny_config().kv_bytes_per_token(torch.float32) * BLOCK)
+    try:
+        first = engine.execute(
+            Step(
+                [
+                    StepItem(ItemKind.PREFILL_CHUNK, "a", "", [1, 2, 3, 4, 5], 0, 5),
+                    StepItem(ItemKind.PREFILL_CHUNK, "b", "", [9, 8, 7, 6, 5, 4, 3, 2], 0, 8),
+                ]
+            )
+        )
+        a_cache, b_cache = (r.cache_id for r in first.results)
+        blocker = engine.kv.open("blocker", 16)
+        engine.kv.grow(blocker, 8)  # the last two free blocks
+        assert engine.kv.pool.num_available == 0
+        step_one = engine.launch(
+            Step([StepItem(ItemKind.DECODE, "a", a_cache, [], 5, continuation=True)])
+        )
+        step_two = engine.launch(
+            Step(
+                [
+                    StepItem(ItemKind.DECODE, "a", a_cache, [], 6, continuation=True),
+                    StepItem(ItemKind.DECODE, "b", b_cache, [], 8, continuation=True),
+                ]
+            )
+        )
+        one = engine.finish(step_one)
+        two = engine.finish(step_two)
+        assert two.results[1].status == ItemStatus.DEFERRED
+        assert two.results[0].status == ItemStatus.TOKEN
+        # b's selected token (from the prefill) is still there to continue from.
+        engine.release(blocker.cache_id)
+        again = engine.execute(
+            Step([StepItem(ItemKind.DECODE, "b", b_cache, [], 8, continuation=True)])
+        )
+        assert again.results[0].status == ItemStatus.TOKEN
+        b = engine.kv.caches[b_cache]
+        assert b.token_ids[-1] == first.results[1].token_ids[0]
+        a = engine.kv.caches[a_cache]
+        assert a.token_ids[-2:] == [first.results[0].token_ids[0], one.results[0].token_ids[0]]
+    finally:
+        engine.shutdown()
+
+
+def test_an_unresolved_token_is_hashed_once_resolved() -> None:
+    direct, later = (KvManager(8, BLOCK, 4, 1, prefix_caching=True) for _ in range(2))
+    tokens = [3, 1, 4, 1, 5, 9, 2]
+    for kv in (direct, later):
+        cache = kv.open("r", 32)
+        kv.grow(cache, 8)
+        kv.commit(cache, tokens)
+    direct.commit(direct.caches[next(iter(direct.caches))], [6])
+    cache = later.caches[next(iter(later.caches))]
+    later.commit(cache, [0], unresolved=True)
+    assert len(cache.block_hashes) == 1  # the second block waits for its last token
+    with pytest.raises(RuntimeError):
+        later.commit(cache, [7])  # nothing commits past an unresolved token
+    with pytest.raises(RuntimeError):
+        later.resolve(cache, 6, 6)  # not the unresolved position
+    later.resolve(cache, 7, 6)
+    want = direct.caches[next(iter(direct.caches))]
+    assert cache.token_ids == want.token_ids and cache.block_hashes == want.block_hashes
+    assert later.pool.num_cached == direct.pool.num_cached
