@@ -14,15 +14,22 @@ wrapping the engine's own functions:
 - ``plan``: ``ModelRunner._plan`` (the flat token, position and block-table tensors);
 - ``model``: the forward itself, less the plan (on a GPU, a replayed CUDA graph);
 - ``select``: ``ModelRunner._select`` (sampling tensors and the sampling kernel);
-- ``commit``: ``Engine._commit`` (KV commits, results, continuation tokens);
+- ``commit``: ``Engine._commit_inputs`` and ``Engine._fill_results`` (KV commits, results,
+  continuation tokens);
 - ``record``: metrics and gauges (``Recorder.step``, ``Engine.publish_gauges``);
 - ``other``: what the step took beyond those.
 
 ``host`` is the step less ``model``, also given per item. The median of ``--rounds`` rounds of
 ``--steps`` steps is printed for each batch size. Run it alone on a quiet machine.
 
+With ``--device cuda`` the engine runs on the GPU with its defaults there (Triton kernels, CUDA
+graphs for decode steps), so the phases are the host work of a served GPU step on that
+machine's CPU: ``model`` is then the time to launch the forward (a graph replay), and the
+device's own time lands where the host first waits for it, the token copy in ``commit`` (tens
+of microseconds for this one-layer model).
+
     python benchmarks/step_overhead_bench.py [--batches 64,256] [--steps 30] [--rounds 5]
-        [--layers 1] [--wire]
+        [--layers 1] [--wire] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -90,7 +97,8 @@ class PhaseClock:
         engine.capacity.reserve_step = self.wrap("reserve", engine.capacity.reserve_step)  # type: ignore[method-assign]
         runner._plan = self.wrap("plan", runner._plan)  # type: ignore[method-assign]
         runner._select = self.wrap("select", runner._select)  # type: ignore[method-assign]
-        engine._commit = self.wrap("commit", engine._commit)  # type: ignore[method-assign]
+        engine._commit_inputs = self.wrap("commit", engine._commit_inputs)  # type: ignore[method-assign]
+        engine._fill_results = self.wrap("commit", engine._fill_results)  # type: ignore[method-assign]
         recorder.step = self.wrap("record", recorder.step)  # type: ignore[method-assign]
         engine.publish_gauges = self.wrap("record", engine.publish_gauges)  # type: ignore[method-assign]
 
@@ -100,7 +108,8 @@ class PhaseClock:
                 (engine.capacity, "reserve_step"),
                 (runner, "_plan"),
                 (runner, "_select"),
-                (engine, "_commit"),
+                (engine, "_commit_inputs"),
+                (engine, "_fill_results"),
                 (recorder, "step"),
                 (engine, "publish_gauges"),
             ):
@@ -212,6 +221,7 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, float]]:
         engine = Engine(
             EngineConfig(
                 model=folder,
+                device=args.device,
                 dtype="float32",
                 block_size=BLOCK_SIZE,
                 kv_cache_bytes=(blocks + 64) * BLOCK_SIZE * token_bytes,
@@ -268,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     parser.add_argument(
         "--wire", action="store_true", help="include the servicer's request and answer conversion"
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     args = parser.parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",")]
