@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -84,7 +85,7 @@ from ferrum_server.cuda_graphs import (
     graph_batch_sizes,
     graph_capturer_for,
 )
-from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem, Timings
+from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem, StepOutcome, Timings
 from ferrum_server.models import LlamaForCausalLM, ModelConfig, tiny_config
 from ferrum_server.parallel import SINGLE_RANK, TensorParallel, collective_backend
 from ferrum_server.parallel.sharding import vocab_shard
@@ -838,13 +839,125 @@ class Request:
     rid: str
     prompt: list[int]
     cache_id: str = ""
-    prefilled: int = 0  # prompt tokens already in the cache
+    # Prompt tokens in the cache (steps run one at a time), or in launched steps (launched
+    # ahead, where the cache is known at launch).
+    prefilled: int = 0
     generated: list[int] = field(default_factory=list)
+    launched: int = 0  # outputs of launched steps (launched ahead)
 
     @property
     def committed(self) -> int:
         # Every generated token but the newest has been fed back and written.
         return self.prefilled + max(0, len(self.generated) - 1)
+
+
+class Batches:
+    """Continuous batching: every running request decodes, then chunked prefill fills the rest
+    of the token budget. Admission reserves each request's final length in blocks up front, so
+    no step is ever deferred for lack of KV.
+
+    Steps run one at a time carry each decode's input token and learn the prompt's progress
+    from the answers. Steps launched ahead (`Engine.launch` before the previous step finished)
+    continue each decode from the token its cache selected and count progress at launch."""
+
+    def __init__(self, plan: Plan, requests: list[Request], total_blocks: int) -> None:
+        self.plan = plan
+        self.total_blocks = total_blocks
+        self.waiting = list(requests)
+        self.running: list[Request] = []  # decoding
+        self.prefilling: list[Request] = []  # admitted, prompt not fully cached yet
+        self.reserved = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling)
+
+    def _need(self, req: Request) -> int:
+        return math.ceil((len(req.prompt) + self.plan.engine_output) / self.plan.block_size)
+
+    def next_step(self, ahead: bool) -> tuple[list[StepItem], list[Request]]:
+        """The next step's items and the request of each (empty when nothing can run now)."""
+        plan = self.plan
+        items: list[StepItem] = []
+        owners: list[Request] = []
+        budget = plan.engine_batch_tokens
+        for req in self.running:
+            if len(items) == plan.engine_batch_size:
+                break
+            if not ahead:
+                item = StepItem(
+                    ItemKind.DECODE, req.rid, req.cache_id, [req.generated[-1]], req.committed
+                )
+            elif req.launched < plan.engine_output:
+                position = req.prefilled + req.launched - 1
+                item = StepItem(
+                    ItemKind.DECODE, req.rid, req.cache_id, [], position, continuation=True
+                )
+                req.launched += 1
+            else:
+                continue  # its last token is in flight
+            items.append(item)
+            owners.append(req)
+            budget -= 1
+        while budget > 0 and len(items) < plan.engine_batch_size:
+            # Partially prefilled requests continue before new ones are admitted.
+            req = next((r for r in self.prefilling if r not in owners), None)
+            if req is None:
+                # Room for its blocks and a sequence slot: a request holds its cache until
+                # released, which launched ahead is a step after its last one launched.
+                if (
+                    not self.waiting
+                    or self.reserved + self._need(self.waiting[0]) > self.total_blocks
+                    or len(self.running) + len(self.prefilling) >= plan.engine_batch_size
+                ):
+                    break
+                self.reserved += self._need(self.waiting[0])
+                req = self.waiting.pop(0)
+                self.prefilling.append(req)
+            chunk = req.prompt[req.prefilled : req.prefilled + budget]
+            items.append(
+                StepItem(
+                    ItemKind.PREFILL_CHUNK,
+                    req.rid,
+                    req.cache_id,
+                    chunk,
+                    req.prefilled,
+                    total_prompt_tokens=len(req.prompt),
+                )
+            )
+            owners.append(req)
+            budget -= len(chunk)
+            if ahead:
+                self.prefilled(req, len(chunk))
+                req.launched += int(req.prefilled == len(req.prompt))
+        return items, owners
+
+    def prefilled(self, req: Request, tokens: int) -> None:
+        """`tokens` more of req's prompt are in the cache (or in a launched step)."""
+        req.prefilled += tokens
+        if req.prefilled == len(req.prompt):
+            self.prefilling.remove(req)
+            self.running.append(req)
+
+    def answer(
+        self, items: list[StepItem], owners: list[Request], outcome: StepOutcome, ahead: bool
+    ) -> None:
+        """Take a step's results: cache ids, tokens and (steps one at a time) prompt progress."""
+        for item, req, result in zip(items, owners, outcome.results, strict=True):
+            if result.status == ItemStatus.DEFERRED:
+                raise RuntimeError(f"{req.rid} deferred despite up-front reservation")
+            req.cache_id = result.cache_id
+            if item.kind == ItemKind.PREFILL_CHUNK and not ahead:
+                self.prefilled(req, len(item.token_ids))
+            req.generated.extend(result.token_ids)
+
+    def finished(self) -> list[Request]:
+        """Requests with every output answered, taken out (their reservations too)."""
+        done = [r for r in self.running if len(r.generated) >= self.plan.engine_output]
+        for req in done:
+            self.running.remove(req)
+            self.reserved -= self._need(req)
+        return done
 
 
 def make_requests(plan: Plan) -> list[Request]:
@@ -879,8 +992,22 @@ def run_engine(
     with mock.patch.object(startup, "load_model", return_value=(model, plan.config)):
         engine = engine_module.Engine(config)
     try:
-        report = _drive(plan, engine, make_requests(plan), profile)
+        requests = make_requests(plan)
+        report = _drive(plan, engine, requests, profile)
         report["graph_steps"] = engine.stats.graph_steps
+        # The same requests again on the same engine (every cache released), launched ahead.
+        again = make_requests(plan)
+        graph_steps = engine.stats.graph_steps
+        ahead = _drive_ahead(plan, engine, again)
+        same = sum(a.generated == b.generated for a, b in zip(requests, again, strict=True))
+        report["launch_ahead"] = {
+            **ahead,
+            "graph_steps": engine.stats.graph_steps - graph_steps,
+            "speedup": ahead["output_tokens_per_s"] / report["output_tokens_per_s"],
+            # Admission lags a step (a cache is released once its last step is finished, after
+            # the next one launched), so batches differ and reduced precision may part ways.
+            "identical_outputs": same / len(requests),
+        }
         report["cuda_graph_batch_sizes"] = list(engine.graph_batch_sizes)
         report["memory_plan"] = {
             **engine.memory_plan.parts(),
@@ -894,16 +1021,8 @@ def run_engine(
 def _drive(
     plan: Plan, engine: engine_module.Engine, requests: list[Request], profile: bool = True
 ) -> dict[str, Any]:
-    """Continuous batching: every running request decodes, then chunked prefill fills the rest
-    of the token budget. Admission reserves each request's final length in blocks up front, so
-    no step is ever deferred for lack of KV."""
-    bs = plan.block_size
-    out_len = plan.engine_output
-    total_blocks = engine.kv.pool.num_blocks
-    waiting = list(requests)
-    running: list[Request] = []  # decoding
-    prefilling: list[Request] = []  # admitted, prompt not fully cached yet
-    reserved = 0
+    """The requests through `Batches`, one step at a time (`Engine.execute`)."""
+    batches = Batches(plan, requests, engine.kv.pool.num_blocks)
     steps = prefill_tokens = decode_tokens = 0
     # Per step: (holds prefill chunks, wall seconds of execute, the engine's own timings).
     records: list[tuple[bool, float, Timings]] = []
@@ -913,41 +1032,8 @@ def _drive(
     profiler: StepProfiler | None = None
     profiled: dict[str, Any] = {}
     started = time.perf_counter()
-    while waiting or running or prefilling:
-        items: list[StepItem] = []
-        owners: list[Request] = []
-        budget = plan.engine_batch_tokens
-        for req in running[: plan.engine_batch_size]:
-            items.append(
-                StepItem(ItemKind.DECODE, req.rid, req.cache_id, [req.generated[-1]], req.committed)
-            )
-            owners.append(req)
-            budget -= 1
-        while budget > 0 and len(items) < plan.engine_batch_size:
-            # Partially prefilled requests continue before new ones are admitted.
-            req = next((r for r in prefilling if r not in owners), None)
-            if req is None:
-                if not waiting:
-                    break
-                need = math.ceil((len(waiting[0].prompt) + out_len) / bs)
-                if reserved + need > total_blocks:
-                    break
-                reserved += need
-                req = waiting.pop(0)
-                prefilling.append(req)
-            chunk = req.prompt[req.prefilled : req.prefilled + budget]
-            items.append(
-                StepItem(
-                    ItemKind.PREFILL_CHUNK,
-                    req.rid,
-                    req.cache_id,
-                    chunk,
-                    req.prefilled,
-                    total_prompt_tokens=len(req.prompt),
-                )
-            )
-            owners.append(req)
-            budget -= len(chunk)
+    while batches.busy:
+        items, owners = batches.next_step(ahead=False)
         if not items:
             raise RuntimeError("continuous batching loop stalled (KV budget too small?)")
         has_prefill = any(item.kind == ItemKind.PREFILL_CHUNK for item in items)
@@ -967,28 +1053,66 @@ def _drive(
                 profiled.update(engine.call_sync(profiler.stop))
                 profiler = None
         steps += 1
-        for item, req, result in zip(items, owners, outcome.results, strict=True):
-            if result.status == ItemStatus.DEFERRED:
-                raise RuntimeError(f"{req.rid} deferred despite up-front reservation")
-            req.cache_id = result.cache_id
-            if item.kind == ItemKind.PREFILL_CHUNK:
-                req.prefilled += len(item.token_ids)
-                prefill_tokens += len(item.token_ids)
-                if result.status == ItemStatus.TOKEN:
-                    req.generated.extend(result.token_ids)
-                    prefilling.remove(req)
-                    running.append(req)
-            else:
-                decode_tokens += 1
-                req.generated.extend(result.token_ids)
-        for req in [r for r in running if len(r.generated) >= out_len]:
-            running.remove(req)
+        prefill, decode = _token_counts(items)
+        prefill_tokens += prefill
+        decode_tokens += decode
+        batches.answer(items, owners, outcome, ahead=False)
+        for req in batches.finished():
             engine.call_sync(engine.release, req.cache_id)
-            reserved -= math.ceil((len(req.prompt) + out_len) / bs)
     if profiler is not None:  # the run ended inside the window
         profiled.update(engine.call_sync(profiler.stop))
     _sync(plan.device)
     elapsed = time.perf_counter() - started
+    return {
+        **_throughput(requests, plan.engine_output, steps, elapsed, prefill_tokens + decode_tokens),
+        "execute_seconds": sum(wall for _, wall, _ in records),
+        "steps_by_kind": _step_breakdown(records),
+        "profile_decode_steps": profiled,
+    }
+
+
+def _drive_ahead(
+    plan: Plan, engine: engine_module.Engine, requests: list[Request]
+) -> dict[str, Any]:
+    """The same requests and batching, each step launched before the previous one is
+    finished (`Engine.launch`, then `Engine.finish` of the one before): on a GPU the host's
+    work for one step (the engine's and this loop's) overlaps the device's for the other."""
+    batches = Batches(plan, requests, engine.kv.pool.num_blocks)
+    flight: deque[tuple[engine_module.LaunchedStep, list[StepItem], list[Request]]] = deque()
+    steps = tokens = 0
+    started = time.perf_counter()
+    while batches.busy or flight:
+        items, owners = batches.next_step(ahead=True)
+        if items:
+            launched = engine.call_sync(engine.launch, Step(items))
+            for index, req in enumerate(owners):
+                req.cache_id = launched.cache_id(index)  # opened at launch
+                if not req.cache_id:
+                    raise RuntimeError(f"{req.rid} deferred despite up-front reservation")
+            flight.append((launched, items, owners))
+            steps += 1
+            tokens += sum(_token_counts(items))
+        elif not flight:
+            raise RuntimeError("continuous batching loop stalled (KV budget too small?)")
+        if flight and (len(flight) > 1 or not items):
+            launched, done_items, done_owners = flight.popleft()
+            outcome = engine.call_sync(engine.finish, launched)
+            batches.answer(done_items, done_owners, outcome, ahead=True)
+            for req in batches.finished():
+                engine.call_sync(engine.release, req.cache_id)
+    _sync(plan.device)
+    return _throughput(requests, plan.engine_output, steps, time.perf_counter() - started, tokens)
+
+
+def _token_counts(items: list[StepItem]) -> tuple[int, int]:
+    """(prefill tokens, decode tokens) of a step's items."""
+    prefill = sum(len(i.token_ids) for i in items if i.kind == ItemKind.PREFILL_CHUNK)
+    return prefill, sum(1 for i in items if i.kind == ItemKind.DECODE)
+
+
+def _throughput(
+    requests: list[Request], out_len: int, steps: int, elapsed: float, tokens: int
+) -> dict[str, Any]:
     outputs = len(requests) * out_len
     return {
         "requests": len(requests),
@@ -998,10 +1122,7 @@ def _drive(
         "seconds": elapsed,
         "requests_per_s": len(requests) / elapsed,
         "output_tokens_per_s": outputs / elapsed,
-        "total_tokens_per_s": (prefill_tokens + decode_tokens) / elapsed,
-        "execute_seconds": sum(wall for _, wall, _ in records),
-        "steps_by_kind": _step_breakdown(records),
-        "profile_decode_steps": profiled,
+        "total_tokens_per_s": tokens / elapsed,
     }
 
 

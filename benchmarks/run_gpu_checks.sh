@@ -4,7 +4,9 @@
 #      one pytest process per file, apart from the other tests: the interpreter-mode unit tests
 #      set TRITON_INTERPRET=1 process-wide, so they must not be collected alongside);
 #   2. the Llama-3-8B-shaped benchmark, JSON report to $OUT (default gpu_bench.json), then a
-#      summary of decode latency with and without CUDA graphs and the engine's memory plan.
+#      summary of decode latency with and without CUDA graphs and the engine's memory plan;
+#   3. the engine's host time per decode step on this machine's CPU, phase by phase
+#      (benchmarks/step_overhead_bench.py --device cuda: a table beside $OUT, *_host_overhead.md).
 # With --tensor-parallel-size N (N > 1) step 2 times the model split over N GPUs (cuda:0..N-1,
 # one rank process each) against TP=1 instead, and the summary labels every figure with its TP
 # size; it needs N visible GPUs and stops before anything runs when there are fewer. The split
@@ -18,7 +20,7 @@
 #        --tensor-parallel-size 2]
 set -euo pipefail
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -78,6 +80,12 @@ done
 echo "== benchmark (TP=$TP)"
 "$PY" benchmarks/gpu_bench.py --out "$OUT" "$@" || failed=1
 [[ -f "$OUT" ]] || { echo "the benchmark wrote no report" >&2; exit 1; }
+
+echo "== host time per decode step on this machine's CPU (one-layer model, CUDA graphs)"
+# What the engine's own Python costs a served GPU step, phase by phase (docs/gpu.md).
+HOST_OUT="${OUT%.json}_host_overhead.md"
+timeout -k 5 150 "$PY" benchmarks/step_overhead_bench.py --device cuda --batches 1,64,256 \
+  --rounds 3 --wire 2>"${OUT%.json}_host_overhead.log" | tee "$HOST_OUT" || failed=1
 
 echo "== summary (TP=$TP)"
 "$PY" - "$OUT" <<'PYEOF'

@@ -37,6 +37,12 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     kinds = engine["steps_by_kind"]
     assert kinds["with_prefill"]["steps"] + kinds["decode_only"]["steps"] == engine["steps"]
     assert 0 < engine["execute_seconds"] <= engine["seconds"]
+    # The same requests launched ahead: every output, the same tokens (float32 on CPU: a row's
+    # result does not depend on the rows batched with it).
+    ahead = engine["launch_ahead"]
+    assert ahead["requests"] == 6 and ahead["output_tokens"] == 6 * 4
+    assert ahead["output_tokens_per_s"] > 0 and ahead["speedup"] > 0
+    assert ahead["identical_outputs"] == 1.0
     assert all(row["graph_replay_ms"] > 0 for row in report["decode"])
     # Kernel-level profiles: eager and graph at the smallest and largest batch, and a few
     # steady-state engine decode steps (on CPU only the host side is recorded).
@@ -193,24 +199,26 @@ def test_engine_steps_run_on_the_engine_thread(
 
     from ferrum_server import engine as engine_module
 
-    threads: set[str] = set()
-    real_execute = engine_module.Engine.execute
-    real_release = engine_module.Engine.release
+    threads: dict[str, set[str]] = {}
 
-    def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
-        threads.add(threading.current_thread().name)
-        return real_execute(self, *args, **kwargs)
+    def on_thread(name: str) -> None:
+        real = getattr(engine_module.Engine, name)
 
-    def release(self: Any, *args: Any, **kwargs: Any) -> Any:
-        threads.add(threading.current_thread().name)
-        return real_release(self, *args, **kwargs)
+        def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            threads.setdefault(name, set()).add(threading.current_thread().name)
+            return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module.Engine, "execute", execute)
-    monkeypatch.setattr(engine_module.Engine, "release", release)
+        monkeypatch.setattr(engine_module.Engine, name, recorded)
+
+    for name in ("execute", "release", "launch", "finish"):
+        on_thread(name)
     bench = _load_bench()
     out = tmp_path / "bench.json"
     assert bench.main(["--dry-run", "--requests", "4", "--no-profile", "--out", str(out)]) == 0
-    assert threads and all(name.startswith("ferrum-engine") for name in threads), threads
+    # Both drivers: steps one at a time (execute) and launched ahead (launch, finish).
+    assert set(threads) == {"execute", "release", "launch", "finish"}
+    names = set().union(*threads.values())
+    assert all(name.startswith("ferrum-engine") for name in names), threads
 
 
 def test_a_device_fault_that_breaks_the_cleanup_still_leaves_the_report(
@@ -232,3 +240,16 @@ def test_a_device_fault_that_breaks_the_cleanup_still_leaves_the_report(
     assert bench.main(["--dry-run", "--requests", "4", "--no-profile", "--out", str(out)]) == 1
     report = json.loads(out.read_text())
     assert list(report["errors"]) == ["kernels"] and report["engine"]["requests"] == 4
+
+
+def test_launched_ahead_admission_waits_for_a_sequence_slot(tmp_path: Path) -> None:
+    """Launched ahead, a finished request's cache is released a step later than one at a
+    time: with more requests than sequence slots, admission must wait for a slot (an opener
+    the engine defers has no cache for its decodes to continue)."""
+    bench = _load_bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--dry-run", "--requests", "12", "--no-profile", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "errors" not in report
+    ahead = report["engine"]["launch_ahead"]
+    assert ahead["output_tokens"] == 12 * 4 and ahead["identical_outputs"] == 1.0
