@@ -104,6 +104,14 @@ class EngineConfig:
         default=True,
         metadata=flag("replay decode-only steps from CUDA graphs captured at start-up (CUDA only)"),
     )
+    # docs/architecture.md, "Launching ahead". Off until measured on a GPU (docs/gpu.md).
+    launch_ahead: bool = field(
+        default=False,
+        metadata=flag(
+            "launch a step before the one in flight is answered, so the host's work overlaps "
+            "the device's (steps queued back to back, e.g. decode continuation)"
+        ),
+    )
     # Capped at max_batch_size (see graph_max_batch).
     cuda_graph_max_batch: int = field(
         default=256,

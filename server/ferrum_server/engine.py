@@ -324,8 +324,14 @@ class Engine:
         except BaseException:
             self.recorder.end(len(step.items))
             raise
+        self.stats.launched_ahead_steps += int(bool(self._launched))
         self._launched.append(launched)
         return launched
+
+    def finish_orphan(self, launched: LaunchedStep) -> None:
+        """A launched step whose caller went away: finish it and release the caches it
+        opened (the caller will never learn them)."""
+        self.release_opened(launched.step, self.finish(launched))
 
     def finish(self, launched: LaunchedStep) -> StepOutcome:
         """Wait for a launched step's outputs and answer it, finishing every step launched

@@ -59,9 +59,12 @@ class EngineStats:
     items: int = 0
     # Items of the last step that ran (of the running one once it ends).
     current_batch_size: int = 0
-    # Items of the step running now; 0 when idle (read by GetStatus on the event loop).
+    # Items of the steps running now (two when one was launched ahead); 0 when idle (read by
+    # GetStatus on the event loop).
     running_items: int = 0
     graph_steps: int = 0  # decode steps replayed from a CUDA graph
+    # Steps launched while another was still in flight (Engine.launch).
+    launched_ahead_steps: int = 0
     # Latest prefill-carrying and decode-only step latencies, for GetMetrics' p95.
     prefill_window: LatencyWindow = field(default_factory=LatencyWindow, compare=False)
     decode_window: LatencyWindow = field(default_factory=LatencyWindow, compare=False)
@@ -76,12 +79,12 @@ class Recorder:
 
     def begin(self, num_items: int) -> None:
         """A step (or warmup forward) of num_items items starts: GetStatus reports BUSY."""
-        self.stats.running_items = num_items
+        self.stats.running_items += num_items
 
     def end(self, num_items: int) -> None:
         """It ended (ran, deferred or failed): its size stays the current batch size."""
         self.stats.current_batch_size = num_items
-        self.stats.running_items = 0
+        self.stats.running_items = max(0, self.stats.running_items - num_items)
 
     def forward(self, items: Sequence[StepItem], elapsed_ns: int, graphed: bool) -> None:
         """Count one forward: elapsed_ns covers forward plus sampling; graphed when it replayed

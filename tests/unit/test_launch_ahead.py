@@ -21,6 +21,7 @@ from ferrum_server.cuda_graphs import EagerCapturer
 from ferrum_server.domain import (
     GREEDY,
     ItemKind,
+    ItemResult,
     ItemStatus,
     Sampling,
     Step,
@@ -124,8 +125,8 @@ def _build(
     return items, owners
 
 
-def _answer(items: list[StepItem], owners: list[Request], results: list) -> None:
-    for item, req, result in zip(items, owners, results, strict=True):
+def _answer(owners: list[Request], results: list[ItemResult]) -> None:
+    for req, result in zip(owners, results, strict=True):
         assert result.status in (ItemStatus.TOKEN, ItemStatus.INTERMEDIATE), result
         req.cache_id = result.cache_id
         req.tokens.extend(result.token_ids)
@@ -146,7 +147,7 @@ def run_sequential(engine: Engine, requests: list[Request], budget: int) -> dict
     ended: dict[str, tuple] = {}
     while len(ended) < len(requests):
         items, owners = _build(requests, budget, explicit=True)
-        _answer(items, owners, engine.execute(Step(items)).results)
+        _answer(owners, engine.execute(Step(items)).results)
         _finish_done(engine, requests, ended)
     return {r.rid: (r.tokens, *ended[r.rid]) for r in requests}
 
@@ -156,18 +157,18 @@ def run_ahead(
 ) -> dict[str, tuple]:
     """Each step launched before the previous one is finished (continuation decodes)."""
     ended: dict[str, tuple] = {}
-    flight: deque[tuple[LaunchedStep, list[StepItem], list[Request]]] = deque()
+    flight: deque[tuple[LaunchedStep, list[Request]]] = deque()
     while len(ended) < len(requests):
         items, owners = _build(requests, budget, explicit=False)
         if items:
             launched = engine.launch(Step(items))
             for index, req in enumerate(owners):
                 req.cache_id = launched.cache_id(index)  # opened at launch
-            flight.append((launched, items, owners))
+            flight.append((launched, owners))
             in_flight_seen.append(len(engine._launched))
         if flight and (len(flight) > 1 or not items):
-            launched, done_items, done_owners = flight.popleft()
-            _answer(done_items, done_owners, engine.finish(launched).results)
+            launched, done_owners = flight.popleft()
+            _answer(done_owners, engine.finish(launched).results)
             _finish_done(engine, requests, ended)
     return {r.rid: (r.tokens, *ended[r.rid]) for r in requests}
 
@@ -387,6 +388,7 @@ def test_an_unresolved_token_is_hashed_once_resolved() -> None:
     cache = later.caches[next(iter(later.caches))]
     later.commit(cache, [0], unresolved=True)
     assert len(cache.block_hashes) == 1  # the second block waits for its last token
+    later.check()
     with pytest.raises(RuntimeError):
         later.commit(cache, [7])  # nothing commits past an unresolved token
     with pytest.raises(RuntimeError):
@@ -395,3 +397,32 @@ def test_an_unresolved_token_is_hashed_once_resolved() -> None:
     want = direct.caches[next(iter(direct.caches))]
     assert cache.token_ids == want.token_ids and cache.block_hashes == want.block_hashes
     assert later.pool.num_cached == direct.pool.num_cached
+
+
+def test_a_launched_step_whose_caller_left_releases_what_it_opened() -> None:
+    engine = _engine()
+    try:
+        opened = engine.launch(Step([StepItem(ItemKind.PREFILL_CHUNK, "gone", "", [1, 2], 0, 2)]))
+        assert engine.stats.running_items == 1
+        engine.finish_orphan(opened)
+        assert opened.outcome is not None and not engine.kv.caches
+        assert engine.stats.running_items == 0
+        engine.kv.check()
+    finally:
+        engine.shutdown()
+
+
+def test_two_steps_in_flight_count_as_running_until_each_finishes() -> None:
+    engine = _engine()
+    try:
+        a, b, _ = _two_in_flight(engine)
+        assert engine.stats.running_items == 4  # two items in each
+        assert engine.stats.launched_ahead_steps == 1  # b launched with a in flight
+        engine.kv.check()  # placeholders committed, their blocks not yet hashed
+        engine.finish(a)
+        assert engine.stats.running_items == 2
+        engine.finish(b)
+        assert engine.stats.running_items == 0
+        engine.kv.check()
+    finally:
+        engine.shutdown()

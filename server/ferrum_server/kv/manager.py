@@ -453,9 +453,7 @@ class KvManager:
         # Committed blocks are hashed even without prefix caching: the hashes are the cache's
         # token identity (a later prefill chunk's prompt is compared with them).
         bs = self.block_size
-        full_blocks = cache.num_tokens // bs
-        if cache.unresolved_position >= 0:
-            full_blocks = min(full_blocks, cache.unresolved_position // bs)
+        full_blocks = self._hashable_blocks(cache)
         if len(cache.block_hashes) == full_blocks and not first_chunk:
             return  # no block filled up, and nothing promised to publish (most decodes)
         parent = cache.block_hashes[-1] if cache.block_hashes else _ROOT_HASH
@@ -479,6 +477,13 @@ class KvManager:
         if published:
             # Requests deferred behind this prefix wait on the KV source: wake them.
             self.clock.bump({KV_BLOCKS})
+
+    def _hashable_blocks(self, cache: Cache) -> int:
+        """Full committed blocks before any unresolved token: the ones hashed."""
+        full_blocks = cache.num_tokens // self.block_size
+        if cache.unresolved_position >= 0:
+            return min(full_blocks, cache.unresolved_position // self.block_size)
+        return full_blocks
 
     def expire_pending(self, bound_s: float, now: float) -> list[Cache]:
         """Drop the prefix marks of admitted caches whose first chunk has not run within
@@ -630,8 +635,10 @@ class KvManager:
                 holders[block] = holders.get(block, 0) + 1
             if self.blocks_for(cache.num_tokens) > len(cache.block_ids):
                 raise AssertionError(f"cache {cache.cache_id} has tokens past its blocks")
-            if len(cache.block_hashes) != cache.num_tokens // self.block_size:
+            if len(cache.block_hashes) != self._hashable_blocks(cache):
                 raise AssertionError(f"cache {cache.cache_id} has stale block hashes")
+            if not -1 <= cache.unresolved_position < cache.num_tokens:
+                raise AssertionError(f"cache {cache.cache_id} has an unresolved token past its end")
             if cache.request_id and self.by_request.get(cache.request_id) != cache.cache_id:
                 raise AssertionError(f"request {cache.request_id} holds an unindexed cache")
         if len(self.by_request) != sum(1 for c in self.caches.values() if c.request_id):
