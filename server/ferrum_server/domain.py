@@ -102,9 +102,14 @@ class StepItem:
 
     @property
     def num_outputs(self) -> int:
-        if self.kind == ItemKind.VERIFY:
+        # Read several times per item per step: the common decode answers first, and the
+        # chunk's end is computed inline rather than through `is_final` and `end`.
+        kind = self.kind
+        if kind == ItemKind.DECODE:
+            return 1
+        if kind == ItemKind.VERIFY:
             return len(self.token_ids)
-        return 1 if self.is_final else 0
+        return 1 if self.position + len(self.token_ids) == self.total_prompt_tokens else 0
 
 
 @dataclass(frozen=True, slots=True)

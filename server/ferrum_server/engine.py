@@ -100,13 +100,12 @@ class LaunchedStep:
 
     step: Step  # as it ran: continuation tokens filled in, narrowed chunks cut
     caches: list[Cache | None]
-    cache_ids: frozenset[str]  # the caches it holds (a release of one finishes it first)
     results: list[ItemResult | None]  # filled at launch for the items that did not run
     groups: list[tuple[list[int], ForwardOutput]]  # item indices and the forward they ran in
     host: list[SampleOutput | None]  # per group: its sampled outputs, copied to the host
     copied: torch.cuda.Event | None  # recorded after those copies (CUDA)
     ran: list[tuple[StepItem, Cache]]
-    lengths: dict[int, int]  # item index -> its cache's committed length after the item
+    lengths: list[int]  # per item: its cache's committed length after it (0: did not run)
     narrowed: dict[int, StepItem]
     deferrals: dict[int, CapacityDeferral]
     failed: list[int]
@@ -119,6 +118,10 @@ class LaunchedStep:
         """The cache item `index` ran on (opened at launch for an opening item); "" if none."""
         cache = self.caches[index]
         return cache.cache_id if cache is not None else ""
+
+    def holds(self, cache_id: str) -> bool:
+        """Whether one of its items is on that cache (a release of it finishes the step first)."""
+        return any(cache is not None and cache.cache_id == cache_id for cache in self.caches)
 
 
 class Engine:
@@ -382,23 +385,23 @@ class Engine:
         for index, deferral in deferrals.items():
             results[index] = _unrun(step.items[index], caches[index], deferral=deferral)
         runnable = [i for i in range(len(step.items)) if i not in deferrals and i not in refused]
-        # Continuation decodes whose token is still on the device (a step in flight chose it).
+        # Continuation decodes whose token is still on the device (a step in flight chose it;
+        # none when no step is in flight).
         on_device = {
             i: source
-            for i in runnable
+            for i in (runnable if self._launched else ())
             if step.items[i].continuation and (source := _device_source(caches[i])) is not None
         }
         groups, failed = (
             self._forward(step, caches, runnable, held, on_device) if runnable else ([], [])
         )
         ran: list[tuple[StepItem, Cache]] = []
-        lengths: dict[int, int] = {}
+        lengths = [0] * len(step.items)
         for indices, forward in groups:
             ran += self._commit_inputs(step, caches, indices, forward, on_device, lengths)
         return LaunchedStep(
             step=step,
             caches=caches,
-            cache_ids=frozenset(cache.cache_id for cache in caches if cache is not None),
             results=results,
             groups=groups,
             host=[_copy_to_host(forward.sampled) for _, forward in groups],
@@ -490,7 +493,11 @@ class Engine:
         """One forward of `indices`; on device OOM in a per-item step, bisect so that only the
         items that cannot run fail and the others still complete."""
         items = [step.items[i] for i in indices]
-        tokens = [DeviceToken(k, *on_device[i]) for k, i in enumerate(indices) if i in on_device]
+        tokens = (
+            [DeviceToken(k, *on_device[i]) for k, i in enumerate(indices) if i in on_device]
+            if on_device
+            else []
+        )
         try:
             if self.faults is not None:
                 self.faults.before_forward([item.request_id for item in items])
@@ -541,7 +548,7 @@ class Engine:
         indices: list[int],
         forward: ForwardOutput,
         on_device: dict[int, tuple[torch.Tensor, int]],
-        lengths: dict[int, int],
+        lengths: list[int],
     ) -> list[tuple[StepItem, Cache]]:
         """Commit the input tokens of the items one forward ran (their KV is written in stream
         order), note each cache's length, and point each cache that selected a token at it
@@ -579,7 +586,7 @@ class Engine:
         indices: list[int],
         forward: ForwardOutput,
         host: SampleOutput | None,
-        lengths: dict[int, int],
+        lengths: list[int],
         results: list[ItemResult | None],
     ) -> None:
         """Fill in the results of the items one forward ran, from its outputs on the host; the
@@ -665,7 +672,7 @@ class Engine:
 
     def release(self, cache_id: str, instance_id: int = 0) -> ReleaseResult:
         check_instance(instance_id, self.limits)
-        if any(cache_id in launched.cache_ids for launched in self._launched):
+        if any(launched.holds(cache_id) for launched in self._launched):
             self._settle()  # its blocks may still be written, or its tokens resolved
         return self.kv.release(cache_id)
 
