@@ -29,6 +29,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ferrum_kernels.transfer import ints_to_device
+
 __all__ = [
     "AttentionMetadata",
     "DecodeAttentionFn",
@@ -100,22 +102,18 @@ class AttentionMetadata:
                 )
             (decodes if n == 1 else prefills).append(i)
 
-        device = self.block_tables.device
-        decode_idx = torch.tensor(decodes, dtype=torch.int64)
+        # One copy that never waits for the device (`to_device`): rows, lengths, item indices.
+        d = len(decodes)
+        per_decode = ints_to_device(
+            [*(qs[i] for i in decodes), *(cl[i] for i in decodes), *decodes],
+            self.block_tables.device,
+        )
         set_ = object.__setattr__  # frozen dataclass: derived fields are set once, here
         set_(self, "decode_items", tuple(decodes))
         set_(self, "prefill_items", tuple(prefills))
-        set_(
-            self,
-            "decode_rows",
-            torch.tensor([qs[i] for i in decodes], dtype=torch.int64).to(device),
-        )
-        set_(
-            self,
-            "decode_context_lens",
-            torch.tensor([cl[i] for i in decodes], dtype=torch.int64).to(device),
-        )
-        set_(self, "decode_block_tables", self.block_tables[decode_idx.to(device)])
+        set_(self, "decode_rows", per_decode[:d])
+        set_(self, "decode_context_lens", per_decode[d : 2 * d])
+        set_(self, "decode_block_tables", self.block_tables[per_decode[2 * d :]])
         set_(self, "max_decode_context", max((cl[i] for i in decodes), default=0))
         set_(self, "max_context", max(cl, default=0))
 

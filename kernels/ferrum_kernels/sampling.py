@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ferrum_kernels import native
+from ferrum_kernels.transfer import to_device
 
 __all__ = [
     "GREEDY_TEMPERATURE_FLOOR",
@@ -181,13 +182,6 @@ def unpack_bitmask(bits: Tensor, vocab_size: int) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda":
-        # Pinned source lets the copy run asynchronously with the caller's CPU work.
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def build_sampling_tensors(
     temperature: Sequence[float],
     top_k: Sequence[int],
@@ -254,8 +248,8 @@ def build_sampling_tensors(
     ints_host = torch.tensor(
         [*top_k, *(_as_i64(s) for s in seeds), *offsets, *counts, *flat_ids], dtype=torch.int64
     )
-    floats_dev = _to_device(floats, dev)
-    ints_dev = _to_device(ints_host, dev)
+    floats_dev = to_device(floats, dev)
+    ints_dev = to_device(ints_host, dev)
     top_k_t = ints_dev[0:n]
     seeds_t = ints_dev[n : 2 * n]
     offsets_t = ints_dev[2 * n : 3 * n]
@@ -274,7 +268,7 @@ def build_sampling_tensors(
         allow_all = b"\xff" * nbytes
         packed = b"".join(allow_all if b is None else b for b in token_mask_bits)
         bits_host = torch.frombuffer(bytearray(packed), dtype=torch.uint8).reshape(n, nbytes)
-        token_mask = unpack_bitmask(_to_device(bits_host, dev), vocab_size)
+        token_mask = unpack_bitmask(to_device(bits_host, dev), vocab_size)
 
     sampled = [t > 0.0 for t in temperature]
     needs_filter = any(

@@ -61,6 +61,7 @@ from ferrum_kernels.attention import (
     check_softcap,
     check_window,
 )
+from ferrum_kernels.transfer import to_device
 
 __all__ = [
     "TritonAttentionMetadata",
@@ -109,13 +110,6 @@ def _max_query_len(meta: AttentionMetadata) -> int:
     return max((qs[i + 1] - qs[i] for i in range(len(qs) - 1)), default=0)
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        # Pinned source: the copy overlaps with host work instead of blocking on it.
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _build_metadata(meta: AttentionMetadata, block_q: int) -> TritonAttentionMetadata:
     qs, cl = meta.query_start, meta.context_lens
     tile_item: list[int] = []
@@ -127,7 +121,7 @@ def _build_metadata(meta: AttentionMetadata, block_q: int) -> TritonAttentionMet
     num_tiles = len(tile_item)
     # One host->device copy for all four int32 arrays; the fields are views of it.
     host = torch.tensor([*qs, *cl, *tile_item, *tile_q_start], dtype=torch.int32)
-    dev = _to_device(host, meta.block_tables.device)
+    dev = to_device(host, meta.block_tables.device)
     b = len(cl)
     return TritonAttentionMetadata(
         query_start=dev[: b + 1],

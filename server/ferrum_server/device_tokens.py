@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from ferrum_kernels.transfer import ints_to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +32,6 @@ def place_device_tokens(target: torch.Tensor, rows: list[int], tokens: list[Devi
         targets.append(row)
         sources.append(token.row)
     for source, targets, sources in groups.values():
-        indices = _to_device(torch.tensor([sources, targets], dtype=torch.int64), target.device)
+        indices = ints_to_device([*sources, *targets], target.device).view(2, -1)
         picked = source.index_select(0, indices[0])
         target.index_copy_(0, indices[1], picked.to(target.dtype))
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting for the device: a blocking copy to a GPU
-    synchronizes the stream, which would wait for the very step launched ahead of this one."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from ferrum_kernels.backend import KernelBackend, select_backend
 from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors
+from ferrum_kernels.transfer import ints_to_device, to_device
 
 from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.device_tokens import DeviceToken, place_device_tokens
@@ -123,13 +124,15 @@ class ModelRunner:
                 output_rows.extend(range(query_start[index], query_start[index + 1]))
             elif item.is_final:
                 output_rows.append(query_start[index + 1] - 1)
+        # Token ids and output rows in one copy; none waits for the device (`to_device`).
+        flat = ints_to_device([*flat_tokens, *output_rows], device)
         return ForwardPlan(
-            token_ids=torch.tensor(flat_tokens, dtype=torch.int64, device=device),
+            token_ids=flat[: len(flat_tokens)],
             query_start=query_start,
             offsets=[item.position for item in items],
             context_lens=[item.end for item in items],
-            block_tables=table.to(device),
-            output_rows=torch.tensor(output_rows, dtype=torch.int64, device=device),
+            block_tables=to_device(table, device),
+            output_rows=flat[len(flat_tokens) :],
         )
 
     def _graphable(self, items: list[StepItem], caches: list[Cache]) -> bool:

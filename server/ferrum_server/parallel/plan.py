@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.transfer import ints_to_device
 
 from ferrum_server.parallel.group import TensorParallel
 
@@ -52,15 +53,20 @@ class ForwardPlan:
     def inputs(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input ids, positions, attention metadata) for the model."""
         device = self.token_ids.device
-        counts = torch.tensor(
-            [b - a for a, b in itertools.pairwise(self.query_start)],
-            dtype=torch.int64,
-            device=device,
-        )  # [B]
-        starts = torch.tensor(self.query_start[:-1], dtype=torch.int64, device=device)  # [B]
-        offsets = torch.tensor(self.offsets, dtype=torch.int64, device=device)  # [B]
+        b, t = len(self.offsets), self.token_ids.shape[0]
+        # One copy that never waits for the device (`to_device`): counts, starts, offsets.
+        per_item = ints_to_device(
+            [
+                *(end - start for start, end in itertools.pairwise(self.query_start)),
+                *self.query_start[:-1],
+                *self.offsets,
+            ],
+            device,
+        )
+        counts, starts, offsets = per_item[:b], per_item[b : 2 * b], per_item[2 * b :]  # [B]
+        # output_size: without it the op reads the counts' sum back from the device.
         item_of_token = torch.repeat_interleave(
-            torch.arange(len(self.offsets), device=device), counts
+            torch.arange(b, device=device), counts, output_size=t
         )  # [T]
         positions = (
             torch.arange(self.token_ids.shape[0], device=device)
