@@ -122,6 +122,13 @@ if engine:
         f"{engine['total_tokens_per_s']:.0f} total tok/s, {engine['requests']} requests "
         f"in {engine['seconds']:.1f} s, {engine['graph_steps']} graph steps"
     )
+    ahead = engine.get("launch_ahead")
+    if ahead:
+        print(
+            f"  launched ahead: {ahead['output_tokens_per_s']:.0f} output tok/s "
+            f"(x{ahead['speedup']:.2f}), {ahead['graph_steps']} graph steps, "
+            f"{ahead['identical_outputs']:.0%} identical outputs"
+        )
     for kind, row in engine.get("steps_by_kind", {}).items():
         print(
             f"  {kind}: {row['steps']} steps, {row['seconds']:.2f} s, p50 {row['p50_ms']:.1f} ms; "
