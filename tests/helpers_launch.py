@@ -150,3 +150,30 @@ def run_ahead(
             _answer(done_owners, engine.finish(launched).results)
             _finish_done(engine, requests, ended)
     return {r.rid: (r.tokens, *ended[r.rid]) for r in requests}
+
+
+class Decoding:
+    """Prompts prefilled in one step (`Engine.execute`), then decoded together by continuation
+    steps: `step(k)` is every prompt's decode at its k-th output after the first."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]]) -> None:
+        self.prompts = prompts
+        opened = engine.execute(
+            Step(
+                [
+                    StepItem(ItemKind.PREFILL_CHUNK, f"q{r}", "", p, 0, len(p))
+                    for r, p in enumerate(prompts)
+                ]
+            )
+        )
+        self.caches = [result.cache_id for result in opened.results]
+
+    def step(self, offset: int) -> Step:
+        return Step(
+            [
+                StepItem(
+                    ItemKind.DECODE, f"q{r}", self.caches[r], [], len(p) + offset, continuation=True
+                )
+                for r, p in enumerate(self.prompts)
+            ]
+        )

@@ -20,10 +20,16 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 pytest.importorskip("triton", reason="triton is not installed")
 
 from ferrum_server.config import EngineConfig  # noqa: E402
-from ferrum_server.domain import ItemKind, ItemStatus, Step, StepItem  # noqa: E402
+from ferrum_server.domain import ItemStatus  # noqa: E402
 from ferrum_server.engine import Engine  # noqa: E402
 from ferrum_server.models import tiny_config  # noqa: E402
-from helpers_launch import BLOCK, make_requests, run_ahead, run_sequential  # noqa: E402
+from helpers_launch import (  # noqa: E402
+    BLOCK,
+    Decoding,
+    make_requests,
+    run_ahead,
+    run_sequential,
+)
 
 
 def _engine(graphs: bool) -> Engine:
@@ -62,33 +68,13 @@ def test_steps_launched_ahead_match_steps_run_one_at_a_time(graphs: bool) -> Non
 def test_a_launch_behind_a_step_in_flight_never_waits_for_the_device(graphs: bool) -> None:
     engine = _engine(graphs)
     try:
-        prompts = [[(7 * r + i) % 500 for i in range(5 + r)] for r in range(4)]
-        opened = engine.execute(
-            Step(
-                [
-                    StepItem(ItemKind.PREFILL_CHUNK, f"q{r}", "", p, 0, len(p))
-                    for r, p in enumerate(prompts)
-                ]
-            )
-        )
-        caches = [r.cache_id for r in opened.results]
-
-        def decode(offset: int) -> Step:
-            return Step(
-                [
-                    StepItem(
-                        ItemKind.DECODE, f"q{r}", caches[r], [], len(p) + offset, continuation=True
-                    )
-                    for r, p in enumerate(prompts)
-                ]
-            )
-
+        decoding = Decoding(engine, [[(7 * r + i) % 500 for i in range(5 + r)] for r in range(4)])
         for offset in range(3):  # compile and warm every kernel of these shapes first
-            engine.execute(decode(offset))
-        first = engine.launch(decode(3))
+            engine.execute(decoding.step(offset))
+        first = engine.launch(decoding.step(3))
         torch.cuda.set_sync_debug_mode("error")
         try:
-            second = engine.launch(decode(4))  # reads `first`'s tokens on the device
+            second = engine.launch(decoding.step(4))  # reads `first`'s tokens on the device
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for launched in (first, second):

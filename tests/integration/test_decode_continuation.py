@@ -48,8 +48,14 @@ CONTINUE = SchedulerConfig(max_step_tokens=64, decode_continuation=True)
 PLAIN = SchedulerConfig(max_step_tokens=64)
 
 
-@pytest.fixture(scope="module")
-def roomy() -> Iterator[LiveServer]:
+# Every scheduler test runs against steps run whole and against --launch-ahead, where a step
+# queued behind the one in flight launches before that one is finished (continuations then
+# read their token on the device; docs/architecture.md, "Launching ahead").
+LAUNCH_MODES = pytest.fixture(scope="module", params=[False, True], ids=["whole", "ahead"])
+
+
+@LAUNCH_MODES
+def roomy(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
     """Prefix caching on: blocks a finished request leaves behind stay cached, and come back."""
     yield from start_live_server(
         block_size=4,
@@ -57,17 +63,19 @@ def roomy() -> Iterator[LiveServer]:
         max_batch_tokens=512,
         max_batch_size=64,
         prefix_caching=True,
+        launch_ahead=request.param,
     )
 
 
-@pytest.fixture(scope="module")
-def tight() -> Iterator[LiveServer]:
+@LAUNCH_MODES
+def tight(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
     """24 blocks of 4 tokens: room for about three of the requests at once."""
     yield from start_live_server(
         block_size=4,
         kv_cache_bytes=24 * tiny_block_bytes(4),
         max_batch_tokens=256,
         max_batch_size=16,
+        launch_ahead=request.param,
     )
 
 
@@ -98,6 +106,7 @@ def _release(client: ExecutorClient, *cache_ids: str) -> None:
 
 
 def _assert_quiescent(server: LiveServer) -> None:
+    assert not server.engine._launched  # type: ignore[attr-defined]  # every step finished
     kv = server.engine.kv  # type: ignore[attr-defined]
     kv.check()
     assert not kv.caches
@@ -325,6 +334,8 @@ def test_continued_outputs_equal_plain_greedy(roomy: LiveServer) -> None:
     lengths = [3 + (i * 5) % 13 for i in range(len(prompts))]
     params, _ = _stop_params(roomy, prompts, lengths)
     plain, _ = _generate(roomy, prompts, params, PLAIN)
+    engine_stats = roomy.engine.stats  # type: ignore[attr-defined]
+    launched_ahead = engine_stats.launched_ahead_steps
     continued, scheduler = _generate(roomy, prompts, params, CONTINUE)
     assert [r.output_ids for r in continued] == [r.output_ids for r in plain]
     reasons = [r.finish_reason for r in continued]
@@ -332,6 +343,10 @@ def test_continued_outputs_equal_plain_greedy(roomy: LiveServer) -> None:
     assert "stop" in reasons and "length" in reasons
     stats = scheduler.stats
     assert stats.continuations > 0 and stats.max_in_flight == 2
+    if roomy.engine.config.launch_ahead:  # type: ignore[attr-defined]
+        # Steps did launch while the one before them was in flight (about a third of them
+        # on a 2-core CPU, where a launch runs its whole forward before it returns).
+        assert engine_stats.launched_ahead_steps > launched_ahead
     _assert_quiescent(roomy)
 
     engine = Engine(EngineConfig(block_size=4, kv_cache_bytes=1024 * tiny_block_bytes(4)))
@@ -437,7 +452,9 @@ def test_steps_overlap_and_every_running_request_is_in_every_step(roomy: LiveSer
     params = [GenerationParams(max_new_tokens=6)] * len(prompts)
     plain, _ = _generate(roomy, prompts, params, PLAIN)
     engine = roomy.engine
-    execute = engine.execute  # type: ignore[attr-defined]
+    # What the servicer calls to start a step: the whole step, or its launch.
+    entry = "launch" if engine.config.launch_ahead else "execute"  # type: ignore[attr-defined]
+    execute = getattr(engine, entry)
     started = [threading.Event() for _ in range(64)]
     executed = iter(started)
 
@@ -461,11 +478,11 @@ def test_steps_overlap_and_every_running_request_is_in_every_step(roomy: LiveSer
 
             return gated()
 
-    engine.execute = marking_execute  # type: ignore[attr-defined]
+    setattr(engine, entry, marking_execute)
     try:
         continued, scheduler = _generate(roomy, prompts, params, CONTINUE, Gated)
     finally:
-        del engine.execute  # type: ignore[attr-defined]
+        delattr(engine, entry)
     assert [r.output_ids for r in continued] == [r.output_ids for r in plain]
     records = scheduler.stats.records
     # One step prefills every prompt, then five steps decode all six requests together.

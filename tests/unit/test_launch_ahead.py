@@ -22,7 +22,14 @@ from ferrum_server.engine import Engine, LaunchedStep
 from ferrum_server.errors import InvalidArgument
 from ferrum_server.kv.manager import KvManager
 from ferrum_server.models import tiny_config
-from helpers_launch import BLOCK, Request, make_requests, run_ahead, run_sequential
+from helpers_launch import (
+    BLOCK,
+    Decoding,
+    Request,
+    make_requests,
+    run_ahead,
+    run_sequential,
+)
 
 
 def _engine(**overrides: object) -> Engine:
@@ -102,31 +109,11 @@ def test_a_penalised_continuation_waits_for_the_step_before_it() -> None:
 
 
 def _two_in_flight(engine: Engine) -> tuple[LaunchedStep, LaunchedStep, list[str]]:
-    prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
-    first = engine.execute(
-        Step(
-            [
-                StepItem(ItemKind.PREFILL_CHUNK, f"q{i}", "", p, 0, len(p))
-                for i, p in enumerate(prompts)
-            ]
-        )
-    )
-    caches = [r.cache_id for r in first.results]
-
-    def decode(offset: int) -> Step:
-        return Step(
-            [
-                StepItem(
-                    ItemKind.DECODE, f"q{i}", caches[i], [], len(p) + offset, continuation=True
-                )
-                for i, p in enumerate(prompts)
-            ]
-        )
-
-    a = engine.launch(decode(0))
-    b = engine.launch(decode(1))
+    decoding = Decoding(engine, [[5, 6, 7, 8, 9], [1, 2, 3]])
+    a = engine.launch(decoding.step(0))
+    b = engine.launch(decoding.step(1))
     assert list(engine._launched) == [a, b]
-    return a, b, caches
+    return a, b, decoding.caches
 
 
 def test_release_of_a_cache_in_flight_finishes_what_holds_it() -> None:
