@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from ferrum_kernels.sampling import SampleOutput
@@ -246,6 +247,28 @@ class Engine:
         self._turns.put(ticket.caller, Job(future, lambda: ticket.execute(settled, args)))
         self._thread.submit(self._turns.run_next)
         return await asyncio.wrap_future(future)
+
+    async def run_step(self, ticket: Ticket[Any], step: Step, submitted_ns: int) -> StepOutcome:
+        """Run a step in the ticket's caller's turn: whole (`execute`), or with --launch-ahead
+        launched in that turn and finished by a later job on the engine thread, so that a step
+        queued meanwhile (a continuation sent before this answer) launches first and its host
+        work overlaps this one's device time (docs/architecture.md, "Launching ahead")."""
+        if not self.config.launch_ahead:
+            return await self.run(
+                ticket,
+                self.execute,
+                step,
+                submitted_ns,
+                on_orphan=functools.partial(self.release_opened, step),
+            )
+        launched = await self.run(
+            ticket,
+            self.launch,
+            step,
+            submitted_ns,
+            on_orphan=self.finish_orphan,
+        )
+        return await self.call(self.finish, launched)
 
     @property
     def queued_runs(self) -> int:

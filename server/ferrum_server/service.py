@@ -248,23 +248,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         received_ns = time.perf_counter_ns()
         self._require_ready()
         step = await self._parse(parse, *args)
-        engine = self.engine
-        if not engine.config.launch_ahead:
-            outcome = await engine.run(
-                ticket,
-                engine.execute,
-                step,
-                received_ns,
-                on_orphan=functools.partial(engine.release_opened, step),
-            )
-            return step, outcome
-        # Launched in the caller's turn, finished by a later job on the engine thread: a step
-        # queued meanwhile (a continuation sent before this answer) launches first, and its
-        # host work overlaps this one's device time (docs/architecture.md, "Launching ahead").
-        launched = await engine.run(
-            ticket, engine.launch, step, received_ns, on_orphan=engine.finish_orphan
-        )
-        return step, await engine.call(engine.finish, launched)
+        return step, await self.engine.run_step(ticket, step, received_ns)
 
     # -- identity and status --------------------------------------------------------------
 
