@@ -350,7 +350,8 @@ class Engine:
         except BaseException:
             self.recorder.end(len(step.items))
             raise
-        self.stats.launched_ahead_steps += int(bool(self._launched))
+        if self._launched:
+            self.recorder.launched_ahead()
         self._launched.append(launched)
         return launched
 

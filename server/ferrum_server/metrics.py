@@ -115,6 +115,9 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
     (f"{PREFIX}_steps_total", "counter", (), "Batched forward steps executed."),
     (f"{PREFIX}_cuda_graph_replays_total", "counter", (),
      "Decode steps run by replaying a CUDA graph."),
+    (f"{PREFIX}_steps_launched_ahead_total", "counter", (),
+     "Steps launched while the step before them was still in flight (--launch-ahead): their "
+     "host work overlapped that step's device time."),
     (f"{PREFIX}_admissions_total", "counter", ("outcome",),
      "Admission decisions (admitted, deferred, maintenance_deferred, rejected)."),
     (f"{PREFIX}_admission_probes_total", "counter", ("origin",),
@@ -235,6 +238,7 @@ class Metrics:
         self.tokens = self._counter(f"{p}_tokens", "kind")
         self.steps = self._counter(f"{p}_steps")
         self.cuda_graph_replays = self._counter(f"{p}_cuda_graph_replays")
+        self.steps_launched_ahead = self._counter(f"{p}_steps_launched_ahead")
         self.admissions = self._counter(f"{p}_admissions", "outcome")
         self.admission_probes = self._counter(f"{p}_admission_probes", "origin")
         self.completion_work = self._counter(f"{p}_completion_work", "call", "work")
@@ -348,6 +352,9 @@ class Metrics:
 
     def record_cuda_graph_replay(self) -> None:
         self.cuda_graph_replays.inc()
+
+    def record_launched_ahead(self) -> None:
+        self.steps_launched_ahead.inc()
 
     def set_sequences(self, running: int, waiting: int) -> None:
         self.sequences_running.set(running)

@@ -81,6 +81,11 @@ class Recorder:
         """A step (or warmup forward) of num_items items starts: GetStatus reports BUSY."""
         self.stats.running_items += num_items
 
+    def launched_ahead(self) -> None:
+        """A step launched while another was still in flight (Engine.launch)."""
+        self.stats.launched_ahead_steps += 1
+        self.metrics.record_launched_ahead()
+
     def end(self, num_items: int) -> None:
         """It ended (ran, deferred or failed): its size stays the current batch size."""
         self.stats.current_batch_size = num_items

@@ -257,6 +257,7 @@ def test_two_steps_in_flight_count_as_running_until_each_finishes() -> None:
         a, b, _ = _two_in_flight(engine)
         assert engine.stats.running_items == 4  # two items in each
         assert engine.stats.launched_ahead_steps == 1  # b launched with a in flight
+        assert engine.recorder.metrics.steps_launched_ahead._value.get() == 1
         engine.kv.check()  # placeholders committed, their blocks not yet hashed
         engine.finish(a)
         assert engine.stats.running_items == 2
