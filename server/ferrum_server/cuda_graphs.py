@@ -288,7 +288,7 @@ class DecodeGraphs:
         token_ids: list[int],
         positions: list[int],
         block_tables: list[list[int]],
-        device_tokens: list[DeviceToken] | None = None,
+        device_tokens: dict[int, DeviceToken] | None = None,
     ) -> torch.Tensor:
         """Logits [B, V] float32 of a decode step: one token per item at `positions`; the
         items in `device_tokens` take theirs from the device instead of `token_ids`.
@@ -303,10 +303,8 @@ class DecodeGraphs:
         if width > self.layout.max_blocks_per_sequence:
             raise ValueError(f"a block table of {width} blocks is wider than the graphs")
         self._stage(token_ids, positions, block_tables, size, width)
-        if device_tokens:
-            # After the staging copy in stream order, so these rows win.
-            rows = [token.index for token in device_tokens]
-            place_device_tokens(self.inputs[_TOKEN], rows, device_tokens)
+        if device_tokens:  # after the staging copy in stream order, so these rows win
+            place_device_tokens(self.inputs[_TOKEN], device_tokens)
         self.graphs[size].replay()
         return self.logits[:count]
 

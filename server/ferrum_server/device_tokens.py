@@ -14,20 +14,24 @@ import torch
 from ferrum_kernels.transfer import ints_to_device
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class DeviceToken:
-    """Item `index` of a forward takes its one input token from `source[row]` (int64)."""
+    """A token still on the device: row `row` of `source`, a launched step's sampled token ids
+    ([N] int64). A cache holds one for its selected token while that step is in flight."""
 
-    index: int
-    source: torch.Tensor  # [N] int64: a launched step's sampled token ids
+    source: torch.Tensor
     row: int
 
+    def is_row(self, source: torch.Tensor | None, row: int) -> bool:
+        """Whether it is row `row` of that very tensor."""
+        return self.source is source and self.row == row
 
-def place_device_tokens(target: torch.Tensor, rows: list[int], tokens: list[DeviceToken]) -> None:
-    """target[rows[i]] = tokens[i].source[tokens[i].row] on the device, with no host sync:
-    one gather and one scatter per source tensor (a step's tokens come from one or two)."""
+
+def place_device_tokens(target: torch.Tensor, tokens: dict[int, DeviceToken]) -> None:
+    """target[r] = tokens[r].source[tokens[r].row] for every row r, on the device with no host
+    sync: one gather and one scatter per source tensor (a step's tokens come from one or two)."""
     groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-    for row, token in zip(rows, tokens, strict=True):
+    for row, token in tokens.items():
         _, targets, sources = groups.setdefault(id(token.source), (token.source, [], []))
         targets.append(row)
         sources.append(token.row)

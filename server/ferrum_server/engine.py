@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from ferrum_kernels.sampling import SampleOutput
@@ -414,7 +414,7 @@ class Engine:
         on_device = {
             i: source
             for i in (runnable if self._launched else ())
-            if step.items[i].continuation and (source := _device_source(caches[i])) is not None
+            if step.items[i].continuation and (source := _selected_on_device(caches[i])) is not None
         }
         groups, failed = (
             self._forward(step, caches, runnable, held, on_device) if runnable else ([], [])
@@ -486,7 +486,7 @@ class Engine:
         caches: list[Cache | None],
         runnable: list[int],
         held: list[int],
-        on_device: dict[int, tuple[torch.Tensor, int]],
+        on_device: dict[int, DeviceToken],
     ) -> tuple[list[tuple[list[int], ForwardOutput]], list[int]]:
         """Run the runnable items; return (item groups that ran, items that ran out of memory).
 
@@ -512,16 +512,12 @@ class Engine:
         step: Step,
         caches: list[Cache | None],
         indices: list[int],
-        on_device: dict[int, tuple[torch.Tensor, int]],
+        on_device: dict[int, DeviceToken],
     ) -> tuple[list[tuple[list[int], ForwardOutput]], list[int]]:
         """One forward of `indices`; on device OOM in a per-item step, bisect so that only the
         items that cannot run fail and the others still complete."""
         items = [step.items[i] for i in indices]
-        tokens = (
-            [DeviceToken(k, *on_device[i]) for k, i in enumerate(indices) if i in on_device]
-            if on_device
-            else []
-        )
+        tokens = {k: on_device[i] for k, i in enumerate(indices) if i in on_device}
         try:
             if self.faults is not None:
                 self.faults.before_forward([item.request_id for item in items])
@@ -571,7 +567,7 @@ class Engine:
         caches: list[Cache | None],
         indices: list[int],
         forward: ForwardOutput,
-        on_device: dict[int, tuple[torch.Tensor, int]],
+        on_device: dict[int, DeviceToken],
         lengths: list[int],
     ) -> list[tuple[StepItem, Cache]]:
         """Commit the input tokens of the items one forward ran (their KV is written in stream
@@ -600,7 +596,7 @@ class Engine:
                 and item.sampling.policy != OutputPolicy.LOGITS
             ):
                 last = row - 1 if position_of_row is None else position_of_row[row - 1]
-                cache.selected_on_device = (sampled.token_ids, last)
+                cache.selected_on_device = DeviceToken(sampled.token_ids, last)
         return ran
 
     def _fill_results(
@@ -682,7 +678,8 @@ class Engine:
                 # (the answer carries it), so continuing costs no device sync.
                 if cache.unresolved_position == length:  # one launched since fed it
                     kv.resolve(cache, length, chosen[-1])
-                elif _is_source(cache.selected_on_device, sampled_on_device, k):
+                elif (token := _selected_on_device(cache)) and token.is_row(sampled_on_device, k):
+                    # Still this step's choice: no item committed on the cache since.
                     cache.selected_token = chosen[-1]
                     cache.selected_on_device = None
         items = [step.items[index] for index in indices]
@@ -968,26 +965,17 @@ def _may_run_ahead(validated: Validated) -> bool:
         if (
             item.continuation
             and index not in validated.refused
-            and _device_source(cache) is not None
+            and _selected_on_device(cache) is not None
             and item.sampling.repetition_penalty not in (0.0, 1.0)
         ):
             return False
     return True
 
 
-def _device_source(cache: Cache | None) -> tuple[torch.Tensor, int] | None:
-    """Where a cache's selected token is on the device, while the step that chose it is in
-    flight; None once it is on the host (or there is none)."""
-    if cache is None or cache.selected_token >= 0:
-        return None
-    return cache.selected_on_device  # type: ignore[return-value]
-
-
-def _is_source(source: object, tensor: torch.Tensor | None, row: int) -> bool:
-    """Whether `source` (a cache's selected_on_device) is row `row` of `tensor`."""
-    if not isinstance(source, tuple) or tensor is None:
-        return False
-    return source[0] is tensor and source[1] == row
+def _selected_on_device(cache: Cache | None) -> DeviceToken | None:
+    """The cache's selected token while the step that chose it is in flight (the KV manager
+    holds it untyped: it imports no torch)."""
+    return cast(DeviceToken | None, cache.selected_on_device) if cache is not None else None
 
 
 def _position_of_row(forward: ForwardOutput) -> dict[int, int] | None:

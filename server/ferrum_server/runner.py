@@ -70,19 +70,19 @@ class ModelRunner:
         self,
         items: list[StepItem],
         caches: list[Cache],
-        device_tokens: list[DeviceToken] | None = None,
+        device_tokens: dict[int, DeviceToken] | None = None,
     ) -> ForwardOutput:
         """Run one forward over `items` whose caches already hold blocks for the new tokens.
 
-        `device_tokens`: decode items (by index into `items`) whose input token is still on
-        the device (their token_ids hold a placeholder)."""
+        `device_tokens`: index into `items` -> the input token of that decode, still on the
+        device (its token_ids hold a placeholder)."""
         started = time.perf_counter_ns()
         if self._graphable(items, caches):
-            return self._run_graph(items, caches, started, device_tokens or [])
+            return self._run_graph(items, caches, started, device_tokens or {})
         plan = self._plan(items, caches)
-        if device_tokens:
-            rows = [plan.query_start[token.index] for token in device_tokens]
-            place_device_tokens(plan.token_ids, rows, device_tokens)
+        if device_tokens:  # a decode's one token is its item's first row
+            rows = {plan.query_start[index]: token for index, token in device_tokens.items()}
+            place_device_tokens(plan.token_ids, rows)
         if self.followers is not None:
             self.followers.forward(plan)  # the other ranks run the same forward on their shard
         logits = self.run_plan(plan)  # [R, vocab] float32
@@ -149,7 +149,7 @@ class ModelRunner:
         items: list[StepItem],
         caches: list[Cache],
         started: int,
-        device_tokens: list[DeviceToken],
+        device_tokens: dict[int, DeviceToken],
     ) -> ForwardOutput:
         assert self.graphs is not None
         logits = self.graphs.run(

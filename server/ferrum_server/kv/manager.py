@@ -137,9 +137,9 @@ class Cache:
     # continuation decode feeds (-1: none; any commit or truncation clears it, and the engine
     # sets it after a commit that selected a token).
     selected_token: int = -1
-    # While the step that selected it is launched but not finished (Engine.launch): where the
-    # token is on the device, (token tensor, row); a continuation decode launched meanwhile
-    # reads it there. Cleared with selected_token.
+    # While the step that selected it is launched but not finished (Engine.launch): the token
+    # on the device (a device_tokens.DeviceToken; selected_token is -1 meanwhile), which a
+    # continuation decode launched then reads there. Cleared with selected_token.
     selected_on_device: object | None = None
     # A committed token not yet known on the host (a continuation decode launched before the
     # step that selected its input finished): its position, else -1. Its block is hashed when
