@@ -8,24 +8,16 @@ TRITON_INTERPRET=1 for the whole process); the module skips itself in that case.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 
 import pytest
 import torch
+from helpers_gpu import require_cuda_and_triton
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    pytest.skip(
-        "TRITON_INTERPRET=1 in this process (interpreter unit tests were collected); run "
-        "tests/gpu in its own pytest invocation",
-        allow_module_level=True,
-    )
-pytest.importorskip("triton", reason="triton is not installed")
+require_cuda_and_triton()
 
 from ferrum_kernels.attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
 from ferrum_kernels.backend import select_backend  # noqa: E402

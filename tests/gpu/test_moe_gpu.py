@@ -6,18 +6,13 @@ Run with ``pytest tests/gpu -m gpu`` in its own process (see test_gpu_kernels.py
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from helpers_gpu import require_cuda_and_triton
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    pytest.skip("TRITON_INTERPRET=1 in this process", allow_module_level=True)
-pytest.importorskip("triton", reason="triton is not installed")
+require_cuda_and_triton()
 
 from ferrum_kernels.moe import ExpertWeights, fused_moe_reference, route  # noqa: E402
 from ferrum_kernels.triton_moe import fused_moe_triton  # noqa: E402
