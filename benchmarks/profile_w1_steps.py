@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -87,8 +88,8 @@ class KernelClock:
         self.seconds.clear()
         self.calls.clear()
 
-    def report(self, label: str, wall_ms: float, reps: int) -> str:
-        lines = [f"== {label}: {wall_ms:.1f} ms per step"]
+    def report(self, label: str, wall_ms: float, reps: int, faults: float) -> str:
+        lines = [f"== {label}: {wall_ms:.1f} ms per step, {faults:.0f} minor page faults"]
         claimed = 0.0
         for name, seconds in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
             ms = seconds * 1e3 / reps
@@ -98,29 +99,38 @@ class KernelClock:
         return "\n".join(lines) + "\n"
 
 
+def _minor_faults() -> int:
+    """This process's minor page faults so far: memory the allocator hands back to the kernel
+    and takes again costs a fault per 4 KiB page touched."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _clock_steps(
     clock: KernelClock, label: str, fn: Callable[[], None], reps: int, top: int
 ) -> None:
     del top  # every kernel is listed
     fn()  # the first call of a shape may allocate
     clock.reset()
+    faults = _minor_faults()
     started = time.perf_counter()
     for _ in range(reps):
         fn()
     wall_ms = (time.perf_counter() - started) * 1e3 / reps
-    sys.stdout.write(clock.report(label, wall_ms, reps))
+    sys.stdout.write(clock.report(label, wall_ms, reps, (_minor_faults() - faults) / reps))
 
 
 def _profile(label: str, fn: Callable[[], None], reps: int, top: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        faults = _minor_faults()
         started = time.perf_counter()
         for _ in range(reps):
             fn()
         wall_ms = (time.perf_counter() - started) * 1e3 / reps
+        faults_per_step = (_minor_faults() - faults) / reps
     by_op: defaultdict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         by_op[event.key] += event.self_cpu_time_total / 1e3 / reps
-    lines = [f"== {label}: {wall_ms:.1f} ms per step"]
+    lines = [f"== {label}: {wall_ms:.1f} ms per step, {faults_per_step:.0f} minor page faults"]
     for name, ms in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {ms:8.1f} ms  {name}")
     sys.stdout.write("\n".join(lines) + "\n")

@@ -6,8 +6,6 @@ Only rows that produce output (final chunks, decodes, verify positions) go throu
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import time
 from dataclasses import dataclass
@@ -58,8 +56,6 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
-        if device.type == "cpu":
-            _keep_freed_memory()
         # Captured decode forwards (set by the engine after capture); None = always eager.
         self.graphs: DecodeGraphs | None = None
         # On rank 0 of a tensor-parallel group: where each forward's plan is sent first.
@@ -234,31 +230,3 @@ def _penalty_start(row_items: list[tuple[StepItem, Cache, int]]) -> list[int]:
         else 0
         for item, cache, _ in row_items
     ]
-
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_MAX = 32 * 1024**2  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
-# mallopt takes a C int: 4 GiB would wrap to 0, which means "trim on every free", the opposite
-# of the intent (that bug cost ~750k page faults per W1 run).
-_TRIM_THRESHOLD = 2**31 - 1
-
-
-def _keep_freed_memory() -> None:
-    """Have glibc keep freed activation buffers instead of returning them to the kernel.
-
-    By default every tensor above a few MB is a fresh mmap, so each step's activations are
-    page-faulted (and zeroed by the kernel) anew: measurable on CPU, where the forward itself
-    is only tens of milliseconds. Raising the mmap and trim thresholds keeps them in the heap
-    for reuse. A no-op off glibc.
-    """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
-    except (OSError, AttributeError):
-        return

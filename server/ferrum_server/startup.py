@@ -15,7 +15,7 @@ import torch
 from ferrum_kernels.backend import KernelBackend, select_backend
 from ferrum_kernels.cpu_linear import packed_bytes, release_plain_weights
 
-from ferrum_server import logs
+from ferrum_server import host_memory, logs
 from ferrum_server.config import EngineConfig
 from ferrum_server.cuda_graphs import (
     DecodeGraphLayout,
@@ -83,6 +83,9 @@ def build_parts(
         # Per thread under OpenMP: it must be set on the thread that runs the forwards.
         torch.set_num_threads(config.torch_threads)
     device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
+    if device.type == "cpu":
+        # Before the weights load: set afterwards, it does not stop the page faults.
+        host_memory.keep_freed_memory()
     model, model_config = load_model(config.model, dtype=dtype, device=device, tp=tp)
     max_len = _max_sequence_length(config, model_config)
     # LongRoPE rotates with its long or short factors depending on the longest sequence served.
@@ -122,6 +125,8 @@ def build_parts(
         # The served model runs only its packed linears: their plain copies are dead weight.
         freed = release_plain_weights(model)
         _LOG.info("plain_weights_released", mib=round(freed / 1024**2, 1))
+        # The allocator now keeps what it frees: hand those plain weights' pages back once.
+        host_memory.return_free_pages()
         # What the weights hold now: the parameters' count misses the packed copies (float32
         # for bfloat16 widened on an AVX2 CPU, twice the plain bytes) and a tied head's.
         plan = plan.with_weights_bytes(model_bytes(model) + packed_bytes(model))

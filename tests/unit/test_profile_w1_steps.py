@@ -40,5 +40,6 @@ def test_clock_times_kernels_and_linears_then_restores_them() -> None:
     assert native.load is load and cpu_linear.PackedWeight.__call__ is call
     pack(x)
     assert clock.calls["linear 24 x 8"] == 2
-    report = clock.report("step", wall_ms=5.0, reps=1)
+    report = clock.report("step", wall_ms=5.0, reps=1, faults=12.0)
     assert "linear 24 x 8" in report and "the rest" in report
+    assert "12 minor page faults" in report

@@ -84,6 +84,19 @@ def peak_rss(pid: int | None = None) -> int:
     return 0
 
 
+def minor_faults(pid: int | None = None) -> int:
+    """Minor page faults a live process has taken so far (/proc/PID/stat); 0 if unknown. A
+    served step that faults thousands of pages is paying the kernel to zero memory the
+    allocator handed back (see ferrum_server.host_memory)."""
+    try:
+        stat = Path(f"/proc/{pid or 'self'}/stat").read_text()
+    except OSError:
+        return 0
+    # The fields after the command name, which may hold spaces, sit past its closing ")":
+    # state ppid pgrp session tty_nr tpgid flags minflt ...
+    return int(stat.rpartition(")")[2].split()[7])
+
+
 class Progress:
     """Tokens-so-far bar on stderr (tqdm when installed, a plain counter otherwise)."""
 
@@ -232,7 +245,9 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
         return GrpcBackend(client)
 
     try:
+        faults_before = sum(minor_faults(p.pid) for p in processes)
         wall, traces, steps, notes = _scheduler_run(backend, spec, "ferrum-grpc")
+        notes["server_minor_faults"] = sum(minor_faults(p.pid) for p in processes) - faults_before
         peaks = {"server": max(peak_rss(p.pid) for p in processes)}
         if spec.tensor_parallel_size > 1:  # each follower rank's own peak beside rank 0's
             for rank, pid in enumerate(_followers(processes[0].pid), start=1):

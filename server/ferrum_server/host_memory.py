@@ -1,0 +1,71 @@
+"""How the C allocator treats the host memory of a CPU executor's activations.
+
+A CPU forward allocates its activations with the C allocator (torch has no caching allocator
+on the host), and a step's largest buffers are megabytes: a 512-token step's gate/up output is 4
+MiB in bfloat16. glibc hands such a buffer back to the kernel when it is freed (an mmap above
+its threshold, or a trimmed heap top), so the next step page-faults and zeroes it all again. On
+the development machine a W1 bfloat16 prefill step took about 11,500 minor faults and 280 ms
+that way, against 2 faults and 212 ms with the memory kept (`python
+benchmarks/profile_w1_steps.py --dtype bfloat16 --kernels`, docs/benchmarks.md).
+
+`keep_freed_memory` must run before the model loads. Set after the weights were read (where it
+was first called), the same thresholds left a bfloat16 prefill step at about 11,500 faults:
+what matters is where the weights and the first activations land in the engine thread's
+arena, not only the thresholds afterwards. Keeping freed memory would also keep the plain
+weights that start-up frees once they are packed, so `return_free_pages` gives the free
+pages back to the kernel once, after start-up; the steps that reuse them fault once and then
+keep them.
+
+Both are no-ops off glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+from ferrum_server import logs
+
+_LOG = logs.get(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 * 1024**2  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+# mallopt takes a C int: 4 GiB would wrap to 0, which means "trim on every free", the opposite
+# of the intent (that bug once cost about 750k page faults per W1 run).
+TRIM_THRESHOLD = 2**31 - 1
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):  # not glibc: no mallopt or malloc_trim
+        return None
+    return libc
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed buffers below 32 MiB for reuse instead of returning them to the
+    kernel: no mmap for them, and no trimming of the heap's top. Returns whether both settings
+    took (False off glibc)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    kept = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    kept = bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and kept
+    _LOG.info("host_memory_kept", kept=kept, mmap_threshold=MMAP_THRESHOLD)
+    return kept
+
+
+def return_free_pages() -> bool:
+    """Give every free page of every arena back to the kernel (glibc's `malloc_trim(0)`), e.g.
+    once start-up has freed the plain weights. Returns whether any memory was released."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.malloc_trim(0))
