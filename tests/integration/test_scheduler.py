@@ -108,23 +108,30 @@ def test_mixed_batches_equal_single_request_greedy(either: LiveServer) -> None:
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_aligned_first_tokens_start_the_burst_together(server: LiveServer, depth: int) -> None:
-    """A burst is prefilled up to each prompt's last token, in steps within the budget and
-    without decodes; one step then yields every first token and the whole batch decodes
-    together. Outputs equal single-request greedy runs."""
+    """A burst is prefilled up to each prompt's last token, in prefill-only steps within
+    max_prefill_step_tokens (larger than the budget); one step within the budget then yields
+    every first token and the whole batch decodes together. Outputs equal single-request
+    greedy runs."""
     prompts = random_prompts(7, 6, 5, 60)
     params = GenerationParams(max_new_tokens=5)
-    budget = 40
-    config = SchedulerConfig(max_step_tokens=budget, pipeline_depth=depth)
+    budget, held = 40, 80
+    config = SchedulerConfig(
+        max_step_tokens=budget, max_prefill_step_tokens=held, pipeline_depth=depth
+    )
     outputs, reasons, scheduler = _generate(server, prompts, params, config)
     assert reasons == ["length"] * len(prompts)
     records = scheduler.stats.records
-    assert all(r.num_tokens <= budget for r in records)
     assert sum(r.num_prefill_tokens for r in records) == sum(len(p) for p in prompts)
     first_decode = next(i for i, r in enumerate(records) if r.num_decodes)
-    # Several prefill-only steps (the prompts need more than one budget), then decodes only:
+    # Several prefill-only steps (the prompts need more than one of them), then decodes only:
     # no prompt started while another was still being prefilled.
-    assert first_decode >= 2 and sum(len(p) for p in prompts) > budget
+    assert first_decode >= 2 and sum(len(p) for p in prompts) > held
     assert all(r.num_decodes == 0 for r in records[:first_decode])
+    # The held steps use the larger size; the step of first tokens and every decode step keep
+    # to the budget.
+    assert all(r.num_tokens <= held for r in records[: first_decode - 1])
+    assert records[0].num_tokens > budget
+    assert all(r.num_tokens <= budget for r in records[first_decode - 1 :])
     assert all(r.num_prefill_tokens == 0 for r in records[first_decode:])
     # The step before the first decode computed every prompt's last token (depth 1: the whole
     # batch decodes in every later step).
@@ -146,7 +153,10 @@ def test_aligned_first_tokens_cost_a_lone_prompt_no_extra_step(server: LiveServe
         prompt = random_prompts(1, 1, length, length)
         steps = []
         for align in (True, False):
-            config = SchedulerConfig(max_step_tokens=40, align_first_tokens=align)
+            # Held steps at the plain budget too, so the two runs' steps compare one for one.
+            config = SchedulerConfig(
+                max_step_tokens=40, max_prefill_step_tokens=40, align_first_tokens=align
+            )
             _, _, scheduler = _generate(server, prompt, params, config)
             steps.append([(r.num_decodes, r.num_prefill_tokens) for r in scheduler.stats.records])
         assert steps[0] == steps[1]
@@ -158,7 +168,10 @@ def test_first_token_hold_is_bounded(server: LiveServer) -> None:
     """max_first_token_hold_ms = 0: a held prompt starts at once, so the burst's later prompts
     are prefilled beside its decodes, as without alignment."""
     prompts = random_prompts(9, 6, 30, 60)
-    config = SchedulerConfig(max_step_tokens=40, max_first_token_hold_ms=0)
+    # Held steps of 40 too: with larger ones every prompt would reach its last token at once.
+    config = SchedulerConfig(
+        max_step_tokens=40, max_prefill_step_tokens=40, max_first_token_hold_ms=0
+    )
     _, reasons, scheduler = _generate(server, prompts, GenerationParams(max_new_tokens=4), config)
     assert reasons == ["length"] * len(prompts)
     assert any(r.num_decodes and r.num_prefill_tokens for r in scheduler.stats.records)
@@ -169,7 +182,10 @@ def test_first_token_hold_is_bounded(server: LiveServer) -> None:
 def test_budget_and_chunking_hold_at_every_step(either: LiveServer, depth: int) -> None:
     prompts = random_prompts(5, 10, 20, 70)
     budget = 32
-    config = SchedulerConfig(max_step_tokens=budget, pipeline_depth=depth)
+    # The burst's held, prefill-only steps kept to the budget too (they may be larger).
+    config = SchedulerConfig(
+        max_step_tokens=budget, max_prefill_step_tokens=budget, pipeline_depth=depth
+    )
     _, reasons, scheduler = _generate(either, prompts, GenerationParams(max_new_tokens=6), config)
     assert reasons == ["length"] * len(prompts)
     records = scheduler.stats.records

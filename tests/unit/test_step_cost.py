@@ -96,10 +96,12 @@ def test_recent_steps_outweigh_old_ones() -> None:
     assert fitted.per_decode_s < 0.0015
 
 
-def test_scheduler_config_rejects_negative_times() -> None:
+def test_scheduler_config_rejects_negative_times_and_empty_steps() -> None:
     from ferrum_client.scheduler import SchedulerConfig
 
     for bad in (
+        {"max_step_tokens": 0},
+        {"max_prefill_step_tokens": 0},
         {"target_step_ms": -1.0},
         {"max_first_token_hold_ms": -1.0},
         {"min_prefill_share": -0.1},

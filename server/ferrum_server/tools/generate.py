@@ -23,6 +23,7 @@ from typing import Any
 from ferrum_client import AsyncExecutorClient, pb
 from ferrum_client.fleet import FleetSpec, parse_fleet_spec
 from ferrum_client.scheduler import (
+    DEFAULT_MAX_PREFILL_STEP_TOKENS,
     DEFAULT_MIN_PREFILL_SHARE,
     DEFAULT_TARGET_STEP_MS,
     Backend,
@@ -62,6 +63,12 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--stop-token-ids", default="", help="comma-separated ids")
     parser.add_argument("--max-step-tokens", type=int, default=512)
+    parser.add_argument(
+        "--max-prefill-step-tokens",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_STEP_TOKENS,
+        help="most tokens of a burst's prefill-only steps, while nothing decodes",
+    )
     parser.add_argument(
         "--target-step-ms",
         type=float,
@@ -178,6 +185,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """The scheduler's settings from the command line (ValueError when out of range)."""
     return SchedulerConfig(
         max_step_tokens=args.max_step_tokens,
+        max_prefill_step_tokens=args.max_prefill_step_tokens,
         pipeline_depth=args.pipeline_depth,
         target_step_ms=args.target_step_ms,
         min_prefill_share=args.min_prefill_share,

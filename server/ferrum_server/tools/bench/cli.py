@@ -7,7 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from ferrum_client.scheduler import DEFAULT_MIN_PREFILL_SHARE, DEFAULT_TARGET_STEP_MS
+from ferrum_client.scheduler import (
+    DEFAULT_MAX_PREFILL_STEP_TOKENS,
+    DEFAULT_MIN_PREFILL_SHARE,
+    DEFAULT_TARGET_STEP_MS,
+)
 
 from ferrum_server.config import DTYPES
 
@@ -41,6 +45,12 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--mode", default="offline", choices=("offline", "online"))
     bench.add_argument("--rate", type=float, default=4.0, help="online: requests per second")
     bench.add_argument("--max-step-tokens", type=int, default=512, help="scheduler budget")
+    bench.add_argument(
+        "--max-prefill-step-tokens",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_STEP_TOKENS,
+        help="most tokens of a burst's prefill-only steps (at least --max-step-tokens)",
+    )
     bench.add_argument(
         "--target-step-ms",
         type=float,
@@ -144,6 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         mode=args.mode,
         rate=args.rate,
         max_step_tokens=args.max_step_tokens,
+        max_prefill_step_tokens=args.max_prefill_step_tokens,
         target_step_ms=args.target_step_ms,
         min_prefill_share=args.min_prefill_share,
         budgets=args.budgets,

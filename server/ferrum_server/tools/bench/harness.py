@@ -16,7 +16,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ferrum_client.scheduler import DEFAULT_MIN_PREFILL_SHARE, DEFAULT_TARGET_STEP_MS
+from ferrum_client.scheduler import (
+    DEFAULT_MAX_PREFILL_STEP_TOKENS,
+    DEFAULT_MIN_PREFILL_SHARE,
+    DEFAULT_TARGET_STEP_MS,
+)
 
 from ferrum_server.tools.bench.runners import RequestTrace, RunOutput, RunSpec
 from ferrum_server.tools.bench.workloads import WORKLOADS, Workload, ensure_model, matmul_flops
@@ -206,6 +210,7 @@ def run_bench(
     mode: str = "offline",
     rate: float = 4.0,
     max_step_tokens: int = 512,
+    max_prefill_step_tokens: int = DEFAULT_MAX_PREFILL_STEP_TOKENS,
     target_step_ms: float = DEFAULT_TARGET_STEP_MS,
     min_prefill_share: float = DEFAULT_MIN_PREFILL_SHARE,
     budgets: Sequence[int] = (),
@@ -260,6 +265,7 @@ def run_bench(
             max_new_tokens=workload.max_new_tokens,
             arrivals_s=arrivals,
             max_step_tokens=max_step_tokens,
+            max_prefill_step_tokens=max_prefill_step_tokens,
             target_step_ms=target_step_ms,
             min_prefill_share=min_prefill_share,
             pipeline_depth=pipeline_depth,
@@ -275,8 +281,11 @@ def run_bench(
         skipped: dict[str, str] = {}
         plan: list[tuple[str, RunSpec]] = [(s, replace(base, system=s)) for s in _systems(compare)]
         for budget in budgets:
-            # Fixed budgets (no step-time target): the budget / latency trade-off table.
-            fixed = replace(base, max_step_tokens=budget, target_step_ms=0.0)
+            # Fixed budgets (no step-time target): the budget / latency trade-off table. Every
+            # step at the budget, a burst's prefill-only steps included.
+            fixed = replace(
+                base, max_step_tokens=budget, max_prefill_step_tokens=budget, target_step_ms=0.0
+            )
             plan.append((f"ferrum-grpc fixed@{budget}", fixed))
         for share in prefill_shares:
             if share != min_prefill_share:

@@ -21,7 +21,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ferrum_client.scheduler import DEFAULT_MIN_PREFILL_SHARE, DEFAULT_TARGET_STEP_MS
+from ferrum_client.scheduler import (
+    DEFAULT_MAX_PREFILL_STEP_TOKENS,
+    DEFAULT_MIN_PREFILL_SHARE,
+    DEFAULT_TARGET_STEP_MS,
+)
 
 
 @dataclass(slots=True)
@@ -54,6 +58,7 @@ class RunSpec:
     max_new_tokens: int
     arrivals_s: list[float] | None = None
     max_step_tokens: int = 512
+    max_prefill_step_tokens: int = DEFAULT_MAX_PREFILL_STEP_TOKENS
     pipeline_depth: int = 1
     target_step_ms: float = DEFAULT_TARGET_STEP_MS  # 0 = fixed budget (trade-off table)
     min_prefill_share: float = DEFAULT_MIN_PREFILL_SHARE
@@ -146,6 +151,7 @@ def _scheduler_run(
     params = GenerationParams(max_new_tokens=spec.max_new_tokens)
     config = SchedulerConfig(
         max_step_tokens=spec.max_step_tokens,
+        max_prefill_step_tokens=spec.max_prefill_step_tokens,
         pipeline_depth=spec.pipeline_depth,
         target_step_ms=spec.target_step_ms,
         min_prefill_share=spec.min_prefill_share,
@@ -189,6 +195,7 @@ def _scheduler_run(
     ]
     notes = {
         "max_step_tokens": spec.max_step_tokens,
+        "max_prefill_step_tokens": spec.max_prefill_step_tokens,
         "pipeline_depth": spec.pipeline_depth,
         "target_step_ms": spec.target_step_ms,
         "min_prefill_share": spec.min_prefill_share,
@@ -202,12 +209,17 @@ def _scheduler_run(
     return wall, traces, steps, notes
 
 
+def _max_batch_tokens(spec: RunSpec) -> int:
+    """What the executor accepts in one forward: never less than a step the scheduler plans."""
+    return max(4096, spec.max_step_tokens, spec.max_prefill_step_tokens)
+
+
 def _engine_args(spec: RunSpec) -> list[str]:
     return [
         "--model", spec.model_dir,
         "--dtype", spec.dtype,
         "--kv-cache-bytes", str(spec.kv_cache_bytes),
-        "--max-batch-tokens", str(max(4096, spec.max_step_tokens)),
+        "--max-batch-tokens", str(_max_batch_tokens(spec)),
         "--prefix-caching", "true" if spec.prefix_caching else "false",
         "--torch-threads", str(spec.torch_threads),
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
@@ -297,7 +309,7 @@ def run_ferrum_inproc(spec: RunSpec) -> RunOutput:
             model=spec.model_dir,
             dtype=spec.dtype,
             kv_cache_bytes=spec.kv_cache_bytes,
-            max_batch_tokens=max(4096, spec.max_step_tokens),
+            max_batch_tokens=_max_batch_tokens(spec),
             prefix_caching=spec.prefix_caching,
             torch_threads=spec.torch_threads,
         )
