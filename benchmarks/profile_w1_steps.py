@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import resource
 import sys
 import time
 from collections import defaultdict
@@ -30,6 +29,7 @@ from ferrum_kernels import cpu_linear, native
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import ItemKind, Step, StepItem
 from ferrum_server.engine import Engine
+from ferrum_server.tools.bench.runners import minor_faults
 from ferrum_server.tools.bench.workloads import WORKLOADS, ensure_model
 from torch.profiler import ProfilerActivity, profile
 
@@ -99,34 +99,28 @@ class KernelClock:
         return "\n".join(lines) + "\n"
 
 
-def _minor_faults() -> int:
-    """This process's minor page faults so far: memory the allocator hands back to the kernel
-    and takes again costs a fault per 4 KiB page touched."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def _clock_steps(
     clock: KernelClock, label: str, fn: Callable[[], None], reps: int, top: int
 ) -> None:
     del top  # every kernel is listed
     fn()  # the first call of a shape may allocate
     clock.reset()
-    faults = _minor_faults()
+    faults = minor_faults()
     started = time.perf_counter()
     for _ in range(reps):
         fn()
     wall_ms = (time.perf_counter() - started) * 1e3 / reps
-    sys.stdout.write(clock.report(label, wall_ms, reps, (_minor_faults() - faults) / reps))
+    sys.stdout.write(clock.report(label, wall_ms, reps, (minor_faults() - faults) / reps))
 
 
 def _profile(label: str, fn: Callable[[], None], reps: int, top: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        faults = _minor_faults()
+        faults = minor_faults()
         started = time.perf_counter()
         for _ in range(reps):
             fn()
         wall_ms = (time.perf_counter() - started) * 1e3 / reps
-        faults_per_step = (_minor_faults() - faults) / reps
+        faults_per_step = (minor_faults() - faults) / reps
     by_op: defaultdict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         by_op[event.key] += event.self_cpu_time_total / 1e3 / reps

@@ -151,7 +151,7 @@ class SchedulerConfig:
     # Most tokens of such a held, prefill-only step (never fewer than max_step_tokens; within
     # what the executor accepts). Larger steps run the GEMMs nearer their peak: on W1 bfloat16
     # (an AVX-512 CPU) 1024-token steps ran the linears at 439 against 411 GFLOP/s at 512, and
-    # W1 about 6% faster (docs/benchmarks.md). Nothing decodes meanwhile, so no token waits on
+    # W1 about 4% faster (docs/benchmarks.md). Nothing decodes meanwhile, so no token waits on
     # a longer step; the burst's first tokens come together at its end either way.
     max_prefill_step_tokens: int = DEFAULT_MAX_PREFILL_STEP_TOKENS
     # Admit a request that does not fit whole with the narrower first chunk the executor hints
@@ -1236,15 +1236,18 @@ class Scheduler:
     @property
     def _max_tokens(self) -> int:
         """max_step_tokens, within what the executor accepts in one forward."""
-        limit = self._limits.max_tokens
-        return min(self.config.max_step_tokens, limit) if limit else self.config.max_step_tokens
+        return self._within_executor(self.config.max_step_tokens)
 
     @property
     def _held_prefill_tokens(self) -> int:
         """max_prefill_step_tokens (at least max_step_tokens), within what the executor accepts
         in one forward."""
-        config, limit = self.config, self._limits.max_tokens
-        tokens = max(config.max_step_tokens, config.max_prefill_step_tokens)
+        config = self.config
+        return self._within_executor(max(config.max_step_tokens, config.max_prefill_step_tokens))
+
+    def _within_executor(self, tokens: int) -> int:
+        """`tokens`, capped by what the executor accepts in one forward (when it says)."""
+        limit = self._limits.max_tokens
         return min(tokens, limit) if limit else tokens
 
     @property

@@ -9,12 +9,14 @@ that way, against 2 faults and 212 ms with the memory kept (`python
 benchmarks/profile_w1_steps.py --dtype bfloat16 --kernels`, docs/benchmarks.md).
 
 `keep_freed_memory` must run before the model loads. Set after the weights were read (where it
-was first called), the same thresholds left a bfloat16 prefill step at about 11,500 faults:
-what matters is where the weights and the first activations land in the engine thread's
-arena, not only the thresholds afterwards. Keeping freed memory would also keep the plain
-weights that start-up frees once they are packed, so `return_free_pages` gives the free
-pages back to the kernel once, after start-up; the steps that reuse them fault once and then
-keep them.
+was first called), the same thresholds left a bfloat16 prefill step at about 11,500 faults in
+an in-process engine; set before (or through GLIBC_TUNABLES at process start), 2-135. Why the
+order matters was not pinned down: presumably where the weights and the first activations land
+in the engine thread's arena. A served executor happened not to fault either way.
+
+Keeping freed memory would also keep the plain weights that start-up frees once they are
+packed, so `return_free_pages` gives the free pages back to the kernel once, after start-up;
+the steps that reuse them fault once and then keep them.
 
 Both are no-ops off glibc.
 """
