@@ -14,6 +14,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -32,41 +33,100 @@ inline void prefetch_rows(const T* pool, int64_t slot, int64_t kv_row, int64_t o
   for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
-// Prefetch a whole token row (every KV head) of the pool into L2: L2 keeps far more misses in
-// flight than L1, which is what a latency-bound walk over scattered blocks needs (measured
-// faster than prefetching into L1).
-template <typename T>
-inline void prefetch_token_l2(const T* pool, int64_t slot, int64_t kv_row) {
-  const char* p = reinterpret_cast<const char*>(pool + slot * kv_row);
-  for (int64_t b = 0; b < kv_row * static_cast<int64_t>(sizeof(T)); b += 64)
-    __builtin_prefetch(p + b, 0, 2);
-}
-
 // Blocks ahead of the current token that the K pass prefetches (measured: 3 beat 2, 4 and 6).
 constexpr int64_t kPrefetchBlocks = 3;
+// Tokens of an item's history fetched while the item before it finishes, so a new item does
+// not start on demand misses (the first kPrefetchBlocks blocks of 16).
+constexpr int64_t kNextItemTokens = 48;
 
-// One item's token rows t0 .. t0 + n - 1 (every KV head: a row is contiguous in the pool) into
-// tile. The token's block and offset advance with it: one division per tile, not three per
-// token (a 64-bit divide by a runtime block size costs more than its row's dots). Blocks sit
-// anywhere in the pool and the hardware prefetchers stop at block edges: rows a few blocks
-// ahead are fetched now. The K pass (pool == k_pool) also pulls in the same tokens' V rows, so
-// the V pass that follows mostly reads L2.
+// One item's token rows t0 .. t0 + n - 1 of pool (every KV head: a row is contiguous in the
+// pool) into tile. The token's block and offset advance with it: one division per tile, not
+// three per token (a 64-bit divide by a runtime block size costs more than its row's dots).
 template <typename T>
-inline void fill_tile_rows(const T** tile, const T* pool, const T* k_pool, const T* v_pool,
-                           const int64_t* table, int64_t t0, int64_t n, int64_t ctx,
-                           int64_t block_size, int64_t kv_row) {
+inline void tile_rows(const T** tile, const T* pool, const int64_t* table, int64_t t0, int64_t n,
+                      int64_t block_size, int64_t kv_row) {
   int64_t block = t0 / block_size, offset = t0 - block * block_size;
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t slot = table[block] * block_size + offset;
-    tile[j] = pool + slot * kv_row;
-    if (t0 + j + kPrefetchBlocks * block_size < ctx)
-      prefetch_token_l2(pool, table[block + kPrefetchBlocks] * block_size + offset, kv_row);
-    if (pool == k_pool) prefetch_token_l2(v_pool, slot, kv_row);
+    tile[j] = pool + (table[block] * block_size + offset) * kv_row;
     if (++offset == block_size) {
       offset = 0;
       ++block;
     }
   }
+}
+
+// Token rows to pull into L2 while a stretch of arithmetic runs, a line or two at a time
+// between its steps. Blocks sit anywhere in the pool and the hardware prefetchers stop at block
+// edges, so the kernels fetch ahead themselves. Issued in bursts (a tile's few hundred lines at
+// its start, or even a head's twenty), the prefetches fill the core's miss buffers and it
+// stalls instead of computing; paced over the tile's dot products, the reads overlap the
+// arithmetic (docs/cpu-kernels.md: about a fifth faster over scattered blocks). Into L2 rather
+// than L1: L2 keeps far more misses in flight, which a walk over scattered blocks needs.
+class RowFetches {
+ public:
+  static constexpr int64_t kMaxRows = 64;
+
+  template <typename T>
+  RowFetches(const T*, int64_t kv_row)
+      : row_lines_((kv_row * static_cast<int64_t>(sizeof(T)) + 63) / 64) {}
+
+  void clear() { n_rows_ = row_ = line_ = credit_ = 0; }
+  void add(const void* row) {
+    if (n_rows_ < kMaxRows) rows_[n_rows_++] = static_cast<const char*>(row);
+  }
+  // The rows added so far are fetched over the next `steps` calls of step(), evenly.
+  void pace(int64_t steps) {
+    steps_ = std::max<int64_t>(steps, 1);
+    lines_ = n_rows_ * row_lines_;
+    credit_ = 0;
+  }
+  void step() {
+    credit_ += lines_;
+    while (credit_ >= steps_) {
+      credit_ -= steps_;
+      if (row_ == n_rows_) return;
+      __builtin_prefetch(rows_[row_] + 64 * line_, 0, 2);
+      if (++line_ == row_lines_) {
+        line_ = 0;
+        ++row_;
+      }
+    }
+  }
+
+ private:
+  const char* rows_[kMaxRows];
+  int64_t n_rows_ = 0, row_ = 0, line_ = 0;
+  int64_t row_lines_, lines_ = 0, steps_ = 1, credit_ = 0;
+};
+
+// What a K-pass tile fetches while it computes: the K rows kPrefetchBlocks blocks ahead, and
+// this tile's V rows, so the V pass that follows mostly reads L2.
+template <typename T>
+inline void tile_fetches(RowFetches& fetches, const T* k_pool, const T* v_pool,
+                         const int64_t* table, int64_t t0, int64_t n, int64_t ctx,
+                         int64_t block_size, int64_t kv_row) {
+  fetches.clear();
+  int64_t block = t0 / block_size, offset = t0 - block * block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t slot = table[block] * block_size + offset;
+    fetches.add(v_pool + slot * kv_row);
+    if (t0 + j + kPrefetchBlocks * block_size < ctx)
+      fetches.add(k_pool + (table[block + kPrefetchBlocks] * block_size + offset) * kv_row);
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+}
+
+// The first K rows of the next item a thread takes, fetched during this item's V pass.
+template <typename T>
+inline void next_item_fetches(RowFetches& fetches, const T* k_pool, const int64_t* table,
+                              int64_t ctx, int64_t block_size, int64_t kv_row) {
+  fetches.clear();
+  const int64_t n = std::min(ctx, kNextItemTokens);
+  for (int64_t t = 0; t < n; ++t)
+    fetches.add(k_pool + (table[t / block_size] * block_size + t % block_size) * kv_row);
 }
 
 #if defined(__AVX512F__)
@@ -210,27 +270,38 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
   const int64_t kv_row = n_kv_heads * D;
   const int64_t heads = n_kv_heads * group;
   // Items differ in length: hand them out one at a time rather than in equal static halves.
+  // A thread claims its next item when it starts one, so it can fetch that item's first rows.
+  std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> scores, acc(heads * D), inv(heads);
     const T* tile[16];
     __m512 part[16];
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n_items; ++item) {
+    RowFetches ahead(k_pool, kv_row), next_rows(k_pool, kv_row);
+    int64_t next = 0;
+    for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
+         item = next) {
+      next = claimed.fetch_add(1, std::memory_order_relaxed);
+      next_rows.clear();
+      if (next < n_items)
+        next_item_fetches(next_rows, k_pool, tables + next * table_width, lens[next], block_size,
+                          kv_row);
       const int64_t ctx = lens[item];
       const int64_t* table = tables + item * table_width;
       const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
       scores.resize(heads * ctx);                     // [H, ctx]
-      auto fill_tile = [&](const T* pool, int64_t t0, int64_t n) {
-        fill_tile_rows(tile, pool, k_pool, v_pool, table, t0, n, ctx, block_size, kv_row);
-      };
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
-        fill_tile(k_pool, t0, n);
+        tile_rows(tile, k_pool, table, t0, n, block_size, kv_row);
+        tile_fetches(ahead, k_pool, v_pool, table, t0, n, ctx, block_size, kv_row);
+        ahead.pace(heads * n);
         for (int64_t j = n; j < 16; ++j) part[j] = _mm512_setzero_ps();
         for (int64_t hq = 0; hq < heads; ++hq) {
           const int64_t off = (hq / group) * D;
-          for (int64_t j = 0; j < n; ++j) part[j] = partial_dot<D>(qrow + hq * D, tile[j] + off);
+          for (int64_t j = 0; j < n; ++j) {
+            ahead.step();
+            part[j] = partial_dot<D>(qrow + hq * D, tile[j] + off);
+          }
           const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
           _mm512_mask_storeu_ps(scores.data() + hq * ctx + t0,
                                 static_cast<__mmask16>((1u << n) - 1), sc);
@@ -248,10 +319,12 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
         inv[hq] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+      next_rows.pace((ctx + 15) / 16 * heads);  // one step per (tile, head) of the V pass
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
-        fill_tile(v_pool, t0, n);
+        tile_rows(tile, v_pool, table, t0, n, block_size, kv_row);
         for (int64_t hq = 0; hq < heads; ++hq) {
+          next_rows.step();
           const int64_t off = (hq / group) * D;
           const float* ph = scores.data() + hq * ctx + t0;
           float* ah = acc.data() + hq * D;
@@ -367,30 +440,39 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
   constexpr int C = D / 8;  // 8-lane chunks per head row
   const int64_t kv_row = n_kv_heads * D;
   const int64_t heads = n_kv_heads * group;
+  // As the AVX-512 path: items one at a time, each thread claiming its next when it starts one.
+  std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> scores, acc(heads * D), qf(heads * D), inv(heads);
     const T* tile[8];
     std::vector<__m256> part(heads * 8);  // [H][8]: each head's 8 dot products of a tile
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n_items; ++item) {
+    RowFetches ahead(k_pool, kv_row), next_rows(k_pool, kv_row);
+    int64_t next = 0;
+    for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
+         item = next) {
+      next = claimed.fetch_add(1, std::memory_order_relaxed);
+      next_rows.clear();
+      if (next < n_items)
+        next_item_fetches(next_rows, k_pool, tables + next * table_width, lens[next], block_size,
+                          kv_row);
       const int64_t ctx = lens[item];
       const int64_t* table = tables + item * table_width;
       const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
       for (int64_t i = 0; i < heads * D; ++i) qf[i] = to_float(qrow[i]);
       scores.resize(heads * ctx);  // [H, ctx]
-      auto fill_tile = [&](const T* pool, int64_t t0, int64_t n) {
-        fill_tile_rows(tile, pool, k_pool, v_pool, table, t0, n, ctx, block_size, kv_row);
-      };
       const __m256 vscale = _mm256_set1_ps(scale);
       for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
         const int64_t n = std::min<int64_t>(8, ctx - t0);
-        fill_tile(k_pool, t0, n);
+        tile_rows(tile, k_pool, table, t0, n, block_size, kv_row);
+        tile_fetches(ahead, k_pool, v_pool, table, t0, n, ctx, block_size, kv_row);
+        ahead.pace(n * heads);
         // Row by row, each row front to back: a row's cache lines are first touched in order
         // (reading the tile head by head, across its rows, reads memory slower: see
         // memory_overlap_bench's "read by head"). Every dot product is formed as before.
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t hq = 0; hq < heads; ++hq) {
+            ahead.step();
             const T* kr = tile[j] + (hq / group) * D;
             const float* qh = qf.data() + hq * D;
             __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kr));
@@ -414,12 +496,14 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
       }
       for (int64_t hq = 0; hq < heads; ++hq) inv[hq] = softmax_in_place(scores.data() + hq * ctx, ctx);
       std::fill(acc.begin(), acc.end(), 0.f);
+      next_rows.pace(ctx * heads);  // one step per (row, head) of the V pass
       for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
         const int64_t n = std::min<int64_t>(8, ctx - t0);
-        fill_tile(v_pool, t0, n);
+        tile_rows(tile, v_pool, table, t0, n, block_size, kv_row);
         // Row order, as the K pass; each head's sum still adds the tokens in order.
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t hq = 0; hq < heads; ++hq) {
+            next_rows.step();
             const T* vr = tile[j] + (hq / group) * D;
             const __m256 p = _mm256_set1_ps(scores[hq * ctx + t0 + j]);
             float* ah = acc.data() + hq * D;
