@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -222,23 +223,34 @@ constexpr int paired_lane(int d) {
 }
 
 #if defined(__AVX512BF16__)
-inline uint32_t bf16_bits(float f) {
-  return static_cast<uint32_t>(c10::BFloat16(f).x);
+// x [n] -> bfloat16 bits, rounded to nearest even as c10::BFloat16 rounds (vcvtneps2bf16
+// flushes denormals to zero, which vdpbf16ps does with its inputs anyway).
+inline void to_bf16_bits(const float* x, uint16_t* out, int64_t n) {
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + t)));
+  if (t < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1);
+    _mm256_mask_storeu_epi16(out + t, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + t)));
+  }
 }
 
-// acc [D] (paired layout) += sum over the tile's n tokens of p[j] * V row j (bfloat16).
+// acc [D] (paired layout) += sum over the tile's n tokens of p[j] * V row j (bfloat16), p the
+// tile's probabilities as bfloat16 bits, followed by a 0 after the item's last token.
 template <int D>
-inline void accumulate_v_pairs(const float* p, const c10::BFloat16* const* tile, int64_t n,
+inline void accumulate_v_pairs(const uint16_t* p, const c10::BFloat16* const* tile, int64_t n,
                                int64_t offset, float* acc) {
   constexpr int B = D / 32;  // 32-dim blocks, two accumulators each
   __m512 a[2 * B];
   for (int k = 0; k < 2 * B; ++k) a[k] = _mm512_loadu_ps(acc + 16 * k);
   for (int64_t j = 0; j < n; j += 2) {
-    // An odd last token pairs with itself at weight 0.
+    // An odd last token pairs with itself, at the weight 0 that follows it in p.
     const bool odd = j + 1 >= n;
     const c10::BFloat16* r0 = tile[j] + offset;
     const c10::BFloat16* r1 = odd ? r0 : tile[j + 1] + offset;
-    const uint32_t w = bf16_bits(p[j]) | (odd ? 0u : bf16_bits(p[j + 1]) << 16);
+    uint32_t w;  // p[j] | p[j + 1] << 16: two tokens' weights, one per 16-bit half
+    std::memcpy(&w, p + j, sizeof(w));
     const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
     for (int b = 0; b < B; ++b) {
       const __m512i x = _mm512_loadu_si512(r0 + 32 * b), y = _mm512_loadu_si512(r1 + 32 * b);
@@ -249,8 +261,9 @@ inline void accumulate_v_pairs(const float* p, const c10::BFloat16* const* tile,
   for (int k = 0; k < 2 * B; ++k) _mm512_storeu_ps(acc + 16 * k, a[k]);
 }
 #else
+inline void to_bf16_bits(const float*, uint16_t*, int64_t) {}
 template <int D>
-inline void accumulate_v_pairs(const float*, const c10::BFloat16* const*, int64_t, int64_t,
+inline void accumulate_v_pairs(const uint16_t*, const c10::BFloat16* const*, int64_t, int64_t,
                                float*) {}
 #endif
 
@@ -275,6 +288,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> scores, acc(heads * D), inv(heads);
+    std::vector<uint16_t> probs;  // bfloat16 V pass: the probabilities as bfloat16 bits
     const T* tile[16];
     __m512 part[16];
     RowFetches ahead(k_pool, kv_row), next_rows(k_pool, kv_row);
@@ -290,6 +304,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
       const int64_t* table = tables + item * table_width;
       const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
       scores.resize(heads * ctx);                     // [H, ctx]
+      if constexpr (kPairedV<T, D>) probs.resize(heads * (ctx + 1));  // [H, ctx + 1]
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
         tile_rows(tile, k_pool, table, t0, n, block_size, kv_row);
@@ -317,6 +332,10 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
           sum += sh[t];
         }
         inv[hq] = 1.f / sum;
+        if constexpr (kPairedV<T, D>) {  // the V pass's weights, rounded once
+          to_bf16_bits(sh, probs.data() + hq * (ctx + 1), ctx);
+          probs[hq * (ctx + 1) + ctx] = 0;
+        }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       next_rows.pace((ctx + 15) / 16 * heads);  // one step per (tile, head) of the V pass
@@ -329,7 +348,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
           const float* ph = scores.data() + hq * ctx + t0;
           float* ah = acc.data() + hq * D;
           if constexpr (kPairedV<T, D>) {
-            accumulate_v_pairs<D>(ph, tile, n, off, ah);
+            accumulate_v_pairs<D>(probs.data() + hq * (ctx + 1) + t0, tile, n, off, ah);
             continue;
           }
           __m512 a[C];
