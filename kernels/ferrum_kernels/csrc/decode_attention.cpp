@@ -120,14 +120,20 @@ inline void tile_fetches(RowFetches& fetches, const T* k_pool, const T* v_pool,
   }
 }
 
-// The first K rows of the next item a thread takes, fetched during this item's V pass.
+// Claims the calling thread's next item (n_items or more when none is left) and queues its
+// first K rows in next_rows, to be fetched during the current item's V pass.
 template <typename T>
-inline void next_item_fetches(RowFetches& fetches, const T* k_pool, const int64_t* table,
-                              int64_t ctx, int64_t block_size, int64_t kv_row) {
-  fetches.clear();
-  const int64_t n = std::min(ctx, kNextItemTokens);
+inline int64_t claim_next(std::atomic<int64_t>& claimed, RowFetches& next_rows, const T* k_pool,
+                          const int64_t* tables, const int64_t* lens, int64_t n_items,
+                          int64_t table_width, int64_t block_size, int64_t kv_row) {
+  const int64_t next = claimed.fetch_add(1, std::memory_order_relaxed);
+  next_rows.clear();
+  if (next >= n_items) return next;
+  const int64_t* table = tables + next * table_width;
+  const int64_t n = std::min(lens[next], kNextItemTokens);
   for (int64_t t = 0; t < n; ++t)
-    fetches.add(k_pool + (table[t / block_size] * block_size + t % block_size) * kv_row);
+    next_rows.add(k_pool + (table[t / block_size] * block_size + t % block_size) * kv_row);
+  return next;
 }
 
 #if defined(__AVX512F__)
@@ -295,11 +301,8 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
     int64_t next = 0;
     for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
          item = next) {
-      next = claimed.fetch_add(1, std::memory_order_relaxed);
-      next_rows.clear();
-      if (next < n_items)
-        next_item_fetches(next_rows, k_pool, tables + next * table_width, lens[next], block_size,
-                          kv_row);
+      next = claim_next(claimed, next_rows, k_pool, tables, lens, n_items, table_width,
+                        block_size, kv_row);
       const int64_t ctx = lens[item];
       const int64_t* table = tables + item * table_width;
       const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
@@ -470,11 +473,8 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
     int64_t next = 0;
     for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
          item = next) {
-      next = claimed.fetch_add(1, std::memory_order_relaxed);
-      next_rows.clear();
-      if (next < n_items)
-        next_item_fetches(next_rows, k_pool, tables + next * table_width, lens[next], block_size,
-                          kv_row);
+      next = claim_next(claimed, next_rows, k_pool, tables, lens, n_items, table_width,
+                        block_size, kv_row);
       const int64_t ctx = lens[item];
       const int64_t* table = tables + item * table_width;
       const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
