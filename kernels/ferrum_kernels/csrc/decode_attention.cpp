@@ -56,26 +56,25 @@ inline void tile_rows(const T** tile, const T* pool, const int64_t* table, int64
   }
 }
 
-// Token rows to pull into L2 while a stretch of arithmetic runs, a line or two at a time
-// between its steps. Blocks sit anywhere in the pool and the hardware prefetchers stop at block
-// edges, so the kernels fetch ahead themselves. Issued in bursts (a tile's few hundred lines at
-// its start, or even a head's twenty), the prefetches fill the core's miss buffers and it
-// stalls instead of computing; paced over the tile's dot products, the reads overlap the
-// arithmetic (docs/cpu-kernels.md: about a fifth faster over scattered blocks). Into L2 rather
-// than L1: L2 keeps far more misses in flight, which a walk over scattered blocks needs.
 // Dot products between two steps of the K pass's RowFetches: stepping before every one costs
 // a sixth of the kernel's arithmetic when the rows are in cache already (a shared prompt's
 // blocks), and four keep each burst to a handful of lines (measured at W1's shapes: every 4th
 // or 8th as fast over memory as every one, 2-10% faster over cached blocks).
 constexpr int64_t kDotsPerStep = 4;
 
+// Token rows to pull into L2 while a stretch of arithmetic runs, a few lines per step, the
+// steps spread over that arithmetic. Blocks sit anywhere in the pool and the hardware
+// prefetchers stop at block edges, so the kernels fetch ahead themselves. Issued in bursts (a
+// tile's few hundred lines at its start, or even a head's twenty), the prefetches fill the
+// core's miss buffers and it stalls instead of computing; paced, the reads overlap the
+// arithmetic (docs/cpu-kernels.md: about a fifth faster over scattered blocks). Into L2 rather
+// than L1: L2 keeps far more misses in flight, which a walk over scattered blocks needs.
 class RowFetches {
  public:
   static constexpr int64_t kMaxRows = 64;
 
-  template <typename T>
-  RowFetches(const T*, int64_t kv_row)
-      : row_lines_((kv_row * static_cast<int64_t>(sizeof(T)) + 63) / 64) {}
+  // row_bytes: the bytes of one token row (every KV head).
+  explicit RowFetches(int64_t row_bytes) : row_lines_((row_bytes + 63) / 64) {}
 
   void clear() { n_rows_ = row_ = line_ = credit_ = 0; }
   void add(const void* row) {
@@ -305,7 +304,8 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
     std::vector<uint16_t> probs;  // bfloat16 V pass: the probabilities as bfloat16 bits
     const T* tile[16];
     __m512 part[16];
-    RowFetches ahead(k_pool, kv_row), next_rows(k_pool, kv_row);
+    const int64_t row_bytes = kv_row * static_cast<int64_t>(sizeof(T));
+    RowFetches ahead(row_bytes), next_rows(row_bytes);
     int64_t next = 0;
     for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
          item = next) {
@@ -476,7 +476,8 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
     std::vector<float> scores, acc(heads * D), qf(heads * D), inv(heads);
     const T* tile[8];
     std::vector<__m256> part(heads * 8);  // [H][8]: each head's 8 dot products of a tile
-    RowFetches ahead(k_pool, kv_row), next_rows(k_pool, kv_row);
+    const int64_t row_bytes = kv_row * static_cast<int64_t>(sizeof(T));
+    RowFetches ahead(row_bytes), next_rows(row_bytes);
     int64_t next = 0;
     for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
          item = next) {
