@@ -42,10 +42,12 @@ def test_add_rms_norm_matches_reference_and_updates_the_residual(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("inter", [160, 37])  # whole vectors of 16, and a masked tail
+def test_silu_and_mul_matches_reference(dtype: torch.dtype, inter: int) -> None:
     torch.manual_seed(1)
-    gate_up = torch.randn(33, 2 * 160, dtype=dtype) * 4  # wide range: both tails of the exp
-    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate_up = torch.randn(33, 2 * inter, dtype=dtype) * 4  # wide range: both tails of the exp
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, float("inf"), -88.5])
+    gate_up[1, inter - 1] = 30.0  # the tail's last lane
     got = silu_and_mul_cpu(gate_up)
     want = silu_and_mul(gate_up)
     if dtype == torch.bfloat16:

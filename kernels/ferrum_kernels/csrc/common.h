@@ -1,9 +1,14 @@
 // Shared helpers of the native CPU kernels: bfloat16 <-> float32 conversions written so the
-// compiler can vectorise them (plain bit arithmetic, no calls, no branches).
+// compiler can vectorise them (plain bit arithmetic, no calls, no branches), and their AVX-512
+// forms for 16 lanes.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace ferrum {
 
@@ -41,5 +46,52 @@ struct Elem<uint16_t> {
   static inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
   static inline float round(float v) { return bf16_to_float(float_to_bf16(v)); }
 };
+
+#if defined(__AVX512F__)
+// 16 floats rounded to nearest-even bfloat16 (as torch rounds). vcvtneps2bf16 where the CPU has
+// it (it also flushes denormals, below 1.2e-38, to zero), else float_to_bf16's arithmetic
+// without its NaN case.
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  __m256bh b = _mm512_cvtneps_pbh(v);
+  return reinterpret_cast<__m256i&>(b);
+#else
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+}
+
+// 16 bfloat16 values widened to float32 (exact).
+inline __m512 from_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 16 float32 or bfloat16 (uint16_t bits) elements as float32, and back. The masked forms take
+// the first lanes only (the rest load as zero); on Zen 4 a masked store costs more than a plain
+// one, so loops use them for a tail only.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 lanes) {
+  return from_bf16(_mm256_maskz_loadu_epi16(lanes, p));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
+}
+inline void store16(float* p, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps(p, lanes, v); }
+inline void store16(uint16_t* p, __m512 v, __mmask16 lanes) {
+  _mm256_mask_storeu_epi16(p, lanes, to_bf16(v));
+}
+
+// The first n lanes (all 16 from n = 16 on).
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+#endif
 
 }  // namespace ferrum

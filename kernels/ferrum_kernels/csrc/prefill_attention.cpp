@@ -52,6 +52,11 @@
 namespace {
 
 using ferrum::Elem;
+#if defined(__AVX512F__)
+using ferrum::first_lanes;
+using ferrum::store16;
+using ferrum::to_bf16;
+#endif
 
 constexpr int kTile = 16;  // keys per packed K tile (the lanes of a score vector)
 #if defined(FERRUM_PREFILL_AVX512)
@@ -171,28 +176,6 @@ inline __m512 exp2_nonpositive(__m512 t, __mmask16 lanes) {
   }
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000012f));
   return _mm512_maskz_scalef_ps(lanes, p, n);  // lanes outside `lanes` are zero
-}
-
-// 16 floats rounded to nearest-even bfloat16 (as torch rounds).
-inline __m256i to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-  __m256bh b = _mm512_cvtneps_pbh(v);
-  return reinterpret_cast<__m256i&>(b);
-#else
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-#endif
-}
-
-inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
-inline void store16(uint16_t* dst, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), to_bf16(v));
-}
-
-inline __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
 }
 #endif
 
