@@ -22,6 +22,7 @@ namespace {
 
 using ferrum::Elem;
 #if defined(__AVX512F__)
+using ferrum::exp_ps;
 using ferrum::first_lanes;
 using ferrum::from_bf16;
 using ferrum::store16;
@@ -62,27 +63,6 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t out
 }
 
 #if defined(__AVX512F__)
-// exp(t) for 16 lanes, -88 <= t <= 87 (callers clamp). Cody-Waite reduction t = n ln2 + r with
-// |r| <= ln2/2 (ln2 in two parts, so n ln2 is exact for every n reached here), e^r by its
-// Taylor series to degree 7 (truncation under 5e-9 relative), scaled by 2^n: within about an
-// ulp of float32 exp. Inline, where glibc's vectorised expf (what GCC calls for std::exp in a
-// vectorised loop) is a call per 16 lanes with the loop's registers spilled around it.
-inline __m512 exp_ps(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), t);  // ln2's high 16 bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);        // and the rest
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // bfloat16 rounding where the reference rounds (the identity for float32).
 inline __m512 round16(__m512 v, const float*) { return v; }
 inline __m512 round16(__m512 v, const uint16_t*) { return from_bf16(to_bf16(v)); }

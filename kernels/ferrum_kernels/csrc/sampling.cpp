@@ -48,8 +48,24 @@ void argmax_lse_rows(const T* logits, int64_t stride, int64_t rows, int64_t voca
       int64_t best = 0;
       while (best < vocab && Elem<T>::load(row, best) != mx) ++best;
       float sum = 0.f;
+#if defined(__AVX512F__)
+      // Scores below mx - 88 add under 1e-38 each: clamped there, exp_ps's range.
+      const __m512 top = _mm512_set1_ps(mx), low = _mm512_set1_ps(-88.f);
+      __m512 acc = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= vocab; i += 16)
+        acc = _mm512_add_ps(
+            acc, ferrum::exp_ps(_mm512_max_ps(_mm512_sub_ps(ferrum::load16(row + i), top), low)));
+      if (i < vocab) {
+        const __mmask16 lanes = ferrum::first_lanes(vocab - i);
+        const __m512 t = _mm512_sub_ps(ferrum::load16(row + i, lanes), top);
+        acc = _mm512_mask_add_ps(acc, lanes, acc, ferrum::exp_ps(_mm512_max_ps(t, low)));
+      }
+      sum = _mm512_reduce_add_ps(acc);
+#else
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < vocab; ++i) sum += std::exp(Elem<T>::load(row, i) - mx);
+#endif
       ids[r] = best;
       lse[r] = mx + std::log(sum);
       finite[r] = special == 0 && best < vocab;
