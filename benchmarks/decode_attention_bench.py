@@ -9,9 +9,11 @@ With ``--layers 12`` each round walks twelve pools, one per layer, as a real ste
 420 MB of K/V at W1's shapes, so every layer reads its blocks from memory instead of the L3
 that one repeated ~35 MB pool partly stays in (and reads faster). ``--in-order`` gives each
 item consecutive blocks, as a fresh pool hands them out, instead of shuffled ones.
+``--shared-prefix N`` gives every item the same first N tokens' blocks, as prefix caching does
+for a shared system prompt (``w2-prefix``: 1,024 of about 1,100 tokens).
 
     python benchmarks/decode_attention_bench.py [--ctx 256] [--dtype float32] [--old REV]
-        [--rounds 5] [--layers 1] [--in-order]
+        [--rounds 5] [--layers 1] [--in-order] [--shared-prefix 0]
 """
 
 from __future__ import annotations
@@ -57,9 +59,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=1, help="pools walked per call round")
     parser.add_argument("--in-order", action="store_true", help="consecutive blocks per item")
+    parser.add_argument(
+        "--shared-prefix", type=int, default=0, help="tokens whose blocks every item shares"
+    )
     args = parser.parse_args(argv)
     if args.ctx < 1 or args.rounds < 1 or args.layers < 1:
         parser.error("--ctx, --rounds and --layers must be at least 1")
+    if not 0 <= args.shared_prefix <= args.ctx - 7:
+        parser.error("--shared-prefix must be within every item's context (ctx - 7 at most)")
     old = subprocess.run(
         ["git", "show", f"{args.old}:{SOURCE}"],
         cwd=ROOT,
@@ -80,14 +87,18 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     pools = [torch.randn(2, pool, BLOCK, KV_HEADS, DIM).to(dtype) for _ in range(args.layers)]
     order = torch.arange(pool - 8) if args.in_order else torch.randperm(pool - 8)
     tables = order[: ITEMS * blocks].view(ITEMS, blocks).contiguous()
+    shared = args.shared_prefix // BLOCK  # whole blocks: a partial one is never shared
+    tables[:, :shared] = tables[0, :shared]
     lens = torch.tensor([max(1, args.ctx - (i % 7)) for i in range(ITEMS)], dtype=torch.int64)
     q = torch.randn(ITEMS, HEADS, DIM).to(dtype)
     rows = torch.arange(ITEMS, dtype=torch.int64)
     calls = [(q, kv[0], kv[1], tables, lens, rows, BLOCK, KV_HEADS, DIM**-0.5) for kv in pools]
     outs = {tag: mod.decode_attention(*calls[0]).float() for tag, mod in mods.items()}
     diff = (outs["new"] - outs["old"]).abs().max().item()
-    layout = "consecutive" if args.in_order else "shuffled"
-    lines = [f"{args.layers} pool(s), {layout} blocks; max |new - old| {diff:.2e}"]
+    layout = ("consecutive" if args.in_order else "shuffled") + " blocks"
+    if shared:
+        layout += f", the first {shared} shared"
+    lines = [f"{args.layers} pool(s), {layout}; max |new - old| {diff:.2e}"]
     times: dict[str, list[float]] = {tag: [] for tag in mods}
     # Whole passes over the pools, at least CALLS layer calls a round.
     passes = -(-CALLS // args.layers)

@@ -29,7 +29,18 @@ def test_smoke_run_walks_every_pool_and_the_builds_agree(
     assert f"3 pool(s), {layout} blocks" in capsys.readouterr().out
 
 
+def test_a_shared_prefix_gives_every_item_the_same_first_blocks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench: Any = load_script("ferrum_decode_bench", _BENCH)
+    times = bench.main(["--ctx", "40", "--rounds", "1", "--shared-prefix", "33"])
+    assert times["diff"][0] < 1e-5
+    assert "shuffled blocks, the first 2 shared" in capsys.readouterr().out
+
+
 def test_bad_counts_are_refused() -> None:
     bench: Any = load_script("ferrum_decode_bench", _BENCH)
     with pytest.raises(SystemExit):
         bench.main(["--layers", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--ctx", "40", "--shared-prefix", "34"])
