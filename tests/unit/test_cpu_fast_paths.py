@@ -221,8 +221,9 @@ def test_fast_path_matches_transformers_greedy(tmp_path: Path) -> None:
     # blocks longer than the 16-token score tile; and no grouping at all.
     [(16, 2, 64, 6), (8, 2, 80, 8), (32, 1, 128, 4), (16, 4, 32, 4)],
 )
+@pytest.mark.parametrize("shared", [False, True])  # items' first blocks shared (a cached prompt)
 def test_native_decode_kernel_matches_reference(
-    dtype: torch.dtype, block: int, kv_heads: int, head_dim: int, heads: int
+    dtype: torch.dtype, block: int, kv_heads: int, head_dim: int, heads: int, shared: bool
 ) -> None:
     import math
     import random
@@ -244,6 +245,9 @@ def test_native_decode_kernel_matches_reference(
         n = math.ceil(c / block)
         tables.append(free[:n])
         free = free[n:]
+    if shared:  # every item of three blocks or more reads the first such item's first two
+        first = next(t for t in tables if len(t) >= 3)
+        tables = [first[:2] + t[2:] if len(t) >= 3 else t for t in tables]
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     query = torch.randn(len(contexts), heads, head_dim, dtype=dtype)
