@@ -8,13 +8,17 @@ The arithmetic is the same oneDNN GEMM, so results agree with ``F.linear`` to fl
 Where oneDNN packs float32 but not bfloat16 (an AVX2 CPU), bfloat16 weights are packed widened
 to float32 (``pack_dtype``).
 
-On a CPU with AVX2 but not AVX-512, float32 (and widened bfloat16) weights are packed for the
-native GEMM instead (``csrc/gemm.cpp``, ``gemm_kernel``): on the development machine it runs
-a decode step's M = 64 at 99-109 GFLOP/s where oneDNN's AVX2 kernels run 83-95, and is level
-with them at M = 512 (docs/cpu-kernels.md). ``FERRUM_CPU_GEMM``
-picks the kernel: ``auto`` (the default, as above), ``native`` (wherever it is built: also on an
-AVX-512 CPU, for comparison) or ``onednn``. It is read once, when the first weight is packed,
-and the choice is logged once (event ``cpu_gemm``).
+Two cases run the native GEMM (``csrc/gemm.cpp``, ``gemm_kernel``) instead. On a CPU with AVX2
+but not AVX-512, float32 (and widened bfloat16) weights: on the development machine it runs a
+decode step's M = 64 at 99-109 GFLOP/s where oneDNN's AVX2 kernels run 83-95, and is level with
+them at M = 512. On a CPU with AVX512_BF16, bfloat16 weights run "split": the native GEMM below
+``SPLIT_ROWS`` rows, oneDNN's from there, each on its own packed copy (twice the packed bytes).
+On a Zen 4 the native one runs M = 64 at 410-415 GFLOP/s against oneDNN's 342-346 and M = 16 at
+353 against 229; from M = 256 on the two are level, and in a W1 prefill step oneDNN's was a few
+percent faster (docs/cpu-kernels.md). ``FERRUM_CPU_GEMM`` picks the kernel: ``auto`` (the
+default, as above), ``native`` (the native GEMM at every M, wherever it is built: also float32
+on an AVX-512 CPU, for comparison) or ``onednn``. It is read once, when the first weight is
+packed, and the choice is logged once (event ``cpu_gemm``).
 
 ``prepack_linears(module)`` swaps every ``nn.Linear`` under ``module`` for a ``PackedLinear`` that
 shares the same ``weight``/``bias`` Parameters (so ``state_dict``/``named_parameters`` and
@@ -61,7 +65,11 @@ _SUPPORTED = (torch.float32, torch.bfloat16)
 _available: dict[torch.dtype, bool] = {}
 # FERRUM_CPU_GEMM's values (see the module docstring).
 GEMM_KERNELS = ("auto", "native", "onednn")
-_native_gemm: bool | None = None  # decided once: is the native GEMM used for float32?
+# A "split" weight's rows below which its native copy runs (oneDNN's from there): the native
+# bfloat16 GEMM led by 4-18% from M = 64 to 192 and was level at 256 (docs/cpu-kernels.md).
+SPLIT_ROWS = 256
+# Decided once: the kernel ("native", "onednn" or "split") of each dtype's packed linears.
+_native_gemm: dict[torch.dtype, str] | None = None
 _LOG = logging.getLogger(__name__)
 
 
@@ -99,7 +107,7 @@ def pack_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
-def _use_native_gemm() -> bool:
+def _gemm_kernels() -> dict[torch.dtype, str]:
     global _native_gemm
     if _native_gemm is None:
         choice = os.environ.get("FERRUM_CPU_GEMM", "auto").strip().lower() or "auto"
@@ -107,39 +115,51 @@ def _use_native_gemm() -> bool:
             allowed = ", ".join(GEMM_KERNELS)
             raise ValueError(f"FERRUM_CPU_GEMM must be one of {allowed}, got {choice!r}")
         module = None if choice == "onednn" else native.load()
-        if module is None:
-            _native_gemm = False
-        else:
+        kernels = {torch.float32: "onednn", torch.bfloat16: "onednn"}
+        if module is not None:
             built, avx512 = module.gemm_isa()
-            _native_gemm = bool(built) and (choice == "native" or not avx512)
-        # One line for operators: which GEMM float32 (and widened bfloat16) linears run.
+            if built and (choice == "native" or not avx512):
+                kernels[torch.float32] = "native"
+            if module.gemm_bf16_available():
+                kernels[torch.bfloat16] = "native" if choice == "native" else "split"
+        _native_gemm = kernels
+        # One line for operators: which GEMM float32 (and widened bfloat16) and bfloat16
+        # linears run.
         _LOG.info(
             "cpu_gemm",
-            extra={"float32_kernel": "native" if _native_gemm else "onednn", "setting": choice},
+            extra={
+                "float32_kernel": kernels[torch.float32],
+                "bfloat16_kernel": kernels[torch.bfloat16],
+                "setting": choice,
+            },
         )
     return _native_gemm
 
 
 def _native_gemm_built(compute_dtype: torch.dtype) -> bool:
-    module = native.load() if compute_dtype == torch.float32 else None
-    return module is not None and bool(module.gemm_isa()[0])
+    module = native.load()
+    if module is None:
+        return False
+    if compute_dtype == torch.bfloat16:
+        return bool(module.gemm_bf16_available())
+    return compute_dtype == torch.float32 and bool(module.gemm_isa()[0])
 
 
 def gemm_kernel(compute_dtype: torch.dtype) -> str:
     """Which GEMM a weight packed to multiply in `compute_dtype` runs: "native" (float32 on an
-    AVX2 CPU without AVX-512, unless FERRUM_CPU_GEMM says otherwise) or "onednn"."""
-    if compute_dtype == torch.float32 and _use_native_gemm():
-        return "native"
-    return "onednn"
+    AVX2 CPU without AVX-512), "split" (bfloat16 on a CPU with AVX512_BF16: native below
+    SPLIT_ROWS rows, oneDNN from there) or "onednn", unless FERRUM_CPU_GEMM says otherwise."""
+    return _gemm_kernels().get(compute_dtype, "onednn")
 
 
 class PackedWeight:
     """A weight (and optional bias) with its packed copy for ``kernel`` (oneDNN or the native
-    GEMM), re-packed when it changes."""
+    GEMM; "split": a copy for each), re-packed when it changes."""
 
     __slots__ = (
         "_batch_hint",
         "_packed",
+        "_packed_native",
         "_version",
         "bias",
         "compute_dtype",
@@ -156,7 +176,7 @@ class PackedWeight:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         batch_hint: int = DEFAULT_BATCH_HINT,
-        kernel: str | None = None,  # "native" or "onednn"; None: gemm_kernel's choice
+        kernel: str | None = None,  # "native", "onednn" or "split"; None: gemm_kernel's choice
     ) -> None:
         self.weight = weight  # [N, K]
         self.bias = bias  # [N] or None
@@ -164,20 +184,22 @@ class PackedWeight:
         self.compute_dtype = pack_dtype(weight.dtype) or weight.dtype  # what the GEMM multiplies
         if kernel is None:
             kernel = gemm_kernel(self.compute_dtype)
-        elif kernel not in ("native", "onednn"):
-            raise ValueError(f"kernel must be 'native' or 'onednn', got {kernel!r}")
-        elif kernel == "native" and not _native_gemm_built(self.compute_dtype):
+        elif kernel not in ("native", "onednn", "split"):
+            raise ValueError(f"kernel must be 'native', 'onednn' or 'split', got {kernel!r}")
+        elif kernel != "onednn" and not _native_gemm_built(self.compute_dtype):
             raise ValueError(f"the native GEMM is not built here for {self.compute_dtype}")
-        self.kernel = kernel  # what the copy is packed for
+        self.kernel = kernel  # what the copies are packed for
         # Kept: the plain weight may be freed.
         self.out_features, self.in_features = weight.shape
         self._batch_hint = batch_hint
-        self._packed: torch.Tensor | None = None
+        self._packed: torch.Tensor | None = None  # the native copy for "native", else oneDNN's
+        self._packed_native: torch.Tensor | None = None  # "split": the native copy
         self._version = -1
         # The plain weight's storage was freed (release_plain): the packed copy is all there is.
         self.released = False
 
     def packed(self) -> torch.Tensor:
+        """The packed copy (for "split", oneDNN's; ``packed_native`` has the other)."""
         if self.released:
             assert self._packed is not None  # packed before the plain copy was freed
             return self._packed
@@ -189,8 +211,21 @@ class PackedWeight:
                     self._packed = native.load().pack_gemm_weight(plain)
                 else:
                     self._packed = torch.ops.mkldnn._reorder_linear_weight(plain, self._batch_hint)
+                if self.kernel == "split":
+                    self._packed_native = native.load().pack_gemm_weight(plain)
             self._version = version
         return self._packed
+
+    def packed_native(self) -> torch.Tensor:
+        """A "split" weight's native copy."""
+        assert self.kernel == "split"
+        self.packed()  # (re)packs both copies when needed
+        assert self._packed_native is not None
+        return self._packed_native
+
+    def packed_tensors(self) -> list[torch.Tensor]:
+        """Every packed copy made so far (for counting their bytes)."""
+        return [t for t in (self._packed, self._packed_native) if t is not None]
 
     def release_plain(self) -> int:
         """Pack (if not yet), then free the plain weight's storage; returns the bytes freed.
@@ -209,11 +244,14 @@ class PackedWeight:
         """x [..., K] -> [..., N] in x's dtype."""
         compute = self.compute_dtype
         bias = None if self.bias is None else self.bias.detach().to(compute)
-        if self.kernel == "native":
+        kernel = self.kernel
+        if kernel == "split":
+            rows_in = x.numel() // max(x.shape[-1], 1)
+            kernel = "native" if rows_in < SPLIT_ROWS else "onednn"
+        if kernel == "native":
             rows = x.reshape(-1, x.shape[-1]).to(compute)
-            flat: torch.Tensor = native.load().packed_gemm(
-                rows, self.packed(), bias, self.out_features
-            )
+            packed = self.packed_native() if self.kernel == "split" else self.packed()
+            flat: torch.Tensor = native.load().packed_gemm(rows, packed, bias, self.out_features)
             return flat.view(*x.shape[:-1], self.out_features).to(x.dtype)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x.contiguous().to(compute), self.packed(), bias, "none", [], ""
@@ -292,8 +330,8 @@ def packed_bytes(module: nn.Module) -> int:
             packs.append(child.packed)
         elif isinstance(child, ExpertWeights):
             packs += [w for pair in child.packed or () for w in pair if isinstance(w, PackedWeight)]
-    made = (pack._packed for pack in packs)
-    return sum(p.numel() * p.element_size() for p in made if p is not None)
+    made = (t for pack in packs for t in pack.packed_tensors())
+    return sum(p.numel() * p.element_size() for p in made)
 
 
 def release_plain_weights(module: nn.Module) -> int:

@@ -54,6 +54,7 @@ _FUNCTIONS = [
     "prefill_attention",
     "prefill_attention_vectorized",
     "gemm_isa",
+    "gemm_bf16_available",
     "pack_gemm_weight",
     "packed_gemm",
     "store_kv_",

@@ -163,16 +163,21 @@ def test_a_served_cpu_model_keeps_no_plain_copy_of_its_packed_linears(dtype: str
             # dtype; the parameters left count the rest.
             wide = pack_dtype(getattr(torch, dtype))
             assert wide is not None
-            # The native GEMM pads each weight to whole 16-column panels (cpu_linear).
+            # The native GEMM pads each weight to whole panels: 16 columns in float32, 32
+            # columns and an even K in bfloat16; a "split" weight has a oneDNN copy beside it.
             packs = [m._pack for m in linears if m._pack is not None]
             packs += [m.packed for m in model.modules() if isinstance(m, TiedLinear) and m.packed]
             elements = 0
             for pack in packs:
                 assert isinstance(pack, PackedWeight)
-                columns = pack.out_features
-                if pack.kernel == "native":
-                    columns = -(-columns // 16) * 16
-                elements += columns * pack.in_features
+                n, k = pack.out_features, pack.in_features
+                if pack.kernel != "onednn":
+                    if wide == torch.bfloat16:
+                        elements += -(-n // 32) * 32 * -(-k // 2) * 2
+                    else:
+                        elements += -(-n // 16) * 16 * k
+                if pack.kernel != "native":
+                    elements += n * k
             assert packed_bytes(model) == elements * wide.itemsize
         assert engine.memory_plan.weights_bytes == model_bytes(model) + packed_bytes(model)
         assert engine.warmup(16).deferral is None  # and it still runs

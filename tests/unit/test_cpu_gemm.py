@@ -1,6 +1,6 @@
-"""The native float32 GEMM (``csrc/gemm.cpp``) that packed linears run on an AVX2 CPU: against
-float64 F.linear over the edges of its blocking, batch-invariant per row, and the kernel
-choice (``FERRUM_CPU_GEMM``)."""
+"""The native GEMMs (``csrc/gemm.cpp``) that packed linears run: float32 on an AVX2 CPU and
+bfloat16 on a CPU with AVX512_BF16. Each against float64 F.linear over the edges of its
+blocking, batch-invariant per row, and the kernel choice (``FERRUM_CPU_GEMM``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from ferrum_kernels.cpu_linear import PackedWeight, gemm_kernel, mkldnn_linear_a
 _module = native.load()
 needs_native_gemm = pytest.mark.skipif(
     _module is None or not _module.gemm_isa()[0], reason="native GEMM not built (needs AVX2)"
+)
+needs_bf16_gemm = pytest.mark.skipif(
+    _module is None or not _module.gemm_bf16_available(),
+    reason="native bfloat16 GEMM not built (needs AVX512_BF16)",
 )
 
 
@@ -98,6 +102,74 @@ def test_native_gemm_refuses_mismatched_inputs() -> None:
         _module.packed_gemm(torch.randn(2, 8, dtype=torch.float64), packed, None, 20)
 
 
+@needs_bf16_gemm
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 32, 8),  # one row, one panel
+        (5, 45, 767),  # a partial row tile and last panel (13 columns), an odd K
+        (64, 1280, 768),  # a decode step's qkv
+        (9, 100, 64),  # a tile of one row after a whole one; a panel of four columns
+        (17, 33, 3),  # a panel of one column past the first
+        (300, 64, 2048),  # several blocks of rows (64 rows each at this K), K unrolled long
+        (3, 16, 1),
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_bf16_gemm_matches_float64_linear(
+    m: int, n: int, k: int, bias: bool, threads: int
+) -> None:
+    assert _module is not None
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    packed = _module.pack_gemm_weight(w)
+    assert packed.shape == (-(-n // 32), -(-k // 2), 32, 2) and packed.dtype == torch.bfloat16
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _module.packed_gemm(x, packed, b, n)
+    finally:
+        torch.set_num_threads(before)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # One rounding to bfloat16 (half an ulp: 2^-9 relative) after a float32 sum of k exact
+    # products.
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * k**0.5 * 4, rtol=2**-8)
+    # As F.linear rounds, but for sums that land within float32 error of a rounding tie.
+    same = got == torch.nn.functional.linear(x, w, b)
+    assert same.float().mean() > 0.97
+
+
+@needs_bf16_gemm
+def test_native_bf16_gemm_rows_do_not_depend_on_the_batch() -> None:
+    assert _module is not None
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(70, 2048, generator=gen).bfloat16()
+    x = torch.randn(200, 2048, generator=gen).bfloat16()
+    packed = _module.pack_gemm_weight(w)
+    whole = _module.packed_gemm(x, packed, None, 70)
+    # Batches ending in a tile of every fill from 1 to 8 rows, and across a block of rows (64).
+    for rows in (slice(0, 1), slice(60, 130), *(slice(9, 9 + n) for n in range(2, 9))):
+        assert torch.equal(_module.packed_gemm(x[rows].contiguous(), packed, None, 70), whole[rows])
+
+
+@needs_bf16_gemm
+def test_native_bf16_gemm_refuses_mismatched_inputs() -> None:
+    assert _module is not None
+    packed = _module.pack_gemm_weight(torch.randn(40, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="x has K=10"):
+        _module.packed_gemm(torch.randn(2, 10).bfloat16(), packed, None, 40)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        _module.packed_gemm(torch.randn(2, 8).bfloat16(), packed, None, 80)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        _module.packed_gemm(torch.randn(2, 8).bfloat16(), packed, torch.randn(39), 40)
+    with pytest.raises(RuntimeError, match="pack_gemm_weight"):  # a float32 packing
+        _module.packed_gemm(torch.randn(2, 8).bfloat16(), torch.zeros(3, 8, 16), None, 40)
+
+
 @pytest.mark.skipif(not mkldnn_linear_available(), reason="no oneDNN")
 @pytest.mark.usefixtures("choose_kernel")
 @torch.no_grad()
@@ -115,6 +187,19 @@ def test_the_gemm_kernel_follows_ferrum_cpu_gemm(monkeypatch: pytest.MonkeyPatch
     forced = PackedWeight(w, None)
     # Either kernel computes the same linear, to float32 rounding.
     torch.testing.assert_close(forced(x), onednn(x), atol=1e-5, rtol=1e-5)
+    if mkldnn_linear_available(torch.bfloat16):  # bfloat16 likewise, to bfloat16 rounding
+        half, rows = w.bfloat16(), x.bfloat16()
+        cpu_linear._native_gemm = None
+        monkeypatch.setenv("FERRUM_CPU_GEMM", "onednn")
+        assert gemm_kernel(torch.bfloat16) == "onednn"
+        onednn_half = PackedWeight(half, None)
+        cpu_linear._native_gemm = None
+        monkeypatch.setenv("FERRUM_CPU_GEMM", "native")
+        bf16_built = _module is not None and _module.gemm_bf16_available()
+        assert gemm_kernel(torch.bfloat16) == ("native" if bf16_built else "onednn")
+        native_half = PackedWeight(half, None)
+        assert native_half.kernel == ("native" if bf16_built else "onednn")
+        torch.testing.assert_close(native_half(rows), onednn_half(rows), atol=0.05, rtol=2**-7)
     cpu_linear._native_gemm = None
     monkeypatch.setenv("FERRUM_CPU_GEMM", "fastest")
     with pytest.raises(ValueError, match="FERRUM_CPU_GEMM must be one of auto, native, onednn"):
@@ -122,10 +207,37 @@ def test_the_gemm_kernel_follows_ferrum_cpu_gemm(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.usefixtures("choose_kernel")
-def test_auto_picks_native_only_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_picks_native_float32_only_without_avx512_and_bf16_with_avx512_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("FERRUM_CPU_GEMM", raising=False)
     built, avx512 = (False, False) if _module is None else _module.gemm_isa()
     expected = "native" if built and not avx512 else "onednn"
     assert gemm_kernel(torch.float32) == expected
-    # bfloat16 runs natively only where oneDNN does not pack it (widened to float32 there).
-    assert gemm_kernel(torch.bfloat16) == "onednn"
+    bf16_built = _module is not None and _module.gemm_bf16_available()
+    assert gemm_kernel(torch.bfloat16) == ("split" if bf16_built else "onednn")
+
+
+@needs_bf16_gemm
+@pytest.mark.skipif(not mkldnn_linear_available(torch.bfloat16), reason="no bfloat16 oneDNN")
+@torch.no_grad()
+def test_a_split_weight_runs_native_below_split_rows_and_onednn_from_there() -> None:
+    assert _module is not None
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 80, generator=gen).bfloat16()
+    b = torch.randn(96, generator=gen).bfloat16()
+    split = PackedWeight(w.clone(), b, kernel="split")
+    onednn = PackedWeight(w.clone(), b, kernel="onednn")
+    split.release_plain()  # both copies are made first, and both serve afterwards
+    onednn.release_plain()
+    assert len(split.packed_tensors()) == 2 and len(onednn.packed_tensors()) == 1
+    packed = _module.pack_gemm_weight(w)
+    for rows in (1, cpu_linear.SPLIT_ROWS - 1):
+        x = torch.randn(rows, 80, generator=gen).bfloat16()
+        assert torch.equal(split(x), _module.packed_gemm(x, packed, b, 96))
+    for rows in (cpu_linear.SPLIT_ROWS, cpu_linear.SPLIT_ROWS + 37):
+        x = torch.randn(rows, 80, generator=gen).bfloat16()
+        assert torch.equal(split(x), onednn(x))
+    x = torch.randn(2, 3, 80, generator=gen).bfloat16()  # leading dims: 6 rows, native
+    flat = _module.packed_gemm(x.reshape(6, 80), packed, b, 96)
+    assert torch.equal(split(x), flat.view(2, 3, 96))
