@@ -1,13 +1,15 @@
-"""The packed linears' GEMMs at W1's shapes: the native AVX2 GEMM against oneDNN's.
+"""The packed linears' GEMMs at W1's shapes: the native GEMM against oneDNN's.
 
 Each kernel packs twelve layers' worth of W1's four linear weights (qkv, o, gate_up, down: 300
 MB in float32, ten times the L3 of the development machine), so every call reads its weight
 from memory as a real step does; the LM head (32000 x 768) is timed on its own. For each row
 count (64: a decode step; 512: a prefill step) the two kernels run in interleaved rounds over
 all twelve layers, and each line prints the median and best round in GFLOP/s. Run it alone on a
-quiet machine: a second busy process halves every figure.
+quiet machine: a second busy process halves every figure. ``--dtype bfloat16`` compares the
+native bfloat16 GEMM (a CPU with AVX512_BF16) with oneDNN's instead of the float32 ones.
 
     python benchmarks/gemm_bench.py [--rows 64,512] [--rounds 9] [--threads 2] [--layers 12]
+        [--dtype float32]
 """
 
 from __future__ import annotations
@@ -46,9 +48,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=0, help="0 = torch's default")
     parser.add_argument("--layers", type=int, default=12, help="fewer for a smoke run")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     module = native.load()
-    if module is None or not module.gemm_isa()[0] or not mkldnn_linear_available():
+    if dtype == torch.bfloat16:
+        if module is None or not module.gemm_bf16_available():
+            sys.exit("needs the native bfloat16 GEMM (a CPU with AVX512_BF16)")
+        if not mkldnn_linear_available(dtype):
+            sys.exit("needs oneDNN's bfloat16 linears")
+    elif module is None or not module.gemm_isa()[0] or not mkldnn_linear_available():
         sys.exit("needs the native GEMM (an AVX2 build) and oneDNN")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,24 +65,29 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     kernels = ("native", "onednn")
     packs: dict[str, list[dict[str, PackedWeight]]] = {kernel: [] for kernel in kernels}
     for _ in range(args.layers):
-        weights = {name: torch.randn(n, k, generator=gen) * 0.02 for name, (n, k) in SHAPES.items()}
+        weights = {
+            name: (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+            for name, (n, k) in SHAPES.items()
+        }
         for kernel in kernels:
             # A copy each: releasing the plain weight frees its storage.
             layer = {n: PackedWeight(w.clone(), None, kernel=kernel) for n, w in weights.items()}
             for pack in layer.values():
                 pack.release_plain()  # as served: only the packed copy
             packs[kernel].append(layer)
-    head_weight = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02
+    head_weight = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02).to(dtype)
     heads = {kernel: PackedWeight(head_weight, None, kernel=kernel) for kernel in kernels}
     per_token = 2 * sum(n * k for n, k in SHAPES.values()) * args.layers
     out = sys.stdout
-    out.write(f"threads {torch.get_num_threads()}, {args.layers} layers of W1's linears\n")
+    out.write(
+        f"threads {torch.get_num_threads()}, {args.layers} layers of W1's linears, {args.dtype}\n"
+    )
     results: dict[str, dict[str, float]] = {}
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {k: torch.randn(rows, k, generator=gen) for k in (HIDDEN, INTERMEDIATE)}
-        # The two kernels compute the same linear, to float32 rounding.
+        inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
+        # The two kernels compute the same linear, to float32 (or bfloat16) rounding.
         pair = [packs[kernel][0]["gate_up"](inputs[HIDDEN]) for kernel in kernels]
-        diff = float((pair[0] - pair[1]).abs().max())
+        diff = float((pair[0].float() - pair[1].float()).abs().max())
         times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
         head_times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
         for kernel in kernels:  # warm-up: first-call costs stay out of the rounds

@@ -26,3 +26,14 @@ def test_smoke_run_times_both_kernels_and_they_agree() -> None:
     for row in results.values():
         assert row["layers_gflops"] > 0 and row["lm_head_gflops"] > 0
         assert row["diff"] < 1e-5  # weights N(0, 0.02), inputs N(0, 1), K = 768
+
+
+@pytest.mark.skipif(
+    _module is None or not _module.gemm_bf16_available(), reason="needs AVX512_BF16"
+)
+def test_bfloat16_smoke_run_compares_the_native_bf16_gemm() -> None:
+    bench: Any = load_script("ferrum_gemm_bench", _BENCH)
+    results = bench.main(["--rows", "9", "--rounds", "1", "--layers", "1", "--dtype", "bfloat16"])
+    assert sorted(results) == ["M=9 native", "M=9 onednn"]
+    # Outputs of about 0.5 in magnitude, each rounded to bfloat16 by both: an ulp or two apart.
+    assert results["M=9 native"]["layers_gflops"] > 0 and results["M=9 native"]["diff"] < 0.02
