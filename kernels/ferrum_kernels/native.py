@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["available", "load"]
+__all__ = ["available", "load", "with_common_header"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (
@@ -83,13 +83,18 @@ def _cpu_tag() -> str:
     return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:8]
 
 
-def _source() -> str:
-    # One translation unit; the shared header is inlined once, ahead of the sources, so the
-    # digest covers it too.
+def with_common_header(*sources: str) -> str:
+    """Kernel sources as one translation unit: ``csrc/common.h`` inlined once, ahead of them
+    (their own ``#include "common.h"`` lines dropped), so a build's digest covers it too. Also
+    how a benchmark builds one kernel file of any revision on its own."""
     include = '#include "common.h"'
     parts = [(_CSRC / "common.h").read_text().replace("#pragma once", "")]
-    parts += [(_CSRC / name).read_text().replace(include, "") for name in _SOURCES]
+    parts += [text.replace(include, "") for text in sources]
     return "\n".join(parts)
+
+
+def _source() -> str:
+    return with_common_header(*((_CSRC / name).read_text() for name in _SOURCES))
 
 
 def _missing_toolchain() -> str | None:

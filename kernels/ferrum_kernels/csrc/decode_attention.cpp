@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -222,11 +224,11 @@ inline __m512 partial_dot(const c10::BFloat16* q, const c10::BFloat16* k) {
   return acc;
 }
 
-// Sixteen float32 values of a row starting at p (a bfloat16 row is widened).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+// Sixteen float32 values of a row starting at p (a bfloat16 row is widened): common.h's, and
+// the same for c10's bfloat16 type.
+using ferrum::load16;
 inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return load16(reinterpret_cast<const uint16_t*>(p));
 }
 
 
@@ -258,12 +260,10 @@ constexpr int paired_lane(int d) {
 // flushes denormals to zero, which vdpbf16ps does with its inputs anyway).
 inline void to_bf16_bits(const float* x, uint16_t* out, int64_t n) {
   int64_t t = 0;
-  for (; t + 16 <= n; t += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + t)));
+  for (; t + 16 <= n; t += 16) ferrum::store16(out + t, load16(x + t));
   if (t < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1);
-    _mm256_mask_storeu_epi16(out + t, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + t)));
+    const __mmask16 m = ferrum::first_lanes(n - t);
+    ferrum::store16(out + t, load16(x + t, m), m);
   }
 }
 

@@ -25,6 +25,7 @@ using ferrum::Elem;
 using ferrum::exp_ps;
 using ferrum::first_lanes;
 using ferrum::from_bf16;
+using ferrum::load16;
 using ferrum::store16;
 using ferrum::to_bf16;
 #endif
@@ -85,13 +86,10 @@ inline __m512 silu_mul16(__m512 x, __m512 u) {
 template <typename T>
 void silu_mul_row(const T* g, const T* u, T* o, int64_t inter) {
   int64_t i = 0;
-  // ferrum::load16 qualified: the decode kernel's load16 overloads share this unnamed namespace.
-  for (; i + 16 <= inter; i += 16)
-    store16(o + i, silu_mul16<T>(ferrum::load16(g + i), ferrum::load16(u + i)));
+  for (; i + 16 <= inter; i += 16) store16(o + i, silu_mul16<T>(load16(g + i), load16(u + i)));
   if (i < inter) {
     const __mmask16 lanes = first_lanes(inter - i);
-    store16(o + i, silu_mul16<T>(ferrum::load16(g + i, lanes), ferrum::load16(u + i, lanes)),
-            lanes);
+    store16(o + i, silu_mul16<T>(load16(g + i, lanes), load16(u + i, lanes)), lanes);
   }
 }
 #endif
