@@ -256,17 +256,6 @@ constexpr int paired_lane(int d) {
 }
 
 #if defined(__AVX512BF16__)
-// x [n] -> bfloat16 bits, rounded to nearest even as c10::BFloat16 rounds (vcvtneps2bf16
-// flushes denormals to zero, which vdpbf16ps does with its inputs anyway).
-inline void to_bf16_bits(const float* x, uint16_t* out, int64_t n) {
-  int64_t t = 0;
-  for (; t + 16 <= n; t += 16) ferrum::store16(out + t, load16(x + t));
-  if (t < n) {
-    const __mmask16 m = ferrum::first_lanes(n - t);
-    ferrum::store16(out + t, load16(x + t, m), m);
-  }
-}
-
 // acc [D] (paired layout) += sum over the tile's n tokens of p[j] * V row j (bfloat16), p the
 // tile's probabilities as bfloat16 bits, followed by a 0 after the item's last token.
 template <int D>
@@ -292,11 +281,43 @@ inline void accumulate_v_pairs(const uint16_t* p, const c10::BFloat16* const* ti
   for (int k = 0; k < 2 * B; ++k) _mm512_storeu_ps(acc + 16 * k, a[k]);
 }
 #else
-inline void to_bf16_bits(const float*, uint16_t*, int64_t) {}
 template <int D>
 inline void accumulate_v_pairs(const uint16_t*, const c10::BFloat16* const*, int64_t, int64_t,
                                float*) {}
 #endif
+
+// Softmax numerators of one head's scores, e^(s - max): in place, or when bits is given, as
+// bfloat16 bits there (the paired V pass's weights, rounded once) with s left as it was.
+// Returns 1 / their sum (of the float32 values). Inline exp_ps: std::exp vectorises to a glibc
+// call per 16 lanes, and max and sum were two more passes.
+inline float softmax16(float* s, int64_t ctx, uint16_t* bits) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mv = lowest;
+  int64_t t = 0;
+  for (; t + 16 <= ctx; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+  const __mmask16 tail = ferrum::first_lanes(ctx - t);
+  if (t < ctx) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(lowest, tail, s + t));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  // e^-87 is still a normal float, and exp_ps wants t >= -88; what the clamp changes is
+  // under 2e-38 of a sum that is at least 1.
+  const __m512 floor = _mm512_set1_ps(-87.f);
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= ctx; t += 16) {
+    const __m512 e = ferrum::exp_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx), floor));
+    sum = _mm512_add_ps(sum, e);
+    if (bits) ferrum::store16(bits + t, e);
+    else _mm512_storeu_ps(s + t, e);
+  }
+  if (t < ctx) {
+    const __m512 x = _mm512_maskz_loadu_ps(tail, s + t);
+    const __m512 e = _mm512_maskz_mov_ps(
+        tail, ferrum::exp_ps(_mm512_max_ps(_mm512_sub_ps(x, mx), floor)));
+    sum = _mm512_add_ps(sum, e);
+    if (bits) ferrum::store16(bits + t, e, tail);
+    else _mm512_mask_storeu_ps(s + t, tail, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
 
 // One work unit is a whole item: its blocks are read front to back, every KV head of a token
 // row at once (a row is contiguous in the pool), 16 tokens per tile. Per tile and query head,
@@ -353,17 +374,12 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
       }
       for (int64_t hq = 0; hq < heads; ++hq) {
         float* sh = scores.data() + hq * ctx;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sh[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) {
-          sh[t] = std::exp(sh[t] - mx);
-          sum += sh[t];
-        }
-        inv[hq] = 1.f / sum;
         if constexpr (kPairedV<T, D>) {  // the V pass's weights, rounded once
-          to_bf16_bits(sh, probs.data() + hq * (ctx + 1), ctx);
-          probs[hq * (ctx + 1) + ctx] = 0;
+          uint16_t* ph = probs.data() + hq * (ctx + 1);
+          inv[hq] = softmax16(sh, ctx, ph);
+          ph[ctx] = 0;
+        } else {
+          inv[hq] = softmax16(sh, ctx, nullptr);
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
