@@ -255,36 +255,101 @@ constexpr int paired_lane(int d) {
   }
 }
 
-#if defined(__AVX512BF16__)
-// acc [D] (paired layout) += sum over the tile's n tokens of p[j] * V row j (bfloat16), p the
-// tile's probabilities as bfloat16 bits, followed by a 0 after the item's last token.
+// The V pass takes the query heads of one KV head together, up to kVHeads at once: each V row
+// is loaded (and, in bfloat16, interleaved) once for all of them, and their accumulators are
+// independent chains. One head at a time, the pass waited on its own few accumulators (an FMA
+// or dot product's latency per token) and redid the loads for every head of a group.
+constexpr int kVHeads = 4;
+// Heads per V-pass call for a head dim: their accumulators (D / 16 each) within 16 registers.
 template <int D>
-inline void accumulate_v_pairs(const uint16_t* p, const c10::BFloat16* const* tile, int64_t n,
-                               int64_t offset, float* acc) {
+constexpr int kVHeadsFor = std::max(1, std::min(kVHeads, 16 / (D / 16)));
+
+#if defined(__AVX512BF16__)
+// acc[h] [D] (paired layout) += sum over the tile's n tokens of p[h][j] * V row j (bfloat16) for
+// H heads sharing the KV head at offset, p[h] the tile's probabilities of head h as bfloat16
+// bits, followed by a 0 after the item's last token.
+template <int D, int H>
+inline void accumulate_v_pairs(const uint16_t* const* p, const c10::BFloat16* const* tile,
+                               int64_t n, int64_t offset, float* const* acc) {
   constexpr int B = D / 32;  // 32-dim blocks, two accumulators each
-  __m512 a[2 * B];
-  for (int k = 0; k < 2 * B; ++k) a[k] = _mm512_loadu_ps(acc + 16 * k);
+  __m512 a[H][2 * B];
+  for (int h = 0; h < H; ++h)
+    for (int k = 0; k < 2 * B; ++k) a[h][k] = _mm512_loadu_ps(acc[h] + 16 * k);
   for (int64_t j = 0; j < n; j += 2) {
     // An odd last token pairs with itself, at the weight 0 that follows it in p.
     const bool odd = j + 1 >= n;
     const c10::BFloat16* r0 = tile[j] + offset;
     const c10::BFloat16* r1 = odd ? r0 : tile[j + 1] + offset;
-    uint32_t w;  // p[j] | p[j + 1] << 16: two tokens' weights, one per 16-bit half
-    std::memcpy(&w, p + j, sizeof(w));
-    const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+    __m512bh rows[2 * B];  // tokens j and j + 1 interleaved, as vdpbf16ps pairs them
     for (int b = 0; b < B; ++b) {
       const __m512i x = _mm512_loadu_si512(r0 + 32 * b), y = _mm512_loadu_si512(r1 + 32 * b);
-      a[2 * b] = _mm512_dpbf16_ps(a[2 * b], (__m512bh)_mm512_unpacklo_epi16(x, y), weights);
-      a[2 * b + 1] = _mm512_dpbf16_ps(a[2 * b + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), weights);
+      rows[2 * b] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      rows[2 * b + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+    }
+    for (int h = 0; h < H; ++h) {
+      uint32_t w;  // p[h][j] | p[h][j + 1] << 16: two tokens' weights, one per 16-bit half
+      std::memcpy(&w, p[h] + j, sizeof(w));
+      const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+      for (int k = 0; k < 2 * B; ++k) a[h][k] = _mm512_dpbf16_ps(a[h][k], rows[k], weights);
     }
   }
-  for (int k = 0; k < 2 * B; ++k) _mm512_storeu_ps(acc + 16 * k, a[k]);
+  for (int h = 0; h < H; ++h)
+    for (int k = 0; k < 2 * B; ++k) _mm512_storeu_ps(acc[h] + 16 * k, a[h][k]);
 }
 #else
-template <int D>
-inline void accumulate_v_pairs(const uint16_t*, const c10::BFloat16* const*, int64_t, int64_t,
-                               float*) {}
+template <int D, int H>
+inline void accumulate_v_pairs(const uint16_t* const*, const c10::BFloat16* const*, int64_t,
+                               int64_t, float* const*) {}
 #endif
+
+// acc[h] [D] += sum over the tile's n tokens of p[h][j] * V row j, for H heads sharing the KV
+// head at offset (float32 weights; V float32, or bfloat16 widened).
+template <typename T, int D, int H>
+inline void accumulate_v(const float* const* p, const T* const* tile, int64_t n, int64_t offset,
+                         float* const* acc) {
+  constexpr int C = D / 16;
+  __m512 a[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) a[h][c] = _mm512_loadu_ps(acc[h] + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(tile[j] + offset + 16 * c);
+    for (int h = 0; h < H; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h][j]);
+      for (int c = 0; c < C; ++c) a[h][c] = _mm512_fmadd_ps(w, v[c], a[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc[h] + 16 * c, a[h][c]);
+}
+
+// One V-pass call for H (compile-time) heads: the paired bfloat16 form or the float32 one.
+template <typename T, int D, int H>
+inline void accumulate_heads(const float* const* p, const uint16_t* const* bits,
+                             const T* const* tile, int64_t n, int64_t offset, float* const* acc) {
+  if constexpr (kPairedV<T, D>) {
+    accumulate_v_pairs<D, H>(bits, tile, n, offset, acc);
+  } else {
+    accumulate_v<T, D, H>(p, tile, n, offset, acc);
+  }
+}
+
+// The same for h (1 .. kVHeadsFor<D>) heads known at run time.
+template <typename T, int D>
+inline void accumulate_heads(int h, const float* const* p, const uint16_t* const* bits,
+                             const T* const* tile, int64_t n, int64_t offset, float* const* acc) {
+  constexpr int most = kVHeadsFor<D>;
+  if (h == 1) accumulate_heads<T, D, 1>(p, bits, tile, n, offset, acc);
+  if constexpr (most >= 2) {
+    if (h == 2) accumulate_heads<T, D, 2>(p, bits, tile, n, offset, acc);
+  }
+  if constexpr (most >= 3) {
+    if (h == 3) accumulate_heads<T, D, 3>(p, bits, tile, n, offset, acc);
+  }
+  if constexpr (most >= 4) {
+    if (h == 4) accumulate_heads<T, D, 4>(p, bits, tile, n, offset, acc);
+  }
+}
 
 // Softmax numerators of one head's scores, e^(s - max): in place, or when bits is given, as
 // bfloat16 bits there (the paired V pass's weights, rounded once) with s left as it was.
@@ -303,7 +368,8 @@ inline float softmax16(float* s, int64_t ctx, uint16_t* bits) {
   const __m512 floor = _mm512_set1_ps(-87.f);
   __m512 sum = _mm512_setzero_ps();
   for (t = 0; t + 16 <= ctx; t += 16) {
-    const __m512 e = ferrum::exp_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx), floor));
+    const __m512 x = _mm512_loadu_ps(s + t);
+    const __m512 e = ferrum::exp_ps(_mm512_max_ps(_mm512_sub_ps(x, mx), floor));
     sum = _mm512_add_ps(sum, e);
     if (bits) ferrum::store16(bits + t, e);
     else _mm512_storeu_ps(s + t, e);
@@ -322,7 +388,8 @@ inline float softmax16(float* s, int64_t ctx, uint16_t* bits) {
 // One work unit is a whole item: its blocks are read front to back, every KV head of a token
 // row at once (a row is contiguous in the pool), 16 tokens per tile. Per tile and query head,
 // the 16 dot products come out of one transpose-reduce (reduce16) instead of 16 horizontal
-// sums; V is accumulated per query head in registers over the tile.
+// sums; V is accumulated in registers over the tile, for the query heads of a KV head together
+// (accumulate_heads).
 template <typename T, int D>
 void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
                          const T* __restrict v_pool, const int64_t* __restrict tables,
@@ -331,7 +398,6 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
                          int64_t block_size, int64_t n_kv_heads, int64_t group,
                          int64_t q_row_stride, float scale) {
   static_assert(D % 16 == 0, "rows are read 16 lanes at a time");
-  constexpr int C = D / 16;  // 16-lane chunks per head row
   const int64_t kv_row = n_kv_heads * D;
   const int64_t heads = n_kv_heads * group;
   // Items differ in length: hand them out one at a time rather than in equal static halves.
@@ -384,25 +450,25 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       next_rows.pace((ctx + 15) / 16 * heads);  // one step per (tile, head) of the V pass
+      constexpr int most = kVHeadsFor<D>;
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
         tile_rows(tile, v_pool, table, t0, n, block_size, kv_row);
-        for (int64_t hq = 0; hq < heads; ++hq) {
-          next_rows.step();
-          const int64_t off = (hq / group) * D;
-          const float* ph = scores.data() + hq * ctx + t0;
-          float* ah = acc.data() + hq * D;
-          if constexpr (kPairedV<T, D>) {
-            accumulate_v_pairs<D>(probs.data() + hq * (ctx + 1) + t0, tile, n, off, ah);
-            continue;
+        for (int64_t hq = 0; hq < heads;) {
+          // The next run of query heads on one KV head, kVHeadsFor<D> at most.
+          const int64_t kv = hq / group;
+          const int h = static_cast<int>(std::min<int64_t>(most, (kv + 1) * group - hq));
+          const float* p[kVHeads];
+          const uint16_t* bits[kVHeads];
+          float* a[kVHeads];
+          for (int i = 0; i < h; ++i) {
+            next_rows.step();
+            p[i] = scores.data() + (hq + i) * ctx + t0;
+            bits[i] = kPairedV<T, D> ? probs.data() + (hq + i) * (ctx + 1) + t0 : nullptr;
+            a[i] = acc.data() + (hq + i) * D;
           }
-          __m512 a[C];
-          for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ah + 16 * c);
-          for (int64_t j = 0; j < n; ++j) {
-            const __m512 p = _mm512_set1_ps(ph[j]);
-            for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, load16(tile[j] + off + 16 * c), a[c]);
-          }
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, a[c]);
+          accumulate_heads<T, D>(h, p, bits, tile, n, kv * D, a);
+          hq += h;
         }
       }
       T* orow = out + item * heads * D;
