@@ -40,6 +40,9 @@ functions whatever was selected:
         (the Triton and CPU versions rotate in place and return their inputs; the torch one
         returns new tensors; callers must use the returned tensors and not rely on either)
     silu_and_mul(gate_up [T,2I]) -> silu(gate) * up [T,I]
+    gate_up_silu(gate_up_proj, x [T,H]) -> silu(gate) * up [T,I] of gate_up_proj(x) (a method:
+        ``fused_gate_up_silu``'s one GEMM where it applies, else ``silu_and_mul`` of the
+        projection)
     fused_moe(x [T,H], experts: ExpertWeights, weights [T,K] float32, ids [T,K] int64) -> [T,H]
         sum over k of weights[:, k] * SwiGLU expert ids[:, k] applied to x, in x's dtype: the
         experts of a sparse layer as grouped GEMMs over the tokens sorted by expert
@@ -88,7 +91,7 @@ from ferrum_kernels.attention import (
 )
 from ferrum_kernels.cpu_attention import CpuAttention, write_kv_cpu
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
-from ferrum_kernels.cpu_linear import prepack_linears
+from ferrum_kernels.cpu_linear import fused_gate_up_silu, prepack_linears
 from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
 from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
 from ferrum_kernels.moe import ExpertWeights, fused_moe_reference
@@ -156,6 +159,8 @@ RotaryFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
+# (gate_up_proj, x) -> silu(gate) * up, or None where the fused form does not apply.
+FusedGateUpSiluFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
 FusedMoeFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 SampleFn = Callable[[torch.Tensor, SamplingTensors], SampleOutput]
 ModelPreparer = Callable[[nn.Module], int]
@@ -179,6 +184,16 @@ class KernelBackend:
     decode_attention: DecodeAttentionFactory | None = None
     prepare_model: ModelPreparer | None = None
     fused_moe: FusedMoeFn = fused_moe_reference
+    # The projection and its SwiGLU in one kernel, or None where it does not apply.
+    fused_gate_up_silu: FusedGateUpSiluFn | None = None
+
+    def gate_up_silu(self, gate_up_proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up [T, I] of gate_up_proj(x) [T, 2I] (rows: gate, then up)."""
+        if self.fused_gate_up_silu is not None:
+            fused = self.fused_gate_up_silu(gate_up_proj, x)
+            if fused is not None:
+                return fused
+        return self.silu_and_mul(gate_up_proj(x))
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +276,7 @@ def cpu_backend() -> KernelBackend:
         sample=sample,
         prepare_model=_prepare_cpu_model,
         fused_moe=fused_moe_cpu,
+        fused_gate_up_silu=fused_gate_up_silu,
     )
 
 

@@ -11,14 +11,15 @@ to float32 (``pack_dtype``).
 Two cases run the native GEMM (``csrc/gemm.cpp``, ``gemm_kernel``) instead. On a CPU with AVX2
 but not AVX-512, float32 (and widened bfloat16) weights: on the development machine it runs a
 decode step's M = 64 at 99-109 GFLOP/s where oneDNN's AVX2 kernels run 83-95, and is level with
-them at M = 512. On a CPU with AVX512_BF16, bfloat16 weights run "split": the native GEMM below
-``SPLIT_ROWS`` rows, oneDNN's from there, each on its own packed copy (twice the packed bytes).
-On a Zen 4 the native one runs M = 64 at 410-415 GFLOP/s against oneDNN's 342-346 and M = 16 at
-353 against 229; from M = 256 on the two are level, and in a W1 prefill step oneDNN's was a few
-percent faster (docs/cpu-kernels.md). ``FERRUM_CPU_GEMM`` picks the kernel: ``auto`` (the
-default, as above), ``native`` (the native GEMM at every M, wherever it is built: also float32
-on an AVX-512 CPU, for comparison) or ``onednn``. It is read once, when the first weight is
-packed, and the choice is logged once (event ``cpu_gemm``).
+them at M = 512. On a CPU with AVX512_BF16, bfloat16 weights: on a Zen 4 it runs M = 64 at
+410-415 GFLOP/s against oneDNN's 342-346 and M = 16 at 353 against 229, and is level from
+M = 256 on. There a SwiGLU's gate/up weight (``GATE_UP_NAME``) is packed paired, so its GEMM
+applies the activation as it stores (``fused_gate_up_silu``): W1 bfloat16 ran 1-4% faster end to
+end than with oneDNN from 256 rows on and a separate SwiGLU, on one packed copy instead of two
+(docs/cpu-kernels.md). ``FERRUM_CPU_GEMM`` picks the kernel: ``auto`` (the default, as above),
+``native`` (the native GEMM wherever it is built: also float32 on an AVX-512 CPU, for
+comparison) or ``onednn``. It is read once, when the first weight is packed, and the choice is
+logged once (event ``cpu_gemm``).
 
 ``prepack_linears(module)`` swaps every ``nn.Linear`` under ``module`` for a ``PackedLinear`` that
 shares the same ``weight``/``bias`` Parameters (so ``state_dict``/``named_parameters`` and
@@ -50,6 +51,7 @@ from ferrum_kernels.moe import ExpertWeights
 __all__ = [
     "GEMM_KERNELS",
     "PackedLinear",
+    "fused_gate_up_silu",
     "gemm_kernel",
     "mkldnn_linear_available",
     "pack_dtype",
@@ -65,10 +67,9 @@ _SUPPORTED = (torch.float32, torch.bfloat16)
 _available: dict[torch.dtype, bool] = {}
 # FERRUM_CPU_GEMM's values (see the module docstring).
 GEMM_KERNELS = ("auto", "native", "onednn")
-# A "split" weight's rows below which its native copy runs (oneDNN's from there): the native
-# bfloat16 GEMM led by 4-18% from M = 64 to 192 and was level at 256 (docs/cpu-kernels.md).
-SPLIT_ROWS = 256
-# Decided once: the kernel ("native", "onednn" or "split") of each dtype's packed linears.
+# The models' name for a dense SwiGLU MLP's gate/up projection (prepack_linears pairs it).
+GATE_UP_NAME = "gate_up_proj"
+# Decided once: the kernel ("native" or "onednn") of each dtype's packed linears.
 _native_gemm: dict[torch.dtype, str] | None = None
 _LOG = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def _gemm_kernels() -> dict[torch.dtype, str]:
             if built and (choice == "native" or not avx512):
                 kernels[torch.float32] = "native"
             if module.gemm_bf16_available():
-                kernels[torch.bfloat16] = "native" if choice == "native" else "split"
+                kernels[torch.bfloat16] = "native"
         _native_gemm = kernels
         # One line for operators: which GEMM float32 (and widened bfloat16) and bfloat16
         # linears run.
@@ -147,19 +148,18 @@ def _native_gemm_built(compute_dtype: torch.dtype) -> bool:
 
 def gemm_kernel(compute_dtype: torch.dtype) -> str:
     """Which GEMM a weight packed to multiply in `compute_dtype` runs: "native" (float32 on an
-    AVX2 CPU without AVX-512), "split" (bfloat16 on a CPU with AVX512_BF16: native below
-    SPLIT_ROWS rows, oneDNN from there) or "onednn", unless FERRUM_CPU_GEMM says otherwise."""
+    AVX2 CPU without AVX-512, bfloat16 on a CPU with AVX512_BF16) or "onednn", unless
+    FERRUM_CPU_GEMM says otherwise."""
     return _gemm_kernels().get(compute_dtype, "onednn")
 
 
 class PackedWeight:
     """A weight (and optional bias) with its packed copy for ``kernel`` (oneDNN or the native
-    GEMM; "split": a copy for each), re-packed when it changes."""
+    GEMM), re-packed when it changes."""
 
     __slots__ = (
         "_batch_hint",
         "_packed",
-        "_packed_native",
         "_version",
         "bias",
         "compute_dtype",
@@ -167,6 +167,7 @@ class PackedWeight:
         "in_features",
         "kernel",
         "out_features",
+        "paired",
         "released",
         "weight",
     )
@@ -176,7 +177,8 @@ class PackedWeight:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         batch_hint: int = DEFAULT_BATCH_HINT,
-        kernel: str | None = None,  # "native", "onednn" or "split"; None: gemm_kernel's choice
+        kernel: str | None = None,  # "native" or "onednn"; None: gemm_kernel's choice
+        gate_up: bool = False,  # rows: a SwiGLU's gate, then its up (see ``swiglu``)
     ) -> None:
         self.weight = weight  # [N, K]
         self.bias = bias  # [N] or None
@@ -184,22 +186,29 @@ class PackedWeight:
         self.compute_dtype = pack_dtype(weight.dtype) or weight.dtype  # what the GEMM multiplies
         if kernel is None:
             kernel = gemm_kernel(self.compute_dtype)
-        elif kernel not in ("native", "onednn", "split"):
-            raise ValueError(f"kernel must be 'native', 'onednn' or 'split', got {kernel!r}")
+        elif kernel not in ("native", "onednn"):
+            raise ValueError(f"kernel must be 'native' or 'onednn', got {kernel!r}")
         elif kernel != "onednn" and not _native_gemm_built(self.compute_dtype):
             raise ValueError(f"the native GEMM is not built here for {self.compute_dtype}")
         self.kernel = kernel  # what the copies are packed for
+        # A gate/up weight's native bfloat16 copy in the paired layout (each panel holds the
+        # same 16 columns of both halves), so its GEMM can apply the SwiGLU as it stores.
+        self.paired = (
+            gate_up
+            and kernel == "native"
+            and self.compute_dtype == torch.bfloat16
+            and weight.shape[0] % 2 == 0
+        )
         # Kept: the plain weight may be freed.
         self.out_features, self.in_features = weight.shape
         self._batch_hint = batch_hint
-        self._packed: torch.Tensor | None = None  # the native copy for "native", else oneDNN's
-        self._packed_native: torch.Tensor | None = None  # "split": the native copy
+        self._packed: torch.Tensor | None = None
         self._version = -1
         # The plain weight's storage was freed (release_plain): the packed copy is all there is.
         self.released = False
 
     def packed(self) -> torch.Tensor:
-        """The packed copy (for "split", oneDNN's; ``packed_native`` has the other)."""
+        """The packed copy."""
         if self.released:
             assert self._packed is not None  # packed before the plain copy was freed
             return self._packed
@@ -208,24 +217,21 @@ class PackedWeight:
             with torch.no_grad():
                 plain = self.weight.detach().to(self.compute_dtype)
                 if self.kernel == "native":
-                    self._packed = native.load().pack_gemm_weight(plain)
+                    self._packed = self._pack_native(plain)
                 else:
                     self._packed = torch.ops.mkldnn._reorder_linear_weight(plain, self._batch_hint)
-                if self.kernel == "split":
-                    self._packed_native = native.load().pack_gemm_weight(plain)
             self._version = version
         return self._packed
 
-    def packed_native(self) -> torch.Tensor:
-        """A "split" weight's native copy."""
-        assert self.kernel == "split"
-        self.packed()  # (re)packs both copies when needed
-        assert self._packed_native is not None
-        return self._packed_native
+    def _pack_native(self, plain: torch.Tensor) -> torch.Tensor:
+        module = native.load()
+        if self.paired:
+            return module.pack_gemm_weight_halves(plain)  # type: ignore[no-any-return]
+        return module.pack_gemm_weight(plain)  # type: ignore[no-any-return]
 
     def packed_tensors(self) -> list[torch.Tensor]:
         """Every packed copy made so far (for counting their bytes)."""
-        return [t for t in (self._packed, self._packed_native) if t is not None]
+        return [] if self._packed is None else [self._packed]
 
     def release_plain(self) -> int:
         """Pack (if not yet), then free the plain weight's storage; returns the bytes freed.
@@ -240,23 +246,42 @@ class PackedWeight:
         self.released = True
         return freed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype."""
+    def _native(self, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
         compute = self.compute_dtype
         bias = None if self.bias is None else self.bias.detach().to(compute)
-        kernel = self.kernel
-        if kernel == "split":
-            rows_in = x.numel() // max(x.shape[-1], 1)
-            kernel = "native" if rows_in < SPLIT_ROWS else "onednn"
-        if kernel == "native":
-            rows = x.reshape(-1, x.shape[-1]).to(compute)
-            packed = self.packed_native() if self.kernel == "split" else self.packed()
-            flat: torch.Tensor = native.load().packed_gemm(rows, packed, bias, self.out_features)
-            return flat.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1]).to(compute)
+        packed = self.packed()
+        module = native.load()
+        n = self.out_features
+        if self.paired:
+            flat: torch.Tensor = module.packed_gemm_halves(rows, packed, bias, n, swiglu)
+        else:
+            flat = module.packed_gemm(rows, packed, bias, n)
+        return flat.view(*x.shape[:-1], flat.shape[-1]).to(x.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        if self.kernel == "native":
+            return self._native(x, swiglu=False)
+        compute = self.compute_dtype
+        bias = None if self.bias is None else self.bias.detach().to(compute)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x.contiguous().to(compute), self.packed(), bias, "none", [], ""
         )
         return out.to(x.dtype)
+
+    def fuses_swiglu(self, x: torch.Tensor) -> bool:
+        """Whether ``swiglu(x)`` runs fused: a paired gate/up weight (bfloat16 on the native GEMM,
+        a CPU with AVX512_BF16) and x in its dtype."""
+        return self.paired and x.dtype == self.compute_dtype
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> silu(gate) * up [..., N/2], the SwiGLU applied by the GEMM as it stores
+        its output: no [..., N] intermediate is written. Bit-identical to ``silu_and_mul`` of
+        ``self(x)`` (each half rounded to bfloat16 first). Only where ``fuses_swiglu(x)``."""
+        if not self.fuses_swiglu(x):
+            raise ValueError("swiglu needs a paired bfloat16 gate/up weight on the native GEMM")
+        return self._native(x, swiglu=True)
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -275,12 +300,14 @@ class PackedLinear(nn.Linear):
     _pack: PackedWeight | None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT) -> PackedLinear:
+    def from_linear(
+        cls, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT, gate_up: bool = False
+    ) -> PackedLinear:
         # Built on the meta device so nothing is allocated, then handed the original Parameters.
         module = cls(linear.in_features, linear.out_features, bias=False, device="meta")
         module.weight = linear.weight
         module.bias = linear.bias
-        module._pack = PackedWeight(linear.weight, linear.bias, batch_hint)
+        module._pack = PackedWeight(linear.weight, linear.bias, batch_hint, gate_up=gate_up)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -303,14 +330,33 @@ class PackedLinear(nn.Linear):
         return out
 
 
+def fused_gate_up_silu(proj: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of ``proj(x)`` [T, I] in one GEMM (``PackedWeight.swiglu``) when proj is
+    a packed gate/up projection whose native GEMM serves x; else None, and the caller applies
+    the activation to ``proj(x)`` itself."""
+    if not isinstance(proj, PackedLinear) or proj._pack is None:
+        return None
+    pack = proj._pack
+    if x.device.type != "cpu" or not pack.fuses_swiglu(x):
+        return None
+    if not pack.released and (
+        (torch.is_grad_enabled() and proj.weight.requires_grad) or not _packable(proj.weight)
+    ):
+        return None  # PackedLinear.forward would not run the packed GEMM either
+    return pack.swiglu(x)
+
+
 def prepack_linears(module: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
     """Replace every packable ``nn.Linear`` below ``module`` in place and pack every tied head
-    (``TiedLinear``) not packed yet; return how many weights were packed (0 when run again)."""
+    (``TiedLinear``) not packed yet; return how many weights were packed (0 when run again).
+    A linear named ``GATE_UP_NAME`` is a SwiGLU's gate/up projection (rows: gate, then up), as
+    the models name it: its native copy is paired for ``fused_gate_up_silu``."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and _packable(child.weight):
-                setattr(parent, name, PackedLinear.from_linear(child, batch_hint))
+                gate_up = name == GATE_UP_NAME
+                setattr(parent, name, PackedLinear.from_linear(child, batch_hint, gate_up))
                 count += 1
             elif isinstance(child, TiedLinear) and child.packed is None:
                 child.packed = packed_linear(child.weight)

@@ -57,6 +57,8 @@ _FUNCTIONS = [
     "gemm_bf16_available",
     "pack_gemm_weight",
     "packed_gemm",
+    "pack_gemm_weight_halves",
+    "packed_gemm_halves",
     "store_kv_",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]

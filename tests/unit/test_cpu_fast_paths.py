@@ -164,20 +164,21 @@ def test_a_served_cpu_model_keeps_no_plain_copy_of_its_packed_linears(dtype: str
             wide = pack_dtype(getattr(torch, dtype))
             assert wide is not None
             # The native GEMM pads each weight to whole panels: 16 columns in float32, 32
-            # columns and an even K in bfloat16; a "split" weight has a oneDNN copy beside it.
+            # columns and an even K in bfloat16 (a paired gate/up: 16 columns of each half).
             packs = [m._pack for m in linears if m._pack is not None]
             packs += [m.packed for m in model.modules() if isinstance(m, TiedLinear) and m.packed]
             elements = 0
             for pack in packs:
                 assert isinstance(pack, PackedWeight)
                 n, k = pack.out_features, pack.in_features
-                if pack.kernel != "onednn":
-                    if wide == torch.bfloat16:
-                        elements += -(-n // 32) * 32 * -(-k // 2) * 2
-                    else:
-                        elements += -(-n // 16) * 16 * k
-                if pack.kernel != "native":
+                if pack.kernel == "onednn":
                     elements += n * k
+                elif pack.paired:
+                    elements += -(-(n // 2) // 16) * 32 * -(-k // 2) * 2
+                elif wide == torch.bfloat16:
+                    elements += -(-n // 32) * 32 * -(-k // 2) * 2
+                else:
+                    elements += -(-n // 16) * 16 * k
             assert packed_bytes(model) == elements * wide.itemsize
         assert engine.memory_plan.weights_bytes == model_bytes(model) + packed_bytes(model)
         assert engine.warmup(16).deferral is None  # and it still runs

@@ -215,29 +215,78 @@ def test_auto_picks_native_float32_only_without_avx512_and_bf16_with_avx512_bf16
     expected = "native" if built and not avx512 else "onednn"
     assert gemm_kernel(torch.float32) == expected
     bf16_built = _module is not None and _module.gemm_bf16_available()
-    assert gemm_kernel(torch.bfloat16) == ("split" if bf16_built else "onednn")
+    assert gemm_kernel(torch.bfloat16) == ("native" if bf16_built else "onednn")
 
 
 @needs_bf16_gemm
-@pytest.mark.skipif(not mkldnn_linear_available(torch.bfloat16), reason="no bfloat16 oneDNN")
+@pytest.mark.parametrize("k", [80, 81])  # an odd K: the last pair's other half is zero
 @torch.no_grad()
-def test_a_split_weight_runs_native_below_split_rows_and_onednn_from_there() -> None:
-    assert _module is not None
-    gen = torch.Generator().manual_seed(3)
-    w = torch.randn(96, 80, generator=gen).bfloat16()
-    b = torch.randn(96, generator=gen).bfloat16()
-    split = PackedWeight(w.clone(), b, kernel="split")
-    onednn = PackedWeight(w.clone(), b, kernel="onednn")
-    split.release_plain()  # both copies are made first, and both serve afterwards
-    onednn.release_plain()
-    assert len(split.packed_tensors()) == 2 and len(onednn.packed_tensors()) == 1
-    packed = _module.pack_gemm_weight(w)
-    for rows in (1, cpu_linear.SPLIT_ROWS - 1):
-        x = torch.randn(rows, 80, generator=gen).bfloat16()
-        assert torch.equal(split(x), _module.packed_gemm(x, packed, b, 96))
-    for rows in (cpu_linear.SPLIT_ROWS, cpu_linear.SPLIT_ROWS + 37):
-        x = torch.randn(rows, 80, generator=gen).bfloat16()
-        assert torch.equal(split(x), onednn(x))
-    x = torch.randn(2, 3, 80, generator=gen).bfloat16()  # leading dims: 6 rows, native
-    flat = _module.packed_gemm(x.reshape(6, 80), packed, b, 96)
-    assert torch.equal(split(x), flat.view(2, 3, 96))
+def test_a_gate_up_weight_is_paired_and_its_gemm_applies_the_swiglu(k: int) -> None:
+    """A gate/up weight's paired pack (the same 16 columns of both halves in a panel) gives the
+    plain product bit for bit, and its fused SwiGLU is silu_and_mul of that product bit for bit;
+    a half of 40 columns leaves the last panel partly empty."""
+    from ferrum_kernels.cpu_fused import silu_and_mul_cpu
+
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(80, k, generator=gen).bfloat16()  # gate rows 0-39, up rows 40-79
+    b = torch.randn(80, generator=gen).bfloat16()
+    paired = PackedWeight(w.clone(), b, kernel="native", gate_up=True)
+    plain = PackedWeight(w.clone(), b, kernel="native")
+    assert paired.paired and not plain.paired
+    paired.release_plain()  # serves from its packed copy alone
+    for rows in (1, 9, 300):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        want = plain(x)
+        assert torch.equal(paired(x), want)
+        assert paired.fuses_swiglu(x)
+        assert torch.equal(paired.swiglu(x), silu_and_mul_cpu(want))
+    x = torch.randn(2, 3, k, generator=gen).bfloat16()  # leading dims kept
+    assert paired.swiglu(x).shape == (2, 3, 40)
+    assert torch.equal(paired.swiglu(x), silu_and_mul_cpu(plain(x)))
+    # Not paired: float32, oneDNN's kernel, an odd N; swiglu refuses them.
+    others = [PackedWeight(w[:79].clone(), None, kernel="native", gate_up=True)]
+    if mkldnn_linear_available(torch.bfloat16):
+        others.append(PackedWeight(w.clone(), None, kernel="onednn", gate_up=True))
+    others.append(PackedWeight(w.float(), None, kernel="onednn", gate_up=True))
+    for other in others:
+        assert not other.paired
+        with pytest.raises(ValueError, match="paired bfloat16 gate/up"):
+            other.swiglu(x.to(other.dtype))
+
+
+@needs_bf16_gemm
+@torch.no_grad()
+def test_prepack_pairs_gate_up_projections_and_the_backend_fuses_them() -> None:
+    """prepack_linears pairs the linears named gate_up_proj (only those); the CPU backend's
+    gate_up_silu then runs them fused, and falls back to silu_and_mul of the projection for
+    anything else (a plain linear, float32), with the same result."""
+    from ferrum_kernels.backend import cpu_backend
+    from ferrum_kernels.cpu_fused import silu_and_mul_cpu
+    from ferrum_kernels.cpu_linear import PackedLinear, fused_gate_up_silu, prepack_linears
+    from torch import nn
+
+    torch.manual_seed(5)
+    mlp = nn.Module()
+    mlp.gate_up_proj = nn.Linear(48, 64, bias=False, dtype=torch.bfloat16)
+    mlp.other_proj = nn.Linear(48, 64, bias=False, dtype=torch.bfloat16)
+    want = {name: m.weight.detach().clone() for name, m in mlp.named_children()}
+    assert prepack_linears(mlp) == 2
+    gate_up, other = mlp.gate_up_proj, mlp.other_proj
+    assert isinstance(gate_up, PackedLinear) and isinstance(other, PackedLinear)
+    assert gate_up._pack is not None and gate_up._pack.paired
+    assert other._pack is not None and not other._pack.paired
+    x = torch.randn(7, 48).bfloat16()
+    backend = cpu_backend()
+    for name, module in (("gate_up_proj", gate_up), ("other_proj", other)):
+        reference = silu_and_mul_cpu(module(x))
+        assert torch.equal(backend.gate_up_silu(module, x), reference)
+        torch.testing.assert_close(
+            reference.float(),
+            torch.nn.functional.silu((x @ want[name].T)[:, :32].float()).bfloat16().float()
+            * (x @ want[name].T)[:, 32:].float(),
+            atol=0.05,
+            rtol=0.02,
+        )
+    assert fused_gate_up_silu(gate_up, x) is not None
+    assert fused_gate_up_silu(other, x) is None
+    assert fused_gate_up_silu(nn.Linear(48, 64, dtype=torch.bfloat16), x) is None

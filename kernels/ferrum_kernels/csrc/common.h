@@ -114,6 +114,24 @@ inline __m512 exp_ps(__m512 t) {
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
 }
+
+// bfloat16 rounding where the reference rounds (the identity for float32).
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m512 round16(__m512 v, const uint16_t*) { return from_bf16(to_bf16(v)); }
+
+// SwiGLU of 16 lanes given as float32: silu(x) = x / (1 + exp(-x)), rounded to T, times u
+// (rounded to T by the store); silu_and_mul's, and the bfloat16 GEMM's fused with gate/up. exp's argument -x is clamped to [-88, 87], which changes no
+// result: for x < -87 silu is ~1e-36 either way, and for x > 88 1 + exp(-x) rounds to 1 (so
+// silu(inf) stays inf).
+template <typename T>
+inline __m512 silu_mul16(__m512 x, __m512 u) {
+  const __m512 minus = _mm512_sub_ps(_mm512_setzero_ps(), x);
+  const __m512 e = exp_ps(
+      _mm512_max_ps(_mm512_min_ps(minus, _mm512_set1_ps(87.f)), _mm512_set1_ps(-88.f)));
+  const __m512 act = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                             static_cast<const T*>(nullptr));
+  return _mm512_mul_ps(act, u);
+}
 #endif
 
 }  // namespace ferrum

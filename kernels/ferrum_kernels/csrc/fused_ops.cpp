@@ -64,23 +64,7 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t out
 }
 
 #if defined(__AVX512F__)
-// bfloat16 rounding where the reference rounds (the identity for float32).
-inline __m512 round16(__m512 v, const float*) { return v; }
-inline __m512 round16(__m512 v, const uint16_t*) { return from_bf16(to_bf16(v)); }
-
-// SwiGLU of 16 lanes given as float32: silu(x) = x / (1 + exp(-x)), rounded to T, times u
-// (rounded to T by the store). exp's argument -x is clamped to [-88, 87], which changes no
-// result: for x < -87 silu is ~1e-36 either way, and for x > 88 1 + exp(-x) rounds to 1 (so
-// silu(inf) stays inf).
-template <typename T>
-inline __m512 silu_mul16(__m512 x, __m512 u) {
-  const __m512 minus = _mm512_sub_ps(_mm512_setzero_ps(), x);
-  const __m512 e = exp_ps(
-      _mm512_max_ps(_mm512_min_ps(minus, _mm512_set1_ps(87.f)), _mm512_set1_ps(-88.f)));
-  const __m512 act = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
-                             static_cast<const T*>(nullptr));
-  return _mm512_mul_ps(act, u);
-}
+using ferrum::silu_mul16;
 
 // One row: full vectors, then the tail masked, through the same arithmetic.
 template <typename T>

@@ -229,15 +229,17 @@ constexpr int64_t kBlockBytes = 256 * 1024;
 constexpr bool kAvailable = true;
 
 // One register tile: `R` rows of x (lda apart, k long) times a panel (pairs of K, 32 columns),
-// rounded to bfloat16 (plus the panel's bias, in float32, when given) into c for the columns in
-// lanes0/lanes1. Meanwhile it fetches `fetch_lines` cache lines from `fetch` into L2, paced over
+// its two 16-column halves (plus their bias, in float32, when given) rounded to bfloat16 into c0
+// and c1 for the columns in lanes0 and lanes1; with Swiglu, silu(first half) * second half into
+// c0 instead, from the two rounded halves exactly as silu_and_mul computes it. Meanwhile it fetches `fetch_lines` cache lines from `fetch` into L2, paced over
 // its K loop: part of the next panel, which then comes from L2 instead of memory when its first
 // tile starts. Without that fetch a panel's first tile waited on memory: 389-404 against
 // 410-415 GFLOP/s at M = 64, 275 against 353 at M = 16.
-template <int R>
+template <int R, bool Swiglu>
 void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* __restrict b,
-          uint16_t* __restrict c, int64_t ldc, __mmask16 lanes0, __mmask16 lanes1,
-          const float* __restrict bias, const char* fetch, int64_t fetch_lines) {
+          uint16_t* __restrict c0, uint16_t* __restrict c1, int64_t ldc, __mmask16 lanes0,
+          __mmask16 lanes1, const float* __restrict bias0, const float* __restrict bias1,
+          const char* fetch, int64_t fetch_lines) {
   __m512 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -269,59 +271,90 @@ void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* 
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
     }
   }
-  __m512 bias0 = _mm512_setzero_ps(), bias1 = bias0;
-  if (bias != nullptr) {
-    bias0 = _mm512_maskz_loadu_ps(lanes0, bias);
-    bias1 = _mm512_maskz_loadu_ps(lanes1, bias + 16);
-  }
+  __m512 add0 = _mm512_setzero_ps(), add1 = add0;
+  if (bias0 != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias0);
+  if (bias1 != nullptr) add1 = _mm512_maskz_loadu_ps(lanes1, bias1);
+  // Whole halves get plain stores (masked ones cost more on Zen 4).
+  const bool whole = lanes0 == 0xffff && (Swiglu || lanes1 == 0xffff);
   for (int r = 0; r < R; ++r) {
-    const __m256i o0 = ferrum::to_bf16(_mm512_add_ps(acc[r][0], bias0));
-    const __m256i o1 = ferrum::to_bf16(_mm512_add_ps(acc[r][1], bias1));
-    if (lanes1 == 0xffff) {  // a whole panel: plain stores (masked ones cost more on Zen 4)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc), o0);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc + 16), o1);
+    const __m256i o0 = ferrum::to_bf16(_mm512_add_ps(acc[r][0], add0));
+    const __m256i o1 = ferrum::to_bf16(_mm512_add_ps(acc[r][1], add1));
+    __m256i* p0 = reinterpret_cast<__m256i*>(c0 + r * ldc);
+    if constexpr (Swiglu) {
+      const __m256i o = ferrum::to_bf16(
+          ferrum::silu_mul16<uint16_t>(ferrum::from_bf16(o0), ferrum::from_bf16(o1)));
+      if (whole) {
+        _mm256_storeu_si256(p0, o);
+      } else {
+        _mm256_mask_storeu_epi16(p0, lanes0, o);
+      }
     } else {
-      _mm256_mask_storeu_epi16(c + r * ldc, lanes0, o0);
-      _mm256_mask_storeu_epi16(c + r * ldc + 16, lanes1, o1);
+      __m256i* p1 = reinterpret_cast<__m256i*>(c1 + r * ldc);
+      if (whole) {
+        _mm256_storeu_si256(p0, o0);
+        _mm256_storeu_si256(p1, o1);
+      } else {
+        _mm256_mask_storeu_epi16(p0, lanes0, o0);
+        _mm256_mask_storeu_epi16(p1, lanes1, o1);
+      }
     }
   }
 }
 
-using Tile = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, uint16_t*, int64_t,
-                      __mmask16, __mmask16, const float*, const char*, int64_t);
-// By row count: a tile of M's last rows has only those rows' accumulators.
-constexpr Tile kTiles[kRows + 1] = {nullptr,  tile<1>, tile<2>, tile<3>, tile<4>,
-                                    tile<5>, tile<6>, tile<7>, tile<8>};
+using Tile = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, uint16_t*, uint16_t*,
+                      int64_t, __mmask16, __mmask16, const float*, const float*, const char*,
+                      int64_t);
+// By row count (a tile of M's last rows has only those rows' accumulators), plain and SwiGLU.
+constexpr Tile kTiles[2][kRows + 1] = {
+    {nullptr, tile<1, false>, tile<2, false>, tile<3, false>, tile<4, false>, tile<5, false>,
+     tile<6, false>, tile<7, false>, tile<8, false>},
+    {nullptr, tile<1, true>, tile<2, true>, tile<3, true>, tile<4, true>, tile<5, true>,
+     tile<6, true>, tile<7, true>, tile<8, true>}};
 
 // out[M, N] = x[M, K] @ W^T (+ bias). Threads take contiguous runs of panels; each goes over x a
 // block of rows at a time, and within a block panel by panel, every tile of the block on the
-// panel, which stays in L2 meanwhile.
+// panel, which stays in L2 meanwhile. half = 0: the plain layout (panel p holds columns 32p ..
+// 32p + 31). half = N / 2: the paired layout (panel p holds columns 16p .. 16p + 15 of each
+// half, pack_gemm_weight_halves); with swiglu, out is [M, half] = silu(first half) * second.
 void gemm(const uint16_t* __restrict x, const uint16_t* __restrict packed,
           const float* __restrict bias, uint16_t* __restrict out, int64_t m, int64_t n,
-          int64_t k) {
-  const int64_t pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
+          int64_t k, int64_t half, bool swiglu) {
+  const int64_t pairs = (k + 1) / 2;
+  const int64_t panels = half > 0 ? (half + 15) / 16 : (n + kCols - 1) / kCols;
   const int64_t panel_elems = pairs * 2 * kCols;
   const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(uint16_t)) / 64;
   const int64_t tiles = (m + kRows - 1) / kRows;
   const int64_t block_tiles = std::max<int64_t>(1, kBlockBytes / (2 * k) / kRows);
+  const int64_t ldc = swiglu ? half : n;
+  const Tile* by_rows = kTiles[swiglu ? 1 : 0];
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t first, int64_t last) {
     for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {
       const int64_t t1 = std::min(tiles, t0 + block_tiles);
       for (int64_t p = first; p < last; ++p) {
         const uint16_t* b = packed + p * panel_elems;
-        const int64_t cols = std::min(kCols, n - p * kCols);
-        const __mmask16 lanes0 = ferrum::first_lanes(cols);
-        const __mmask16 lanes1 = cols > 16 ? ferrum::first_lanes(cols - 16) : __mmask16(0);
+        // The panel's two halves: their first output columns and how many of each are real.
+        int64_t col0 = p * kCols, col1 = col0 + 16;
+        int64_t cols0 = std::min<int64_t>(16, n - col0), cols1 = n - col1;
+        if (half > 0) {
+          col0 = p * 16;
+          col1 = half + col0;
+          cols0 = cols1 = std::min<int64_t>(16, half - col0);
+        }
+        const __mmask16 lanes0 = ferrum::first_lanes(cols0);
+        const __mmask16 lanes1 = cols1 > 0 ? ferrum::first_lanes(cols1) : __mmask16(0);
+        const float* bias0 = bias != nullptr ? bias + col0 : nullptr;
+        const float* bias1 = bias != nullptr && cols1 > 0 ? bias + col1 : nullptr;
         // The next panel of this thread, fetched over this block's tiles (none after the last).
         const int64_t per_tile = p + 1 < last ? (panel_lines + (t1 - t0) - 1) / (t1 - t0) : 0;
         const char* next = reinterpret_cast<const char*>(b + panel_elems);
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, m - r0);
           const int64_t done = std::min((t - t0) * per_tile, panel_lines);
-          kTiles[rows](x + r0 * k, k, k, b, out + r0 * n + p * kCols, n, lanes0, lanes1,
-                       bias != nullptr ? bias + p * kCols : nullptr, next + 64 * done,
-                       std::min(per_tile, panel_lines - done));
+          uint16_t* c = out + r0 * ldc;
+          by_rows[rows](x + r0 * k, k, k, b, c + col0, swiglu ? nullptr : c + col1, ldc, lanes0,
+                        lanes1, bias0, bias1, next + 64 * done,
+                        std::min(per_tile, panel_lines - done));
         }
       }
     }
@@ -346,27 +379,47 @@ std::tuple<bool, bool> gemm_isa() {
 #endif
 }
 
-// w [N, K] bfloat16 -> [ceil(N/32), ceil(K/2), 32, 2] bfloat16: panel j holds columns
-// 32j .. 32j + 31, pair i of a column its K elements 2i and 2i + 1; past N or K zero.
-torch::Tensor pack_gemm_weight_bf16(torch::Tensor w) {
+// w [N, K] bfloat16 -> [panels, ceil(K/2), 32, 2] bfloat16, pair i of a panel column holding
+// its K elements 2i and 2i + 1, past N or K zero. Plain (half = 0): ceil(N/32) panels, panel j
+// holding columns 32j .. 32j + 31. Paired (half = N/2): ceil(half/16) panels, panel j holding
+// columns 16j .. 16j + 15 of each half (gate and up side by side, for the fused SwiGLU).
+torch::Tensor pack_bf16(torch::Tensor w, int64_t half) {
   using ferrum_gemm_bf16::kCols;
   w = w.contiguous();
   const int64_t n = w.size(0), k = w.size(1), pairs = (k + 1) / 2;
-  const int64_t panels = (n + kCols - 1) / kCols;
+  const int64_t panels = half > 0 ? (half + 15) / 16 : (n + kCols - 1) / kCols;
   auto packed = torch::zeros({panels, pairs, kCols, 2}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      const int64_t cols = std::min(kCols, n - j * kCols);
-      for (int64_t c = 0; c < cols; ++c) {
-        const uint16_t* row = src + (j * kCols + c) * k;
+      for (int64_t c = 0; c < kCols; ++c) {
+        int64_t column = j * kCols + c;  // the weight row (output column) panel column c holds
+        if (half > 0) {
+          const int64_t within = j * 16 + c % 16;
+          column = within < half ? (c < 16 ? within : half + within) : n;
+        }
+        if (column >= n) continue;
+        const uint16_t* row = src + column * k;
         uint16_t* col = dst + j * pairs * kCols * 2 + c * 2;
         for (int64_t i = 0; i < k; ++i) col[(i / 2) * kCols * 2 + (i & 1)] = row[i];
       }
     }
   });
   return packed;
+}
+
+torch::Tensor pack_gemm_weight_bf16(torch::Tensor w) { return pack_bf16(w, 0); }
+
+// w [N, K] bfloat16 (N even: the gate rows, then the up rows) -> the paired layout of
+// pack_bf16, for packed_gemm_halves.
+torch::Tensor pack_gemm_weight_halves(torch::Tensor w) {
+  TORCH_CHECK(ferrum_gemm_bf16::kAvailable, "the bfloat16 GEMM needs a CPU with AVX512_BF16");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16,
+              "weight must be [N, K] bfloat16");
+  TORCH_CHECK(w.size(0) > 0 && w.size(0) % 2 == 0, "N must be even (two halves), got ",
+              w.size(0));
+  return pack_bf16(w, w.size(0) / 2);
 }
 
 // w [N, K] float32 -> [ceil(N/16), K, 16] float32: panel j holds columns 16j .. 16j + 15 of
@@ -398,22 +451,26 @@ torch::Tensor pack_gemm_weight(torch::Tensor w) {
   return packed;
 }
 
-// x [M, K] float32, packed from pack_gemm_weight, bias [N] float32 or None, n = N -> [M, N]
-// float32; bfloat16 x (where gemm_bf16_available) -> [M, N] bfloat16 (packed_gemm_bf16).
-// The bfloat16 form of packed_gemm (x and packed bfloat16, bias [N] in x's dtype or float32,
-// added in float32 before the one rounding).
-torch::Tensor packed_gemm_bf16(torch::Tensor x, torch::Tensor packed,
-                               c10::optional<torch::Tensor> bias, int64_t n) {
+// The bfloat16 GEMM over a plain (half = 0) or paired (half = N / 2) pack: x [M, K] and packed
+// bfloat16, bias [N] in x's dtype or float32 (added in float32 before the one rounding), n = N.
+// -> [M, N] bfloat16; with swiglu (paired only) [M, half] = silu(first half) * second half.
+torch::Tensor gemm_bf16(torch::Tensor x, const torch::Tensor& packed,
+                        const c10::optional<torch::Tensor>& bias, int64_t n, bool paired,
+                        bool swiglu) {
   using ferrum_gemm_bf16::kCols;
   TORCH_CHECK(ferrum_gemm_bf16::kAvailable, "the bfloat16 GEMM needs a CPU with AVX512_BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 &&
                   packed.is_contiguous() && packed.size(2) == kCols && packed.size(3) == 2,
               "packed weight must come from pack_gemm_weight (bfloat16)");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(packed.size(1) == (k + 1) / 2, "packed weight is for K=", 2 * packed.size(1),
               " or one less, x has K=", k);
-  TORCH_CHECK(n > 0 && (n + kCols - 1) / kCols == packed.size(0),
-              "N does not match the packed weight");
+  const int64_t half = paired ? n / 2 : 0;
+  TORCH_CHECK(!paired || (n > 0 && n % 2 == 0), "a paired weight has an even N, got ", n);
+  const int64_t panels = paired ? (half + 15) / 16 : (n + kCols - 1) / kCols;
+  TORCH_CHECK(n > 0 && panels == packed.size(0), "N does not match the packed weight");
+  TORCH_CHECK(k > 0 || !swiglu, "the fused SwiGLU needs K > 0");
   x = x.contiguous();
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -426,17 +483,32 @@ torch::Tensor packed_gemm_bf16(torch::Tensor x, torch::Tensor packed,
     auto zero = torch::zeros({m, n}, x.options().dtype(torch::kFloat));
     return (b.defined() ? zero + b : zero).to(x.scalar_type());
   }
-  auto out = torch::empty({m, n}, x.options());
+  auto out = torch::empty({m, swiglu ? half : n}, x.options());
   if (m == 0) return out;
 #if defined(__AVX512BF16__)
   ferrum_gemm_bf16::gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
                          reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                          b.defined() ? b.data_ptr<float>() : nullptr,
-                         reinterpret_cast<uint16_t*>(out.data_ptr()), m, n, k);
+                         reinterpret_cast<uint16_t*>(out.data_ptr()), m, n, k, half, swiglu);
 #endif
   return out;
 }
 
+torch::Tensor packed_gemm_bf16(torch::Tensor x, torch::Tensor packed,
+                               c10::optional<torch::Tensor> bias, int64_t n) {
+  return gemm_bf16(x, packed, bias, n, false, false);
+}
+
+// x [M, K] bfloat16 times a pack_gemm_weight_halves weight [N, K] (bias [N] or None): with
+// swiglu [M, N/2] = silu(x W_gate^T) * (x W_up^T), each rounded to bfloat16 first as
+// silu_and_mul does; without, the plain [M, N] product.
+torch::Tensor packed_gemm_halves(torch::Tensor x, torch::Tensor packed,
+                                 c10::optional<torch::Tensor> bias, int64_t n, bool swiglu) {
+  return gemm_bf16(x, packed, bias, n, true, swiglu);
+}
+
+// x [M, K] float32, packed from pack_gemm_weight, bias [N] float32 or None, n = N -> [M, N]
+// float32; bfloat16 x (where gemm_bf16_available) -> [M, N] bfloat16 (packed_gemm_bf16).
 torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t n) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");

@@ -290,8 +290,9 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             return self.moe(x, kernels.fused_moe), residual  # [T, hidden]
         assert self.gate_up_proj is not None and self.down_proj is not None
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        mlp_out: torch.Tensor = self.down_proj(kernels.silu_and_mul(gate_up))  # [T, hidden]
+        # silu(gate) * up [T, I]: one GEMM where the backend fuses it (no [T, 2I] written).
+        act = kernels.gate_up_silu(self.gate_up_proj, x)
+        mlp_out: torch.Tensor = self.down_proj(act)  # [T, hidden]
         return mlp_out, residual
 
     def _attention(
