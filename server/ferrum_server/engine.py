@@ -26,7 +26,7 @@ from typing import Any, TypeVar, cast
 import torch
 from ferrum_kernels.sampling import SampleOutput
 
-from ferrum_server import faults, logs
+from ferrum_server import faults, host_memory, logs
 from ferrum_server.capacity import (
     Admitted,
     CapacityManager,
@@ -132,6 +132,10 @@ class Engine:
         # Every torch call runs on this one thread, construction included: on CPU, an OpenMP
         # team opened by any second thread (the asyncio thread here) makes libgomp throttle
         # its spin-waits for all teams, which costs about a quarter of every forward.
+        if config.device.split(":")[0] == "cpu":
+            # Before the engine thread starts, so it and its OpenMP workers allocate from the
+            # main arena (host_memory: page faults).
+            host_memory.share_main_arena()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-engine")
         self._turns = FairQueue()
         # Under tensor parallelism: this rank's configuration (and, in spawn mode, the

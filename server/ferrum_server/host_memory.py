@@ -18,7 +18,15 @@ Keeping freed memory would also keep the plain weights that start-up frees once 
 packed, so `return_free_pages` gives the free pages back to the kernel once, after start-up;
 the steps that reuse them fault once and then keep them.
 
-Both are no-ops off glibc.
+`share_main_arena` has every thread started afterwards allocate from glibc's main arena, and
+must run before the engine thread starts. A thread of its own arena (glibc's default) draws from
+heaps of 64 MiB, and with the engine thread's activations there a served float32 W1 run took
+30-350 thousand minor faults, changing from run to run; with one arena (as
+`GLIBC_TUNABLES=glibc.malloc.arena_max=1` at process start) 8-20 thousand, and it ran 2-4%
+faster (docs/benchmarks.md, twenty-fourth session). Where the faults come from in the other
+arenas was not pinned down.
+
+All three are no-ops off glibc.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ _LOG = logs.get(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 * 1024**2  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 # mallopt takes a C int: 4 GiB would wrap to 0, which means "trim on every free", the opposite
 # of the intent (that bug once cost about 750k page faults per W1 run).
@@ -62,6 +71,18 @@ def keep_freed_memory() -> bool:
     kept = bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and kept
     _LOG.info("host_memory_kept", kept=kept, mmap_threshold=MMAP_THRESHOLD)
     return kept
+
+
+def share_main_arena() -> bool:
+    """Have glibc create no more arenas: threads that allocate for the first time from now on
+    use the main one (or another that exists already). Returns whether it took (False off
+    glibc)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    shared = bool(libc.mallopt(_M_ARENA_MAX, 1))
+    _LOG.info("host_memory_arenas", shared=shared)
+    return shared
 
 
 def return_free_pages() -> bool:
