@@ -21,8 +21,8 @@ the steps that reuse them fault once and then keep them.
 `share_main_arena` has every thread started afterwards allocate from glibc's main arena, and
 must run before the engine thread starts. A thread of its own arena (glibc's default) draws from
 heaps of 64 MiB, and with the engine thread's activations there a served float32 W1 run took
-30-350 thousand minor faults, changing from run to run; with one arena (as
-`GLIBC_TUNABLES=glibc.malloc.arena_max=1` at process start) 8-20 thousand, and it ran 2-4%
+10-440 thousand minor faults, changing from run to run; with one arena (this call, or
+`GLIBC_TUNABLES=glibc.malloc.arena_max=1` at process start) 4-20 thousand, and it ran 2-4%
 faster (docs/benchmarks.md, twenty-fourth session). Where the faults come from in the other
 arenas was not pinned down.
 

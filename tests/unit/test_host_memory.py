@@ -48,7 +48,7 @@ def test_a_cpu_engine_shares_the_main_arena_before_its_thread_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The engine thread and its OpenMP workers must first allocate after the setting, so they
-    use the main arena (module docstring: a served float32 W1 run took 30-350 thousand faults
+    use the main arena (module docstring: a served float32 W1 run took 10-440 thousand faults
     otherwise)."""
     import threading
 
