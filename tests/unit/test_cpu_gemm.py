@@ -30,6 +30,24 @@ def choose_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     cpu_linear._native_gemm = saved
 
 
+def _packed_gemm_on(
+    threads: int, x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """The native packed_gemm run with `threads` intra-op threads (restored after)."""
+    assert _module is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out: torch.Tensor = _module.packed_gemm(x, packed, b, n)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def _float64_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+
+
 @needs_native_gemm
 @pytest.mark.parametrize(
     ("m", "n", "k"),
@@ -55,13 +73,8 @@ def test_native_gemm_matches_float64_linear(
     b = torch.randn(n, generator=gen) if bias else None
     packed = _module.pack_gemm_weight(w)
     assert packed.shape == (-(-n // 16), k, 16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = _module.packed_gemm(x, packed, b, n)
-    finally:
-        torch.set_num_threads(before)
-    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    got = _packed_gemm_on(threads, x, packed, b, n)
+    want = _float64_linear(x, w, b)
     assert got.shape == (m, n) and got.dtype == torch.float32
     # float32 sums of k products of N(0, 1) values: error grows about with sqrt(k).
     torch.testing.assert_close(got.double(), want, atol=2e-6 * k**0.5 * 4, rtol=1e-5)
@@ -127,13 +140,8 @@ def test_native_bf16_gemm_matches_float64_linear(
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     packed = _module.pack_gemm_weight(w)
     assert packed.shape == (-(-n // 32), -(-k // 2), 32, 2) and packed.dtype == torch.bfloat16
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = _module.packed_gemm(x, packed, b, n)
-    finally:
-        torch.set_num_threads(before)
-    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    got = _packed_gemm_on(threads, x, packed, b, n)
+    want = _float64_linear(x, w, b)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     # One rounding to bfloat16 (half an ulp: 2^-9 relative) after a float32 sum of k exact
     # products.

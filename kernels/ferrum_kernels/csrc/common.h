@@ -120,9 +120,9 @@ inline __m512 round16(__m512 v, const float*) { return v; }
 inline __m512 round16(__m512 v, const uint16_t*) { return from_bf16(to_bf16(v)); }
 
 // SwiGLU of 16 lanes given as float32: silu(x) = x / (1 + exp(-x)), rounded to T, times u
-// (rounded to T by the store); silu_and_mul's, and the bfloat16 GEMM's fused with gate/up. exp's argument -x is clamped to [-88, 87], which changes no
-// result: for x < -87 silu is ~1e-36 either way, and for x > 88 1 + exp(-x) rounds to 1 (so
-// silu(inf) stays inf).
+// (rounded to T by the store); silu_and_mul's, and the bfloat16 GEMM's fused with gate/up. exp's
+// argument -x is clamped to [-88, 87], which changes no result: for x < -87 silu is ~1e-36 either
+// way, and for x > 88 1 + exp(-x) rounds to 1 (so silu(inf) stays inf).
 template <typename T>
 inline __m512 silu_mul16(__m512 x, __m512 u) {
   const __m512 minus = _mm512_sub_ps(_mm512_setzero_ps(), x);

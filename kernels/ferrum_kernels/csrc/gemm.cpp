@@ -225,16 +225,23 @@ constexpr int kRows = 8;       // rows of x per register tile: 16 accumulators
 // them): at M = 1024-2048 the whole of x per panel came from L3, a few percent slower.
 constexpr int64_t kBlockBytes = 256 * 1024;
 
+// Panels of a weight with N columns: plain (half = 0) 32 columns each, paired (half = N / 2)
+// 16 columns of each half.
+constexpr int64_t panel_count(int64_t n, int64_t half) {
+  return half > 0 ? (half + 15) / 16 : (n + kCols - 1) / kCols;
+}
+
 #if defined(__AVX512BF16__)
 constexpr bool kAvailable = true;
 
 // One register tile: `R` rows of x (lda apart, k long) times a panel (pairs of K, 32 columns),
 // its two 16-column halves (plus their bias, in float32, when given) rounded to bfloat16 into c0
 // and c1 for the columns in lanes0 and lanes1; with Swiglu, silu(first half) * second half into
-// c0 instead, from the two rounded halves exactly as silu_and_mul computes it. Meanwhile it fetches `fetch_lines` cache lines from `fetch` into L2, paced over
-// its K loop: part of the next panel, which then comes from L2 instead of memory when its first
-// tile starts. Without that fetch a panel's first tile waited on memory: 389-404 against
-// 410-415 GFLOP/s at M = 64, 275 against 353 at M = 16.
+// c0 instead, from the two rounded halves exactly as silu_and_mul computes it. Meanwhile it
+// fetches `fetch_lines` cache lines from `fetch` into L2, paced over its K loop: part of the
+// next panel, which then comes from L2 instead of memory when its first tile starts. Without
+// that fetch a panel's first tile waited on memory: 389-404 against 410-415 GFLOP/s at M = 64,
+// 275 against 353 at M = 16.
 template <int R, bool Swiglu>
 void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* __restrict b,
           uint16_t* __restrict c0, uint16_t* __restrict c1, int64_t ldc, __mmask16 lanes0,
@@ -320,7 +327,7 @@ void gemm(const uint16_t* __restrict x, const uint16_t* __restrict packed,
           const float* __restrict bias, uint16_t* __restrict out, int64_t m, int64_t n,
           int64_t k, int64_t half, bool swiglu) {
   const int64_t pairs = (k + 1) / 2;
-  const int64_t panels = half > 0 ? (half + 15) / 16 : (n + kCols - 1) / kCols;
+  const int64_t panels = panel_count(n, half);
   const int64_t panel_elems = pairs * 2 * kCols;
   const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(uint16_t)) / 64;
   const int64_t tiles = (m + kRows - 1) / kRows;
@@ -387,7 +394,7 @@ torch::Tensor pack_bf16(torch::Tensor w, int64_t half) {
   using ferrum_gemm_bf16::kCols;
   w = w.contiguous();
   const int64_t n = w.size(0), k = w.size(1), pairs = (k + 1) / 2;
-  const int64_t panels = half > 0 ? (half + 15) / 16 : (n + kCols - 1) / kCols;
+  const int64_t panels = ferrum_gemm_bf16::panel_count(n, half);
   auto packed = torch::zeros({panels, pairs, kCols, 2}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
@@ -409,8 +416,6 @@ torch::Tensor pack_bf16(torch::Tensor w, int64_t half) {
   return packed;
 }
 
-torch::Tensor pack_gemm_weight_bf16(torch::Tensor w) { return pack_bf16(w, 0); }
-
 // w [N, K] bfloat16 (N even: the gate rows, then the up rows) -> the paired layout of
 // pack_bf16, for packed_gemm_halves.
 torch::Tensor pack_gemm_weight_halves(torch::Tensor w) {
@@ -423,13 +428,13 @@ torch::Tensor pack_gemm_weight_halves(torch::Tensor w) {
 }
 
 // w [N, K] float32 -> [ceil(N/16), K, 16] float32: panel j holds columns 16j .. 16j + 15 of
-// W^T row by row, columns past N zero. bfloat16 (where gemm_bf16_available): as
-// pack_gemm_weight_bf16.
+// W^T row by row, columns past N zero. bfloat16 (where gemm_bf16_available): pack_bf16's plain
+// layout.
 torch::Tensor pack_gemm_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "weight must be [N, K]");
   if (w.scalar_type() == torch::kBFloat16) {
     TORCH_CHECK(ferrum_gemm_bf16::kAvailable, "the bfloat16 GEMM needs a CPU with AVX512_BF16");
-    return pack_gemm_weight_bf16(w);
+    return pack_bf16(w, 0);
   }
   TORCH_CHECK(w.scalar_type() == torch::kFloat, "weight must be [N, K] float32 or bfloat16");
   w = w.contiguous();
@@ -468,7 +473,7 @@ torch::Tensor gemm_bf16(torch::Tensor x, const torch::Tensor& packed,
               " or one less, x has K=", k);
   const int64_t half = paired ? n / 2 : 0;
   TORCH_CHECK(!paired || (n > 0 && n % 2 == 0), "a paired weight has an even N, got ", n);
-  const int64_t panels = paired ? (half + 15) / 16 : (n + kCols - 1) / kCols;
+  const int64_t panels = ferrum_gemm_bf16::panel_count(n, half);
   TORCH_CHECK(n > 0 && panels == packed.size(0), "N does not match the packed weight");
   TORCH_CHECK(k > 0 || !swiglu, "the fused SwiGLU needs K > 0");
   x = x.contiguous();
@@ -494,11 +499,6 @@ torch::Tensor gemm_bf16(torch::Tensor x, const torch::Tensor& packed,
   return out;
 }
 
-torch::Tensor packed_gemm_bf16(torch::Tensor x, torch::Tensor packed,
-                               c10::optional<torch::Tensor> bias, int64_t n) {
-  return gemm_bf16(x, packed, bias, n, false, false);
-}
-
 // x [M, K] bfloat16 times a pack_gemm_weight_halves weight [N, K] (bias [N] or None): with
 // swiglu [M, N/2] = silu(x W_gate^T) * (x W_up^T), each rounded to bfloat16 first as
 // silu_and_mul does; without, the plain [M, N] product.
@@ -508,11 +508,11 @@ torch::Tensor packed_gemm_halves(torch::Tensor x, torch::Tensor packed,
 }
 
 // x [M, K] float32, packed from pack_gemm_weight, bias [N] float32 or None, n = N -> [M, N]
-// float32; bfloat16 x (where gemm_bf16_available) -> [M, N] bfloat16 (packed_gemm_bf16).
+// float32; bfloat16 x (where gemm_bf16_available) -> [M, N] bfloat16 (gemm_bf16, plain).
 torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t n) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  if (x.scalar_type() == torch::kBFloat16) return packed_gemm_bf16(x, packed, bias, n);
+  if (x.scalar_type() == torch::kBFloat16) return gemm_bf16(x, packed, bias, n, false, false);
   TORCH_CHECK(ferrum_gemm::kAvailable, "packed_gemm needs a build with AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kFloat && packed.is_contiguous(),
