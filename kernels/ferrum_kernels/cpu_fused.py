@@ -80,6 +80,21 @@ def rotary_cpu(
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
     head_dim = q.shape[2]
+    if _k_follows_q(q_rows, k_rows):
+        # q and k heads side by side in each row (a fused qkv projection): one pass over both.
+        heads = q.shape[1] + k.shape[1]
+        both = q_rows.as_strided((q_rows.shape[0], heads * head_dim), q_rows.stride())
+        module.rotary_(both, cos, sin, heads, head_dim)  # type: ignore[attr-defined]
+        return q, k
     module.rotary_(q_rows, cos, sin, q.shape[1], head_dim)  # type: ignore[attr-defined]
     module.rotary_(k_rows, cos, sin, k.shape[1], head_dim)  # type: ignore[attr-defined]
     return q, k
+
+
+def _k_follows_q(q_rows: torch.Tensor, k_rows: torch.Tensor) -> bool:
+    """Whether each row of k starts right where q's ends, with the same row stride and rows
+    that do not overlap, so one [T, (Hq + Hkv) * D] span from q's rows covers both."""
+    if q_rows.stride(0) != k_rows.stride(0) or q_rows.shape[0] != k_rows.shape[0]:
+        return False
+    end = q_rows.data_ptr() + q_rows.shape[1] * q_rows.element_size()
+    return k_rows.data_ptr() == end and q_rows.stride(0) >= q_rows.shape[1] + k_rows.shape[1]

@@ -22,13 +22,14 @@ def _close(dtype: torch.dtype) -> dict[str, float]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("width", [96, 100])  # whole vectors of 16, and a masked tail
 def test_add_rms_norm_matches_reference_and_updates_the_residual(
-    dtype: torch.dtype, rows: int
+    dtype: torch.dtype, rows: int, width: int
 ) -> None:
     torch.manual_seed(rows)
-    x = torch.randn(rows, 96, dtype=dtype)
-    residual = torch.randn(rows, 96, dtype=dtype)
-    weight = (1 + 0.1 * torch.randn(96)).to(dtype)
+    x = torch.randn(rows, width, dtype=dtype)
+    residual = torch.randn(rows, width, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(width)).to(dtype)
     want_sum = residual + x
     want = rms_norm(want_sum, weight, 1e-5)
     stream = residual.clone()
@@ -58,9 +59,10 @@ def test_silu_and_mul_matches_reference(dtype: torch.dtype, inter: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_qkv_views_is_bit_identical(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("d", [64, 40])  # halves of whole vectors of 16, and with a tail
+def test_rotary_in_place_on_qkv_views_is_bit_identical(dtype: torch.dtype, d: int) -> None:
     torch.manual_seed(2)
-    t, h, hkv, d = 19, 6, 2, 64
+    t, h, hkv = 19, 6, 2
     qkv = torch.randn(t, (h + 2 * hkv) * d, dtype=dtype)
     cos = torch.randn(t, d // 2).to(dtype)
     sin = torch.randn(t, d // 2).to(dtype)
@@ -72,6 +74,35 @@ def test_rotary_in_place_on_qkv_views_is_bit_identical(dtype: torch.dtype) -> No
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(v, v_before)  # the V part of the row is left alone
+
+
+@pytest.mark.parametrize("layout", ["separate", "k first", "gap"])
+def test_rotary_of_q_and_k_not_side_by_side_rotates_each_alone(layout: str) -> None:
+    # Only k starting where q's row ends takes the one-pass path; every other layout must
+    # rotate q's and k's own heads and nothing between or after them.
+    torch.manual_seed(5)
+    t, h, hkv, d = 11, 4, 2, 64
+    if layout == "separate":
+        q, k = torch.randn(t, h, d), torch.randn(t, hkv, d)
+        row = None
+    else:
+        row = torch.randn(t, (h + hkv + 1) * d)
+        if layout == "k first":
+            k, q = row[:, : hkv * d], row[:, hkv * d : (hkv + h) * d]
+        else:  # one head of something else between q and k
+            q, k = row[:, : h * d], row[:, (h + 1) * d : (h + 1 + hkv) * d]
+        q, k = q.reshape(t, h, d), k.reshape(t, hkv, d)
+    cos, sin = torch.randn(t, d // 2), torch.randn(t, d // 2)
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    before = None if row is None else row.clone()
+    got_q, got_k = rotary_cpu(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    if row is not None and before is not None:
+        untouched = torch.ones(row.shape[1], dtype=torch.bool)
+        for view in (q, k):
+            start = (view.data_ptr() - row.data_ptr()) // row.element_size()
+            untouched[start : start + view.shape[1] * d] = False
+        assert torch.equal(row[:, untouched], before[:, untouched])
 
 
 def test_inputs_the_kernels_do_not_serve_fall_back_to_the_reference() -> None:

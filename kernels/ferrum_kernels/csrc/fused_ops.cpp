@@ -33,12 +33,78 @@ using ferrum::to_bf16;
 // Rows per parallel chunk such that a chunk holds at least ~16k elements.
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
+#if defined(__AVX512F__)
+using ferrum::round16;
+
+// Stores v rounded to T and returns what was stored, as float32 (one conversion each way).
+inline __m512 store_rounded(float* p, __m512 v, __mmask16 lanes) {
+  if (lanes == 0xffff) store16(p, v); else store16(p, v, lanes);
+  return v;
+}
+inline __m512 store_rounded(uint16_t* p, __m512 v, __mmask16 lanes) {
+  const __m256i bits = ferrum::to_bf16(v);
+  if (lanes == 0xffff) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
+  } else {
+    _mm256_mask_storeu_epi16(p, lanes, bits);
+  }
+  return ferrum::from_bf16(bits);
+}
+
+// One row of (optionally residual-added) RMSNorm in 16-lane vectors, the tail masked (its
+// missing lanes load as zero and add nothing to the sum). The sum of squares is a mul then an
+// add per lane, as the scalar loop, in two chains so the adds overlap; only its order differs.
+// `row` (width floats) keeps the row as float32 between the passes and `weight` is the weight
+// widened once per chunk of rows: in bfloat16 the conversions, not memory, bound this kernel.
+template <typename T>
+void rms_norm_row(const T* x, const float* weight, T* out, T* residual, const T* delta,
+                  float* row, int64_t width, float eps) {
+  const T* tag = nullptr;
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  for (int64_t i = 0; i < width; i += 16) {
+    const __mmask16 lanes = ferrum::first_lanes(width - i);
+    __m512 v;
+    if (residual != nullptr) {
+      // residual <- residual + delta, rounded to T as the reference's add; the sum is what
+      // the statistic and the output read.
+      v = store_rounded(residual + i,
+                        _mm512_add_ps(load16(residual + i, lanes), load16(delta + i, lanes)), lanes);
+    } else {
+      v = load16(x + i, lanes);
+    }
+    _mm512_storeu_ps(row + i, v);  // row has whole vectors: the tail's zero lanes land there
+    even = _mm512_add_ps(even, _mm512_mul_ps(v, v));
+    std::swap(even, odd);
+  }
+  const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sum / static_cast<float>(width) + eps));
+  for (int64_t i = 0; i < width; i += 16) {
+    const __mmask16 lanes = ferrum::first_lanes(width - i);
+    const __m512 normed = round16(_mm512_mul_ps(_mm512_loadu_ps(row + i), inv), tag);
+    const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(weight + i), normed);
+    if (lanes == 0xffff) store16(out + i, scaled); else store16(out + i, scaled, lanes);
+  }
+}
+#endif
+
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t out_stride,
                    T* residual, const T* delta, int64_t rows, int64_t width, float eps) {
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    // The widened weight, then one row of float32; both rounded up to whole vectors.
+    const int64_t padded = (width + 15) / 16 * 16;
+    std::vector<float> scratch(2 * padded, 0.f);
+    for (int64_t i = 0; i < width; ++i) scratch[i] = Elem<T>::load(w, i);
+#endif
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
+#if defined(__AVX512F__)
+      rms_norm_row(xr, scratch.data(), out + r * out_stride,
+                   residual != nullptr ? residual + r * width : nullptr,
+                   delta != nullptr ? delta + r * width : nullptr, scratch.data() + padded, width,
+                   eps);
+#else
       if (residual != nullptr) {
         // residual <- residual + delta (rounded to T, as the reference's add), then normalised.
         T* rr = residual + r * width;
@@ -59,6 +125,7 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t out
         const float normed = Elem<T>::round(Elem<T>::load(xr, i) * inv);
         Elem<T>::store(orow, i, Elem<T>::load(w, i) * normed);
       }
+#endif
     }
   });
 }
@@ -100,6 +167,36 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+#if defined(__AVX512F__)
+// One row's heads, 16 lanes of each half at a time (the tail masked), through the scalar
+// loop's arithmetic: every product rounded to T, then the difference and sum (rounded by the
+// store), so the result is the same bit for bit.
+template <typename T>
+void rotary_row(T* x, const T* cos, const T* sin, int64_t heads, int64_t half) {
+  const T* tag = nullptr;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 lanes = ferrum::first_lanes(half - i);
+    const __m512 c = load16(cos + i, lanes), s = load16(sin + i, lanes);
+    for (int64_t h = 0; h < heads; ++h) {
+      T* x1 = x + h * 2 * half + i;
+      T* x2 = x1 + half;
+      const __m512 a = load16(x1, lanes), b = load16(x2, lanes);
+      const __m512 first = _mm512_sub_ps(round16(_mm512_mul_ps(a, c), tag),
+                                         round16(_mm512_mul_ps(b, s), tag));
+      const __m512 second = _mm512_add_ps(round16(_mm512_mul_ps(b, c), tag),
+                                          round16(_mm512_mul_ps(a, s), tag));
+      if (lanes == 0xffff) {
+        store16(x1, first);
+        store16(x2, second);
+      } else {
+        store16(x1, first, lanes);
+        store16(x2, second, lanes);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 void rotary_rows(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t rows,
                  int64_t heads, int64_t head_dim) {
@@ -108,6 +205,9 @@ void rotary_rows(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t r
     for (int64_t r = begin; r < end; ++r) {
       const T* c = cos + r * half;
       const T* s = sin + r * half;
+#if defined(__AVX512F__)
+      rotary_row(x + r * row_stride, c, s, heads, half);
+#else
       for (int64_t h = 0; h < heads; ++h) {
         T* x1 = x + r * row_stride + h * head_dim;
         T* x2 = x1 + half;
@@ -121,6 +221,7 @@ void rotary_rows(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t r
           Elem<T>::store(x2, i, second);
         }
       }
+#endif
     }
   });
 }
