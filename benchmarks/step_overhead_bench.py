@@ -29,7 +29,7 @@ device's own time lands where the host first waits for it, the token copy in ``c
 of microseconds for this one-layer model).
 
     python benchmarks/step_overhead_bench.py [--batches 64,256] [--steps 30] [--rounds 5]
-        [--layers 1] [--wire] [--device cpu|cuda]
+        [--layers 1] [--dtype float32|bfloat16] [--wire] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, float]]:
             EngineConfig(
                 model=folder,
                 device=args.device,
-                dtype="float32",
+                dtype=args.dtype,
                 block_size=BLOCK_SIZE,
                 kv_cache_bytes=(blocks + 64) * BLOCK_SIZE * token_bytes,
                 max_batch_tokens=max(4096, max(batches)),
@@ -275,6 +275,12 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     parser.add_argument("--steps", type=int, default=30, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="bfloat16 runs the native bfloat16 GEMM where the CPU has one",
+    )
     parser.add_argument(
         "--wire", action="store_true", help="include the servicer's request and answer conversion"
     )

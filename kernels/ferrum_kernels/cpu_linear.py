@@ -247,9 +247,14 @@ class PackedWeight:
         return freed
 
     def _native(self, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
+        # Called about fifty times a decode step: the reshapes and casts run only when they
+        # change something (each is a dispatcher call even as a no-op).
         compute = self.compute_dtype
         bias = None if self.bias is None else self.bias.detach().to(compute)
-        rows = x.reshape(-1, x.shape[-1]).to(compute)
+        flat_input = x.dim() == 2
+        rows = x if flat_input else x.reshape(-1, x.shape[-1])
+        if rows.dtype != compute:
+            rows = rows.to(compute)
         packed = self.packed()
         module = native.load()
         n = self.out_features
@@ -257,7 +262,8 @@ class PackedWeight:
             flat: torch.Tensor = module.packed_gemm_halves(rows, packed, bias, n, swiglu)
         else:
             flat = module.packed_gemm(rows, packed, bias, n)
-        return flat.view(*x.shape[:-1], flat.shape[-1]).to(x.dtype)
+        out = flat if flat_input else flat.view(*x.shape[:-1], flat.shape[-1])
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""

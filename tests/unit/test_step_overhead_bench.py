@@ -30,6 +30,24 @@ def test_smoke_run_times_every_phase(wire: bool, capsys: pytest.CaptureFixture[s
     assert "| 8 |" in out and ("wire" in out) == wire
 
 
+def test_dtype_selects_the_engines_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench: Any = load_script("ferrum_step_overhead_bench", _BENCH)
+    from ferrum_server.engine import Engine
+
+    dtypes: list[str] = []
+    init = Engine.__init__
+
+    def recording(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        dtypes.append(config.dtype)
+        init(self, config, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "__init__", recording)
+    bench.main(["--batches", "2", "--steps", "1", "--rounds", "1", "--dtype", "bfloat16"])
+    assert dtypes == ["bfloat16"]
+    with pytest.raises(SystemExit):
+        bench.main(["--dtype", "float16"])
+
+
 def test_wrappers_come_off_after_a_run() -> None:
     bench: Any = load_script("ferrum_step_overhead_bench", _BENCH)
     import ferrum_server.engine as engine_module
