@@ -92,9 +92,12 @@ def rotary_cpu(
 
 
 def _k_follows_q(q_rows: torch.Tensor, k_rows: torch.Tensor) -> bool:
-    """Whether each row of k starts right where q's ends, with the same row stride and rows
-    that do not overlap, so one [T, (Hq + Hkv) * D] span from q's rows covers both."""
+    """Whether each row of k starts right where q's ends, in the same storage, with the same
+    row stride and rows that do not overlap, so one [T, (Hq + Hkv) * D] span from q's rows
+    covers both."""
     if q_rows.stride(0) != k_rows.stride(0) or q_rows.shape[0] != k_rows.shape[0]:
         return False
+    if q_rows.untyped_storage().data_ptr() != k_rows.untyped_storage().data_ptr():
+        return False  # adjacent by chance: a view of q's storage cannot reach k's
     end = q_rows.data_ptr() + q_rows.shape[1] * q_rows.element_size()
     return k_rows.data_ptr() == end and q_rows.stride(0) >= q_rows.shape[1] + k_rows.shape[1]
