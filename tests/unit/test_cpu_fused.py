@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ferrum_kernels import native
+from ferrum_kernels import cpu_fused, native
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
 from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
 
@@ -68,6 +68,7 @@ def test_rotary_in_place_on_qkv_views_is_bit_identical(dtype: torch.dtype, d: in
     sin = torch.randn(t, d // 2).to(dtype)
     q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
     q, k = q.reshape(t, h, d), k.reshape(t, hkv, d)
+    assert cpu_fused._k_follows_q(q.flatten(1), k.flatten(1))  # the one-call path
     want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     v_before = v.clone()
     got_q, got_k = rotary_cpu(q, k, cos, sin)
@@ -93,6 +94,7 @@ def test_rotary_of_q_and_k_not_side_by_side_rotates_each_alone(layout: str) -> N
             q, k = row[:, : h * d], row[:, (h + 1) * d : (h + 1 + hkv) * d]
         q, k = q.reshape(t, h, d), k.reshape(t, hkv, d)
     cos, sin = torch.randn(t, d // 2), torch.randn(t, d // 2)
+    assert not cpu_fused._k_follows_q(q.flatten(1), k.flatten(1))  # two calls
     want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     before = None if row is None else row.clone()
     got_q, got_k = rotary_cpu(q, k, cos, sin)

@@ -87,6 +87,12 @@ inline void store16(float* p, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps
 inline void store16(uint16_t* p, __m512 v, __mmask16 lanes) {
   _mm256_mask_storeu_epi16(p, lanes, to_bf16(v));
 }
+// The first lanes (first_lanes), stored plainly when they are all 16: for loops that take
+// every vector, the last one partial, through the same code.
+template <typename T>
+inline void store16_first(T* p, __m512 v, __mmask16 lanes) {
+  if (lanes == 0xffff) store16(p, v); else store16(p, v, lanes);
+}
 
 // exp(t) for 16 lanes, -88 <= t <= 87 (callers clamp). Cody-Waite reduction t = n ln2 + r with
 // |r| <= ln2/2 (ln2 in two parts, so n ln2 is exact for every n reached here), e^r by its

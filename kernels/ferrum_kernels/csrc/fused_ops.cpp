@@ -38,7 +38,7 @@ using ferrum::round16;
 
 // Stores v rounded to T and returns what was stored, as float32 (one conversion each way).
 inline __m512 store_rounded(float* p, __m512 v, __mmask16 lanes) {
-  if (lanes == 0xffff) store16(p, v); else store16(p, v, lanes);
+  ferrum::store16_first(p, v, lanes);
   return v;
 }
 inline __m512 store_rounded(uint16_t* p, __m512 v, __mmask16 lanes) {
@@ -54,7 +54,7 @@ inline __m512 store_rounded(uint16_t* p, __m512 v, __mmask16 lanes) {
 // One row of (optionally residual-added) RMSNorm in 16-lane vectors, the tail masked (its
 // missing lanes load as zero and add nothing to the sum). The sum of squares is a mul then an
 // add per lane, as the scalar loop, in two chains so the adds overlap; only its order differs.
-// `row` (width floats) keeps the row as float32 between the passes and `weight` is the weight
+// `row` (width rounded up to whole vectors) keeps the row as float32 between the passes and `weight` is the weight
 // widened once per chunk of rows: in bfloat16 the conversions, not memory, bound this kernel.
 template <typename T>
 void rms_norm_row(const T* x, const float* weight, T* out, T* residual, const T* delta,
@@ -82,7 +82,7 @@ void rms_norm_row(const T* x, const float* weight, T* out, T* residual, const T*
     const __mmask16 lanes = ferrum::first_lanes(width - i);
     const __m512 normed = round16(_mm512_mul_ps(_mm512_loadu_ps(row + i), inv), tag);
     const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(weight + i), normed);
-    if (lanes == 0xffff) store16(out + i, scaled); else store16(out + i, scaled, lanes);
+    ferrum::store16_first(out + i, scaled, lanes);
   }
 }
 #endif
@@ -189,13 +189,8 @@ void rotary_row(T* x, const T* cos, const T* sin, int64_t heads, int64_t half) {
                                          round16(_mm512_mul_ps(b, s), tag));
       const __m512 second = _mm512_add_ps(round16(_mm512_mul_ps(b, c), tag),
                                           round16(_mm512_mul_ps(a, s), tag));
-      if (lanes == 0xffff) {
-        store16(x1, first);
-        store16(x2, second);
-      } else {
-        store16(x1, first, lanes);
-        store16(x2, second, lanes);
-      }
+      ferrum::store16_first(x1, first, lanes);
+      ferrum::store16_first(x2, second, lanes);
     }
   }
 }
