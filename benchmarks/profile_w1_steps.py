@@ -38,8 +38,9 @@ PROMPTS, PROMPT_TOKENS = 64, 256
 
 class KernelClock:
     """Wall time and calls per native kernel and per packed linear shape, taken by wrapping
-    ``native.load()``'s functions, ``PackedWeight.__call__`` and ``PackedWeight.swiglu`` (the
-    gate/up GEMM with its SwiGLU: "+ SwiGLU"); ``install``, and ``remove`` puts them back. The
+    ``native.load()``'s functions, ``PackedWeight.__call__``, ``PackedWeight.swiglu`` (the
+    gate/up GEMM with its SwiGLU: "+ SwiGLU") and ``PackedWeight.widened`` (an LM head's GEMM
+    storing float32: "-> float32"); ``install``, and ``remove`` puts them back. The
     native GEMM's own entry points are left unwrapped: their time is the linears'."""
 
     def __init__(self) -> None:
@@ -48,6 +49,7 @@ class KernelClock:
         self._load = native.load
         self._linear = cpu_linear.PackedWeight.__call__
         self._swiglu = cpu_linear.PackedWeight.swiglu
+        self._widened = cpu_linear.PackedWeight.widened
 
     def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -85,13 +87,21 @@ class KernelClock:
             name = f"linear {pack.out_features} x {pack.in_features} + SwiGLU"
             return self.timed(name, swiglu)(pack, x)  # type: ignore[no-any-return]
 
+        widened = self._widened
+
+        def packed_widened(pack: cpu_linear.PackedWeight, x: torch.Tensor) -> torch.Tensor:
+            name = f"linear {pack.out_features} x {pack.in_features} -> float32"
+            return self.timed(name, widened)(pack, x)  # type: ignore[no-any-return]
+
         cpu_linear.PackedWeight.__call__ = packed_call  # type: ignore[method-assign,assignment]
         cpu_linear.PackedWeight.swiglu = packed_swiglu  # type: ignore[method-assign,assignment]
+        cpu_linear.PackedWeight.widened = packed_widened  # type: ignore[method-assign,assignment]
 
     def remove(self) -> None:
         native.load = self._load
         cpu_linear.PackedWeight.__call__ = self._linear  # type: ignore[method-assign]
         cpu_linear.PackedWeight.swiglu = self._swiglu  # type: ignore[method-assign]
+        cpu_linear.PackedWeight.widened = self._widened  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.seconds.clear()

@@ -43,6 +43,8 @@ functions whatever was selected:
     gate_up_silu(gate_up_proj, x [T,H]) -> silu(gate) * up [T,I] of gate_up_proj(x) (a method:
         ``fused_gate_up_silu``'s one GEMM where it applies, else ``silu_and_mul`` of the
         projection)
+    float32_logits(head, x [N,H]) -> head(x).float() [N,V] (a method: ``float32_linear``'s one
+        GEMM where it applies, else the head's output widened)
     fused_moe(x [T,H], experts: ExpertWeights, weights [T,K] float32, ids [T,K] int64) -> [T,H]
         sum over k of weights[:, k] * SwiGLU expert ids[:, k] applied to x, in x's dtype: the
         experts of a sparse layer as grouped GEMMs over the tokens sorted by expert
@@ -91,7 +93,7 @@ from ferrum_kernels.attention import (
 )
 from ferrum_kernels.cpu_attention import CpuAttention, write_kv_cpu
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
-from ferrum_kernels.cpu_linear import fused_gate_up_silu, prepack_linears
+from ferrum_kernels.cpu_linear import float32_linear, fused_gate_up_silu, prepack_linears
 from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
 from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
 from ferrum_kernels.moe import ExpertWeights, fused_moe_reference
@@ -161,6 +163,7 @@ RotaryFn = Callable[
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
 # (gate_up_proj, x) -> silu(gate) * up, or None where the fused form does not apply.
 FusedGateUpSiluFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
+Float32LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
 FusedMoeFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 SampleFn = Callable[[torch.Tensor, SamplingTensors], SampleOutput]
 ModelPreparer = Callable[[nn.Module], int]
@@ -186,6 +189,8 @@ class KernelBackend:
     fused_moe: FusedMoeFn = fused_moe_reference
     # The projection and its SwiGLU in one kernel, or None where it does not apply.
     fused_gate_up_silu: FusedGateUpSiluFn | None = None
+    # A linear whose output is widened to float32 as the GEMM stores it, or None where not.
+    float32_linear: Float32LinearFn | None = None
 
     def gate_up_silu(self, gate_up_proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [T, I] of gate_up_proj(x) [T, 2I] (rows: gate, then up)."""
@@ -194,6 +199,16 @@ class KernelBackend:
             if fused is not None:
                 return fused
         return self.silu_and_mul(gate_up_proj(x))
+
+    def float32_logits(self, head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``head(x).float()``: an LM head's logits [N, V] in float32, in one kernel where the
+        backend's ``float32_linear`` serves the head."""
+        if self.float32_linear is not None:
+            widened = self.float32_linear(head, x)
+            if widened is not None:
+                return widened
+        logits: torch.Tensor = head(x)
+        return logits.float()
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +292,7 @@ def cpu_backend() -> KernelBackend:
         prepare_model=_prepare_cpu_model,
         fused_moe=fused_moe_cpu,
         fused_gate_up_silu=fused_gate_up_silu,
+        float32_linear=float32_linear,
     )
 
 

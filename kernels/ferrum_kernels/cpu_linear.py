@@ -246,6 +246,30 @@ class PackedWeight:
         self.released = True
         return freed
 
+    def widens(self, x: torch.Tensor) -> bool:
+        """Whether ``widened(x)`` runs: a plain (not paired) bfloat16 weight on the native GEMM
+        and x in bfloat16."""
+        return (
+            self.kernel == "native"
+            and not self.paired
+            and self.compute_dtype == torch.bfloat16
+            and x.dtype == torch.bfloat16
+        )
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] float32 holding ``self(x).float()`` exactly (each output rounded
+        to bfloat16, then widened), written by the GEMM in one pass: a float32 copy of a
+        vocabulary-wide output costs more than the GEMM's wider stores. Only where
+        ``widens(x)``."""
+        if not self.widens(x):
+            raise ValueError("widened needs a plain bfloat16 weight on the native GEMM")
+        bias = None if self.bias is None else self.bias.detach().to(self.compute_dtype)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        flat: torch.Tensor = native.load().packed_gemm_widened(
+            rows, self.packed(), bias, self.out_features
+        )
+        return flat if x.dim() == 2 else flat.view(*x.shape[:-1], flat.shape[-1])
+
     def _native(self, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
         # Called about fifty times a decode step: the reshapes and casts run only when they
         # change something (each is a dispatcher call even as a no-op).
@@ -350,6 +374,27 @@ def fused_gate_up_silu(proj: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     ):
         return None  # PackedLinear.forward would not run the packed GEMM either
     return pack.swiglu(x)
+
+
+def float32_linear(head: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``head(x).float()`` [..., N] in one GEMM (``PackedWeight.widened``) when head is a packed
+    linear or a packed tied head whose native GEMM widens x; else None, and the caller widens
+    ``head(x)`` itself. For LM heads: their logits are sampled in float32."""
+    if isinstance(head, TiedLinear):
+        pack = head.packed
+        if not isinstance(pack, PackedWeight) or x.device.type != "cpu":
+            return None
+        return pack.widened(x) if pack.widens(x) else None
+    if not isinstance(head, PackedLinear) or head._pack is None or x.device.type != "cpu":
+        return None
+    pack = head._pack
+    if not pack.widens(x):
+        return None
+    if not pack.released and (
+        (torch.is_grad_enabled() and head.weight.requires_grad) or not _packable(head.weight)
+    ):
+        return None  # PackedLinear.forward would not run the packed GEMM either
+    return pack.widened(x)
 
 
 def prepack_linears(module: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:

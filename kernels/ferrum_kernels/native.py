@@ -59,6 +59,7 @@ _FUNCTIONS = [
     "packed_gemm",
     "pack_gemm_weight_halves",
     "packed_gemm_halves",
+    "packed_gemm_widened",
     "store_kv_",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]

@@ -298,3 +298,63 @@ def test_prepack_pairs_gate_up_projections_and_the_backend_fuses_them() -> None:
     assert fused_gate_up_silu(gate_up, x) is not None
     assert fused_gate_up_silu(other, x) is None
     assert fused_gate_up_silu(nn.Linear(48, 64, dtype=torch.bfloat16), x) is None
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (9, 33, 81), (64, 200, 768), (0, 40, 16)])
+@torch.no_grad()
+def test_the_widened_bf16_gemm_stores_exactly_the_rounded_product_in_float32(
+    m: int, n: int, k: int
+) -> None:
+    """packed_gemm_widened is packed_gemm(...).float() bit for bit (each output rounded to
+    bfloat16 first), with and without a bias, over partial tiles, panels and an odd K."""
+    assert _module is not None
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    packed = _module.pack_gemm_weight(w)
+    for bias in (None, torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()):
+        got = _module.packed_gemm_widened(x, packed, bias, n)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert torch.equal(got, _module.packed_gemm(x, packed, bias, n).float())
+    with pytest.raises(RuntimeError, match="x must be"):
+        _module.packed_gemm_widened(x.float(), packed, None, n)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        _module.packed_gemm_widened(x, packed, None, n + 32)
+
+
+@needs_bf16_gemm
+@torch.no_grad()
+def test_the_backend_widens_a_packed_heads_logits_in_its_gemm() -> None:
+    """float32_logits equals head(x).float() whatever the head; the widening GEMM serves packed
+    bfloat16 heads (a linear, released or not, and a tied one), and anything else (float32, a
+    paired weight, an unpacked linear) falls back to the head's own output."""
+    from ferrum_kernels.backend import cpu_backend, torch_backend
+    from ferrum_kernels.cpu_linear import float32_linear, prepack_linears
+    from ferrum_kernels.layers import TiedLinear
+    from torch import nn
+
+    torch.manual_seed(7)
+    model = nn.Module()
+    model.lm_head = nn.Linear(48, 100, bias=False, dtype=torch.bfloat16)
+    model.embed = nn.Embedding(100, 48, dtype=torch.bfloat16)
+    model.tied = TiedLinear(model.embed)
+    model.float_head = nn.Linear(48, 100, bias=False)
+    model.gate_up_proj = nn.Linear(48, 100, bias=False, dtype=torch.bfloat16)
+    plain = nn.Linear(48, 100, bias=False, dtype=torch.bfloat16)
+    prepack_linears(model)
+    x = torch.randn(5, 48).bfloat16()
+    backend = cpu_backend()
+    for head in (model.lm_head, model.tied):
+        assert float32_linear(head, x) is not None
+        assert torch.equal(backend.float32_logits(head, x), head(x).float())
+    model.lm_head._pack.release_plain()
+    assert torch.equal(backend.float32_logits(model.lm_head, x), model.lm_head(x).float())
+    assert float32_linear(model.float_head, x.float()) is None
+    assert float32_linear(model.gate_up_proj, x) is None  # paired for the SwiGLU
+    assert float32_linear(plain, x) is None
+    for head, rows in ((model.float_head, x.float()), (model.gate_up_proj, x), (plain, x)):
+        assert torch.equal(backend.float32_logits(head, rows), head(rows).float())
+    assert torch.equal(torch_backend().float32_logits(plain, x), plain(x).float())
+    with pytest.raises(ValueError, match="plain bfloat16 weight"):
+        model.gate_up_proj._pack.widened(x)

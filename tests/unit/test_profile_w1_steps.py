@@ -43,3 +43,23 @@ def test_clock_times_kernels_and_linears_then_restores_them() -> None:
     report = clock.report("step", wall_ms=5.0, reps=1, faults=12.0)
     assert "linear 24 x 8" in report and "the rest" in report
     assert "12 minor page faults" in report
+
+
+def test_clock_times_the_widened_head_gemm_then_restores_it() -> None:
+    module = native.load()
+    if module is None or not module.gemm_bf16_available():
+        pytest.skip("no native bfloat16 GEMM on this CPU")
+    weight = torch.randn(40, 16).bfloat16()
+    pack = cpu_linear.PackedWeight(weight, None, kernel="native")
+    script: Any = load_script("ferrum_profile_w1_steps", _SCRIPT)
+    clock = script.KernelClock()
+    widened = cpu_linear.PackedWeight.widened
+    clock.install()
+    try:
+        x = torch.randn(3, 16).bfloat16()
+        out = pack.widened(x)
+    finally:
+        clock.remove()
+    assert torch.equal(out, pack(x).float())
+    assert clock.calls == {"linear 40 x 16 -> float32": 1}
+    assert cpu_linear.PackedWeight.widened is widened

@@ -234,17 +234,23 @@ constexpr int64_t panel_count(int64_t n, int64_t half) {
 #if defined(__AVX512BF16__)
 constexpr bool kAvailable = true;
 
+// What a tile stores: each output rounded to bfloat16 (kRounded); silu(first half) * second half
+// of the rounded halves, exactly as silu_and_mul computes it (kSwiglu); or the rounded outputs
+// widened back to float32 (kWidened: what `.float()` of kRounded's output holds, written in the
+// same pass; an LM head's logits, which sampling reads as float32).
+enum Store : int { kRounded = 0, kSwiglu = 1, kWidened = 2 };
+
 // One register tile: `R` rows of x (lda apart, k long) times a panel (pairs of K, 32 columns),
-// its two 16-column halves (plus their bias, in float32, when given) rounded to bfloat16 into c0
-// and c1 for the columns in lanes0 and lanes1; with Swiglu, silu(first half) * second half into
-// c0 instead, from the two rounded halves exactly as silu_and_mul computes it. Meanwhile it
+// its two 16-column halves (plus their bias, in float32, when given) rounded to bfloat16 and
+// stored as `S` says into c0 and c1 (ldc elements of the stored type apart) for the columns in
+// lanes0 and lanes1; kSwiglu stores only into c0. Meanwhile it
 // fetches `fetch_lines` cache lines from `fetch` into L2, paced over its K loop: part of the
 // next panel, which then comes from L2 instead of memory when its first tile starts. Without
 // that fetch a panel's first tile waited on memory: 389-404 against 410-415 GFLOP/s at M = 64,
 // 275 against 353 at M = 16.
-template <int R, bool Swiglu>
+template <int R, Store S>
 void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* __restrict b,
-          uint16_t* __restrict c0, uint16_t* __restrict c1, int64_t ldc, __mmask16 lanes0,
+          void* __restrict c0, void* __restrict c1, int64_t ldc, __mmask16 lanes0,
           __mmask16 lanes1, const float* __restrict bias0, const float* __restrict bias1,
           const char* fetch, int64_t fetch_lines) {
   __m512 acc[R][2];
@@ -282,12 +288,30 @@ void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* 
   if (bias0 != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias0);
   if (bias1 != nullptr) add1 = _mm512_maskz_loadu_ps(lanes1, bias1);
   // Whole halves get plain stores (masked ones cost more on Zen 4).
-  const bool whole = lanes0 == 0xffff && (Swiglu || lanes1 == 0xffff);
+  const bool whole = lanes0 == 0xffff && (S == kSwiglu || lanes1 == 0xffff);
   for (int r = 0; r < R; ++r) {
     const __m256i o0 = ferrum::to_bf16(_mm512_add_ps(acc[r][0], add0));
     const __m256i o1 = ferrum::to_bf16(_mm512_add_ps(acc[r][1], add1));
-    __m256i* p0 = reinterpret_cast<__m256i*>(c0 + r * ldc);
-    if constexpr (Swiglu) {
+    if constexpr (S == kWidened) {
+      float* p0 = static_cast<float*>(c0) + r * ldc;
+      float* p1 = static_cast<float*>(c1) + r * ldc;
+      // Whole cache lines bypass the cache: a vocabulary's float32 rows are megabytes (8 MB at
+      // 64 rows of W1), and plain stores would first read in every line they overwrite.
+      const uintptr_t addresses = reinterpret_cast<uintptr_t>(p0) | reinterpret_cast<uintptr_t>(p1);
+      if (whole && (addresses & 63) == 0) {
+        _mm512_stream_ps(p0, ferrum::from_bf16(o0));
+        _mm512_stream_ps(p1, ferrum::from_bf16(o1));
+      } else if (whole) {
+        _mm512_storeu_ps(p0, ferrum::from_bf16(o0));
+        _mm512_storeu_ps(p1, ferrum::from_bf16(o1));
+      } else {
+        _mm512_mask_storeu_ps(p0, lanes0, ferrum::from_bf16(o0));
+        _mm512_mask_storeu_ps(p1, lanes1, ferrum::from_bf16(o1));
+      }
+      continue;
+    }
+    __m256i* p0 = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(c0) + r * ldc);
+    if constexpr (S == kSwiglu) {
       const __m256i o = ferrum::to_bf16(
           ferrum::silu_mul16<uint16_t>(ferrum::from_bf16(o0), ferrum::from_bf16(o1)));
       if (whole) {
@@ -296,7 +320,7 @@ void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* 
         _mm256_mask_storeu_epi16(p0, lanes0, o);
       }
     } else {
-      __m256i* p1 = reinterpret_cast<__m256i*>(c1 + r * ldc);
+      __m256i* p1 = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(c1) + r * ldc);
       if (whole) {
         _mm256_storeu_si256(p0, o0);
         _mm256_storeu_si256(p1, o1);
@@ -308,24 +332,24 @@ void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* 
   }
 }
 
-using Tile = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, uint16_t*, uint16_t*,
-                      int64_t, __mmask16, __mmask16, const float*, const float*, const char*,
-                      int64_t);
-// By row count (a tile of M's last rows has only those rows' accumulators), plain and SwiGLU.
-constexpr Tile kTiles[2][kRows + 1] = {
-    {nullptr, tile<1, false>, tile<2, false>, tile<3, false>, tile<4, false>, tile<5, false>,
-     tile<6, false>, tile<7, false>, tile<8, false>},
-    {nullptr, tile<1, true>, tile<2, true>, tile<3, true>, tile<4, true>, tile<5, true>,
-     tile<6, true>, tile<7, true>, tile<8, true>}};
+using Tile = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, void*, void*, int64_t,
+                      __mmask16, __mmask16, const float*, const float*, const char*, int64_t);
+// By row count (a tile of M's last rows has only those rows' accumulators), for each Store.
+template <Store S>
+constexpr Tile kTilesOf[kRows + 1] = {nullptr,    tile<1, S>, tile<2, S>, tile<3, S>, tile<4, S>,
+                                      tile<5, S>, tile<6, S>, tile<7, S>, tile<8, S>};
 
 // out[M, N] = x[M, K] @ W^T (+ bias). Threads take contiguous runs of panels; each goes over x a
 // block of rows at a time, and within a block panel by panel, every tile of the block on the
 // panel, which stays in L2 meanwhile. half = 0: the plain layout (panel p holds columns 32p ..
 // 32p + 31). half = N / 2: the paired layout (panel p holds columns 16p .. 16p + 15 of each
-// half, pack_gemm_weight_halves); with swiglu, out is [M, half] = silu(first half) * second.
+// half, pack_gemm_weight_halves). out: [M, N] bfloat16 (kRounded), [M, half] bfloat16 =
+// silu(first half) * second (kSwiglu, paired only), or [M, N] float32 (kWidened).
 void gemm(const uint16_t* __restrict x, const uint16_t* __restrict packed,
-          const float* __restrict bias, uint16_t* __restrict out, int64_t m, int64_t n,
-          int64_t k, int64_t half, bool swiglu) {
+          const float* __restrict bias, void* __restrict out, int64_t m, int64_t n, int64_t k,
+          int64_t half, Store store) {
+  const bool swiglu = store == kSwiglu;
+  const int64_t out_bytes = store == kWidened ? sizeof(float) : sizeof(uint16_t);
   const int64_t pairs = (k + 1) / 2;
   const int64_t panels = panel_count(n, half);
   const int64_t panel_elems = pairs * 2 * kCols;
@@ -333,7 +357,9 @@ void gemm(const uint16_t* __restrict x, const uint16_t* __restrict packed,
   const int64_t tiles = (m + kRows - 1) / kRows;
   const int64_t block_tiles = std::max<int64_t>(1, kBlockBytes / (2 * k) / kRows);
   const int64_t ldc = swiglu ? half : n;
-  const Tile* by_rows = kTiles[swiglu ? 1 : 0];
+  const Tile* by_rows = store == kSwiglu    ? kTilesOf<kSwiglu>
+                        : store == kWidened ? kTilesOf<kWidened>
+                                            : kTilesOf<kRounded>;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t first, int64_t last) {
     for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {
@@ -358,13 +384,14 @@ void gemm(const uint16_t* __restrict x, const uint16_t* __restrict packed,
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, m - r0);
           const int64_t done = std::min((t - t0) * per_tile, panel_lines);
-          uint16_t* c = out + r0 * ldc;
-          by_rows[rows](x + r0 * k, k, k, b, c + col0, swiglu ? nullptr : c + col1, ldc, lanes0,
-                        lanes1, bias0, bias1, next + 64 * done,
-                        std::min(per_tile, panel_lines - done));
+          char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
+          by_rows[rows](x + r0 * k, k, k, b, c + col0 * out_bytes,
+                        swiglu ? nullptr : c + col1 * out_bytes, ldc, lanes0, lanes1, bias0,
+                        bias1, next + 64 * done, std::min(per_tile, panel_lines - done));
         }
       }
     }
+    if (store == kWidened) _mm_sfence();  // this thread's streamed stores, before the join
   });
 }
 #else
@@ -458,10 +485,11 @@ torch::Tensor pack_gemm_weight(torch::Tensor w) {
 
 // The bfloat16 GEMM over a plain (half = 0) or paired (half = N / 2) pack: x [M, K] and packed
 // bfloat16, bias [N] in x's dtype or float32 (added in float32 before the one rounding), n = N.
-// -> [M, N] bfloat16; with swiglu (paired only) [M, half] = silu(first half) * second half.
+// -> [M, N] bfloat16; with swiglu (paired only) [M, half] = silu(first half) * second half;
+// with widened [M, N] float32 holding the bfloat16-rounded outputs.
 torch::Tensor gemm_bf16(torch::Tensor x, const torch::Tensor& packed,
                         const c10::optional<torch::Tensor>& bias, int64_t n, bool paired,
-                        bool swiglu) {
+                        bool swiglu, bool widened = false) {
   using ferrum_gemm_bf16::kCols;
   TORCH_CHECK(ferrum_gemm_bf16::kAvailable, "the bfloat16 GEMM needs a CPU with AVX512_BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
@@ -486,15 +514,19 @@ torch::Tensor gemm_bf16(torch::Tensor x, const torch::Tensor& packed,
   }
   if (k == 0) {  // an empty sum: the bias alone
     auto zero = torch::zeros({m, n}, x.options().dtype(torch::kFloat));
-    return (b.defined() ? zero + b : zero).to(x.scalar_type());
+    auto rounded = (b.defined() ? zero + b : zero).to(x.scalar_type());
+    return widened ? rounded.to(torch::kFloat) : rounded;
   }
-  auto out = torch::empty({m, swiglu ? half : n}, x.options());
+  auto out = torch::empty({m, swiglu ? half : n},
+                          widened ? x.options().dtype(torch::kFloat) : x.options());
   if (m == 0) return out;
 #if defined(__AVX512BF16__)
+  using ferrum_gemm_bf16::Store;
+  const Store store = swiglu ? Store::kSwiglu : widened ? Store::kWidened : Store::kRounded;
   ferrum_gemm_bf16::gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
                          reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                         b.defined() ? b.data_ptr<float>() : nullptr,
-                         reinterpret_cast<uint16_t*>(out.data_ptr()), m, n, k, half, swiglu);
+                         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), m, n, k,
+                         half, store);
 #endif
   return out;
 }
@@ -505,6 +537,16 @@ torch::Tensor gemm_bf16(torch::Tensor x, const torch::Tensor& packed,
 torch::Tensor packed_gemm_halves(torch::Tensor x, torch::Tensor packed,
                                  c10::optional<torch::Tensor> bias, int64_t n, bool swiglu) {
   return gemm_bf16(x, packed, bias, n, true, swiglu);
+}
+
+// x [M, K] bfloat16 times a plain bfloat16 pack_gemm_weight weight (bias [N] or None), n = N
+// -> [M, N] float32: exactly packed_gemm(...).float(), in one pass. A vocabulary-wide output
+// (an LM head's logits) then is not written in bfloat16 and read back to be widened: 0.2-0.8 ms
+// of a W1 decode step, whose 8 MB of float32 logits missed the cache.
+torch::Tensor packed_gemm_widened(torch::Tensor x, torch::Tensor packed,
+                                  c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
+  return gemm_bf16(x, packed, bias, n, false, false, true);
 }
 
 // x [M, K] float32, packed from pack_gemm_weight, bias [N] float32 or None, n = N -> [M, N]

@@ -215,9 +215,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         transformers does when the config sets final_logit_softcapping."""
         head = self.lm_head if self.lm_head is not None else self.tied_head
         assert head is not None  # exactly one of the two exists
-        logits: torch.Tensor = head(hidden)
-        if self.spec.final_logit_softcap:
-            logits = soft_cap(logits, self.spec.final_logit_softcap)
+        if not self.spec.final_logit_softcap:
+            return self.backend.float32_logits(head, hidden)
+        logits = soft_cap(head(hidden), self.spec.final_logit_softcap)
         return logits.float()
 
     def weight_map(self) -> list[WeightEntry]:

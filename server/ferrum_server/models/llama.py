@@ -459,8 +459,7 @@ class LlamaForCausalLM(CausalLM):
         """[N, hidden] -> [N, vocab] float32 logits."""
         head = self.lm_head if self.lm_head is not None else self.tied_head
         assert head is not None  # exactly one of the two exists
-        logits: torch.Tensor = head(hidden)
-        return logits.float()
+        return self._backend.float32_logits(head, hidden)
 
     def weight_map(self) -> list[WeightEntry]:
         """Our parameter names with the HF tensors behind each (see ``weight_map``)."""
