@@ -52,10 +52,15 @@ void argmax_lse_rows(const T* logits, int64_t stride, int64_t rows, int64_t voca
       // Scores below mx - 88 add under 1e-38 each: clamped there, exp_ps's range.
       const __m512 top = _mm512_set1_ps(mx), low = _mm512_set1_ps(-88.f);
       __m512 acc = _mm512_setzero_ps();
+      // This pass is bound by exp's arithmetic, the first by memory (an LM head streams its
+      // logits past the cache): fetching the next row into L2 meanwhile overlaps the two.
+      const char* next = r + 1 < end ? reinterpret_cast<const char*>(row + stride) : nullptr;
       int64_t i = 0;
-      for (; i + 16 <= vocab; i += 16)
+      for (; i + 16 <= vocab; i += 16) {
+        if (next != nullptr) _mm_prefetch(next + i * sizeof(T), _MM_HINT_T1);
         acc = _mm512_add_ps(
             acc, ferrum::exp_ps(_mm512_max_ps(_mm512_sub_ps(ferrum::load16(row + i), top), low)));
+      }
       if (i < vocab) {
         const __mmask16 lanes = ferrum::first_lanes(vocab - i);
         const __m512 t = _mm512_sub_ps(ferrum::load16(row + i, lanes), top);
