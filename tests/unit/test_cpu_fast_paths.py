@@ -103,6 +103,35 @@ def test_packing_keeps_parameter_names() -> None:
     assert set(model.hf_state_dict()) == set(build_tiny(torch.float32, "cpu").hf_state_dict())
 
 
+@torch.no_grad()
+def test_a_bfloat16_models_logits_come_from_the_widening_gemm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """compute_logits on the CPU backend runs the LM head's widened GEMM where the native
+    bfloat16 GEMM serves it, and returns exactly what the head's bfloat16 output widened holds."""
+    from ferrum_kernels import cpu_linear
+
+    model = build_tiny(torch.bfloat16, "cpu")
+    model.bind_backend(cpu_backend())
+    head = model.lm_head
+    assert isinstance(head, PackedLinear)  # the tiny model's head is not tied
+    hidden = torch.randn(5, model.config.hidden_size).bfloat16()
+    want = head(hidden).float()
+    calls: list[int] = []
+    widened = cpu_linear.PackedWeight.widened
+
+    def counted(pack: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return widened(pack, x)
+
+    monkeypatch.setattr(cpu_linear.PackedWeight, "widened", counted)
+    got = model.compute_logits(hidden)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    pack = head._pack
+    serves = pack is not None and pack.widens(hidden)
+    assert calls == ([5] if serves else [])
+
+
 def _mixed_steps(runner: PagedRunner, vocab: int) -> list[torch.Tensor]:
     """Prefill several prompts in chunks, then mixed decode + chunk steps; all logits."""
     torch.manual_seed(7)
