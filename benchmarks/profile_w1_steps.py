@@ -75,27 +75,21 @@ class KernelClock:
                 }
             )
             native.load = lambda: wrapped
-        linear = self._linear
+        packed = cpu_linear.PackedWeight
+        packed.__call__ = self._timed_method(self._linear, "")  # type: ignore[method-assign]
+        packed.swiglu = self._timed_method(self._swiglu, " + SwiGLU")  # type: ignore[method-assign]
+        packed.widened = self._timed_method(self._widened, " -> float32")  # type: ignore[method-assign]
 
-        def packed_call(pack: cpu_linear.PackedWeight, x: torch.Tensor) -> torch.Tensor:
-            name = f"linear {pack.out_features} x {pack.in_features}"
-            return self.timed(name, linear)(pack, x)  # type: ignore[no-any-return]
+    def _timed_method(
+        self, method: Callable[..., torch.Tensor], suffix: str
+    ) -> Callable[[cpu_linear.PackedWeight, torch.Tensor], torch.Tensor]:
+        """A PackedWeight method timed under "linear N x K" plus `suffix`."""
 
-        swiglu = self._swiglu
+        def call(pack: cpu_linear.PackedWeight, x: torch.Tensor) -> torch.Tensor:
+            name = f"linear {pack.out_features} x {pack.in_features}{suffix}"
+            return self.timed(name, method)(pack, x)  # type: ignore[no-any-return]
 
-        def packed_swiglu(pack: cpu_linear.PackedWeight, x: torch.Tensor) -> torch.Tensor:
-            name = f"linear {pack.out_features} x {pack.in_features} + SwiGLU"
-            return self.timed(name, swiglu)(pack, x)  # type: ignore[no-any-return]
-
-        widened = self._widened
-
-        def packed_widened(pack: cpu_linear.PackedWeight, x: torch.Tensor) -> torch.Tensor:
-            name = f"linear {pack.out_features} x {pack.in_features} -> float32"
-            return self.timed(name, widened)(pack, x)  # type: ignore[no-any-return]
-
-        cpu_linear.PackedWeight.__call__ = packed_call  # type: ignore[method-assign,assignment]
-        cpu_linear.PackedWeight.swiglu = packed_swiglu  # type: ignore[method-assign,assignment]
-        cpu_linear.PackedWeight.widened = packed_widened  # type: ignore[method-assign,assignment]
+        return call
 
     def remove(self) -> None:
         native.load = self._load

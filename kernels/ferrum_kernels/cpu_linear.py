@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -263,16 +264,14 @@ class PackedWeight:
         ``widens(x)``."""
         if not self.widens(x):
             raise ValueError("widened needs a plain bfloat16 weight on the native GEMM")
-        bias = None if self.bias is None else self.bias.detach().to(self.compute_dtype)
-        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        flat: torch.Tensor = native.load().packed_gemm_widened(
-            rows, self.packed(), bias, self.out_features
-        )
-        return flat if x.dim() == 2 else flat.view(*x.shape[:-1], flat.shape[-1])
+        return self._native(x, "widened")
 
-    def _native(self, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    def _native(
+        self, x: torch.Tensor, store: Literal["plain", "swiglu", "widened"]
+    ) -> torch.Tensor:
         # Called about fifty times a decode step: the reshapes and casts run only when they
-        # change something (each is a dispatcher call even as a no-op).
+        # change something (each is a dispatcher call even as a no-op). "widened" keeps the
+        # GEMM's float32 output; the others return x's dtype.
         compute = self.compute_dtype
         bias = None if self.bias is None else self.bias.detach().to(compute)
         flat_input = x.dim() == 2
@@ -283,16 +282,18 @@ class PackedWeight:
         module = native.load()
         n = self.out_features
         if self.paired:
-            flat: torch.Tensor = module.packed_gemm_halves(rows, packed, bias, n, swiglu)
+            flat: torch.Tensor = module.packed_gemm_halves(rows, packed, bias, n, store == "swiglu")
+        elif store == "widened":
+            flat = module.packed_gemm_widened(rows, packed, bias, n)
         else:
             flat = module.packed_gemm(rows, packed, bias, n)
         out = flat if flat_input else flat.view(*x.shape[:-1], flat.shape[-1])
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        return out if store == "widened" or out.dtype == x.dtype else out.to(x.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         if self.kernel == "native":
-            return self._native(x, swiglu=False)
+            return self._native(x, "plain")
         compute = self.compute_dtype
         bias = None if self.bias is None else self.bias.detach().to(compute)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -311,7 +312,7 @@ class PackedWeight:
         ``self(x)`` (each half rounded to bfloat16 first). Only where ``fuses_swiglu(x)``."""
         if not self.fuses_swiglu(x):
             raise ValueError("swiglu needs a paired bfloat16 gate/up weight on the native GEMM")
-        return self._native(x, swiglu=True)
+        return self._native(x, "swiglu")
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -364,16 +365,8 @@ def fused_gate_up_silu(proj: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of ``proj(x)`` [T, I] in one GEMM (``PackedWeight.swiglu``) when proj is
     a packed gate/up projection whose native GEMM serves x; else None, and the caller applies
     the activation to ``proj(x)`` itself."""
-    if not isinstance(proj, PackedLinear) or proj._pack is None:
-        return None
-    pack = proj._pack
-    if x.device.type != "cpu" or not pack.fuses_swiglu(x):
-        return None
-    if not pack.released and (
-        (torch.is_grad_enabled() and proj.weight.requires_grad) or not _packable(proj.weight)
-    ):
-        return None  # PackedLinear.forward would not run the packed GEMM either
-    return pack.swiglu(x)
+    pack = _serving_pack(proj, x)
+    return pack.swiglu(x) if pack is not None and pack.fuses_swiglu(x) else None
 
 
 def float32_linear(head: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -381,20 +374,25 @@ def float32_linear(head: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     linear or a packed tied head whose native GEMM widens x; else None, and the caller widens
     ``head(x)`` itself. For LM heads: their logits are sampled in float32."""
     if isinstance(head, TiedLinear):
-        pack = head.packed
-        if not isinstance(pack, PackedWeight) or x.device.type != "cpu":
-            return None
-        return pack.widened(x) if pack.widens(x) else None
-    if not isinstance(head, PackedLinear) or head._pack is None or x.device.type != "cpu":
+        tied = head.packed
+        pack = tied if isinstance(tied, PackedWeight) and x.device.type == "cpu" else None
+    else:
+        pack = _serving_pack(head, x)
+    return pack.widened(x) if pack is not None and pack.widens(x) else None
+
+
+def _serving_pack(proj: nn.Module, x: torch.Tensor) -> PackedWeight | None:
+    """The packed copy ``proj``'s forward would run for x: a ``PackedLinear``'s pack, on a CPU
+    input, unless the forward falls back to F.linear (a gradient wanted, or the plain weight
+    moved to another device or dtype since packing); else None."""
+    if not isinstance(proj, PackedLinear) or proj._pack is None or x.device.type != "cpu":
         return None
-    pack = head._pack
-    if not pack.widens(x):
-        return None
+    pack = proj._pack
     if not pack.released and (
-        (torch.is_grad_enabled() and head.weight.requires_grad) or not _packable(head.weight)
+        (torch.is_grad_enabled() and proj.weight.requires_grad) or not _packable(proj.weight)
     ):
-        return None  # PackedLinear.forward would not run the packed GEMM either
-    return pack.widened(x)
+        return None
+    return pack
 
 
 def prepack_linears(module: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:

@@ -54,8 +54,9 @@ inline __m512 store_rounded(uint16_t* p, __m512 v, __mmask16 lanes) {
 // One row of (optionally residual-added) RMSNorm in 16-lane vectors, the tail masked (its
 // missing lanes load as zero and add nothing to the sum). The sum of squares is a mul then an
 // add per lane, as the scalar loop, in two chains so the adds overlap; only its order differs.
-// `row` (width rounded up to whole vectors) keeps the row as float32 between the passes and `weight` is the weight
-// widened once per chunk of rows: in bfloat16 the conversions, not memory, bound this kernel.
+// `row` (width rounded up to whole vectors) keeps the row as float32 between the passes, and
+// `weight` is the weight widened once per chunk of rows: in bfloat16 the conversions, not
+// memory, bound this kernel.
 template <typename T>
 void rms_norm_row(const T* x, const float* weight, T* out, T* residual, const T* delta,
                   float* row, int64_t width, float eps) {
@@ -67,8 +68,8 @@ void rms_norm_row(const T* x, const float* weight, T* out, T* residual, const T*
     if (residual != nullptr) {
       // residual <- residual + delta, rounded to T as the reference's add; the sum is what
       // the statistic and the output read.
-      v = store_rounded(residual + i,
-                        _mm512_add_ps(load16(residual + i, lanes), load16(delta + i, lanes)), lanes);
+      const __m512 added = _mm512_add_ps(load16(residual + i, lanes), load16(delta + i, lanes));
+      v = store_rounded(residual + i, added, lanes);
     } else {
       v = load16(x + i, lanes);
     }

@@ -297,8 +297,8 @@ void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* 
       float* p1 = static_cast<float*>(c1) + r * ldc;
       // Whole cache lines bypass the cache: a vocabulary's float32 rows are megabytes (8 MB at
       // 64 rows of W1), and plain stores would first read in every line they overwrite.
-      const uintptr_t addresses = reinterpret_cast<uintptr_t>(p0) | reinterpret_cast<uintptr_t>(p1);
-      if (whole && (addresses & 63) == 0) {
+      const uintptr_t aligned = reinterpret_cast<uintptr_t>(p0) | reinterpret_cast<uintptr_t>(p1);
+      if (whole && (aligned & 63) == 0) {
         _mm512_stream_ps(p0, ferrum::from_bf16(o0));
         _mm512_stream_ps(p1, ferrum::from_bf16(o1));
       } else if (whole) {
