@@ -358,3 +358,48 @@ def test_the_backend_widens_a_packed_heads_logits_in_its_gemm() -> None:
     assert torch.equal(torch_backend().float32_logits(plain, x), plain(x).float())
     with pytest.raises(ValueError, match="plain bfloat16 weight"):
         model.gate_up_proj._pack.widened(x)
+
+
+@needs_native_gemm
+def test_a_native_gemm_call_lets_other_python_threads_run() -> None:
+    """The native kernels release the GIL while they run, so the server's other Python threads
+    (gRPC handlers, health checks) are not held up for a whole GEMM. With the GIL held, no
+    bytecode of another thread runs inside a call."""
+    import threading
+    import time
+
+    pack = PackedWeight(torch.randn(2048, 2048), None, kernel="native")
+    x = torch.randn(1024, 2048)
+    pack(x)  # packs the weight outside the timed calls
+    calls: list[tuple[float, float]] = []
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def gemms() -> None:
+        try:
+            for _ in range(6):
+                started = time.perf_counter()
+                pack(x)
+                calls.append((started, time.perf_counter()))
+        finally:
+            done.set()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # leaves a core to this thread on a 2-core machine
+    try:
+        worker = threading.Thread(target=gemms)
+        worker.start()
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    # Ticks in the middle 80% of a call: none can land there while the call holds the GIL.
+    inside = sum(
+        1
+        for start, end in calls
+        for tick in ticks
+        if start + 0.1 * (end - start) < tick < end - 0.1 * (end - start)
+    )
+    assert len(calls) == 6
+    assert inside > 100, f"{inside} ticks of another thread inside {len(calls)} GEMM calls"
