@@ -14,8 +14,8 @@ asked to build, so torch's own compiler warnings do not appear either.
 Every function releases the GIL while it runs (``_bindings``): the kernels touch no Python
 object, and a server's other threads (its gRPC handlers: health checks, admission probes, the
 next step's parse) then need not wait for a whole GEMM or attention call on the engine thread.
-Served, under a prefill-heavy load, a health check's p99 latency went from 23-26 ms to 6-7 ms
-(docs/benchmarks.md).
+Served, under a prefill-heavy load, a health check's p99 latency went from 24-25 ms to 6-8 ms
+(``benchmarks/probe_latency_bench.py``, docs/operations.md).
 
 ``-ffast-math`` lets the attention reductions and ``exp`` vectorise (measured: about 15% on the
 decode kernel over ``omp simd`` reductions and a hand-written exp). The fused elementwise kernels
