@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,13 +25,10 @@ from pathlib import Path
 import grpc
 from ferrum_client import AsyncExecutorClient
 from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
-from ferrum_server.server_process import start_server_process
+from ferrum_server.server_process import start_server_process, stop_server_processes
+from ferrum_server.tools.bench.harness import percentile
 from ferrum_server.tools.bench.workloads import WORKLOADS, ensure_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-
-def _percentile(sorted_ms: list[float], fraction: float) -> float:
-    return sorted_ms[min(len(sorted_ms) - 1, int(fraction * len(sorted_ms)))]
 
 
 async def _measure(target: str, args: argparse.Namespace, vocab: int) -> dict[str, float]:
@@ -65,13 +60,12 @@ async def _measure(target: str, args: argparse.Namespace, vocab: int) -> dict[st
         await task
     if not latencies:
         raise SystemExit("no health check was answered during the run")
-    latencies.sort()
     return {
         "checks": float(len(latencies)),
-        "p50_ms": _percentile(latencies, 0.5),
-        "p90_ms": _percentile(latencies, 0.9),
-        "p99_ms": _percentile(latencies, 0.99),
-        "max_ms": latencies[-1],
+        "p50_ms": percentile(latencies, 50),
+        "p90_ms": percentile(latencies, 90),
+        "p99_ms": percentile(latencies, 99),
+        "max_ms": max(latencies),
         "wall_s": wall,
     }
 
@@ -104,12 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     try:
         result = asyncio.run(_measure(f"127.0.0.1:{port}", args, workload.model.vocab_size))
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server_processes([process])
     sys.stdout.write(
         f"{args.workload} {args.dtype}, {args.prompts} x {args.prompt_tokens}-token prompts: "
         f"{result['checks']:.0f} health checks, p50 {result['p50_ms']:.2f} p90 "

@@ -1,9 +1,11 @@
-"""Start `ferrum-executor serve` as a subprocess on a free loopback port (tools and tests)."""
+"""Start `ferrum-executor serve` as a subprocess on a free loopback port, and stop it (tools and
+tests)."""
 
 from __future__ import annotations
 
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,3 +51,15 @@ def start_server_process(
         return process, int(port_file.read_text())
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def stop_server_processes(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every server (they drain together), then wait up to 60 s for each; kill one
+    that has not stopped by then."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()

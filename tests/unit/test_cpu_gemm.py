@@ -4,6 +4,8 @@ blocking, batch-invariant per row, and the kernel choice (``FERRUM_CPU_GEMM``)."
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -365,9 +367,6 @@ def test_a_native_gemm_call_lets_other_python_threads_run() -> None:
     """The native kernels release the GIL while they run, so the server's other Python threads
     (gRPC handlers, health checks) are not held up for a whole GEMM. With the GIL held, no
     bytecode of another thread runs inside a call."""
-    import threading
-    import time
-
     pack = PackedWeight(torch.randn(2048, 2048), None, kernel="native")
     x = torch.randn(1024, 2048)
     pack(x)  # packs the weight outside the timed calls

@@ -11,7 +11,6 @@ import asyncio
 import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -234,7 +233,7 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
     from ferrum_client.fleet_backend import FleetBackend
     from ferrum_client.scheduler import Backend, GrpcBackend
 
-    from ferrum_server.server_process import start_server_process
+    from ferrum_server.server_process import start_server_process, stop_server_processes
 
     processes: list[subprocess.Popen[bytes]] = []
     targets: list[str] = []
@@ -244,7 +243,7 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
             processes.append(process)
             targets.append(f"127.0.0.1:{port}")
     except BaseException:
-        _stop(processes)
+        stop_server_processes(processes)
         raise
     clients: list[AsyncExecutorClient] = []
 
@@ -265,7 +264,7 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
             for rank, pid in enumerate(_followers(processes[0].pid), start=1):
                 peaks[f"rank{rank}"] = peak_rss(pid)
     finally:
-        _stop(processes)
+        stop_server_processes(processes)
     notes["executors"] = spec.executors
     notes["tensor_parallel_size"] = spec.tensor_parallel_size
     return RunOutput(
@@ -284,16 +283,6 @@ def _followers(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         children.extend(int(c) for c in (task / "children").read_text().split())
     return sorted(children)
-
-
-def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def run_ferrum_inproc(spec: RunSpec) -> RunOutput:
