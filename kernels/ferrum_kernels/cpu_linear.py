@@ -8,18 +8,20 @@ The arithmetic is the same oneDNN GEMM, so results agree with ``F.linear`` to fl
 Where oneDNN packs float32 but not bfloat16 (an AVX2 CPU), bfloat16 weights are packed widened
 to float32 (``pack_dtype``).
 
-Two cases run the native GEMM (``csrc/gemm.cpp``, ``gemm_kernel``) instead. On a CPU with AVX2
-but not AVX-512, float32 (and widened bfloat16) weights: on the development machine it runs a
-decode step's M = 64 at 99-109 GFLOP/s where oneDNN's AVX2 kernels run 83-95, and is level with
-them at M = 512. On a CPU with AVX512_BF16, bfloat16 weights: on a Zen 4 it runs M = 64 at
-410-415 GFLOP/s against oneDNN's 342-346 and M = 16 at 353 against 229, and is level from
-M = 256 on. There a SwiGLU's gate/up weight (``GATE_UP_NAME``) is packed paired, so its GEMM
+The native GEMM (``csrc/gemm.cpp``, ``gemm_kernel``) runs instead wherever it is built. On a
+CPU with AVX2 but not AVX-512, float32 (and widened bfloat16) weights: on the development
+machine it runs a decode step's M = 64 at 99-109 GFLOP/s where oneDNN's AVX2 kernels run 83-95,
+and is level with them at M = 512. On a CPU with AVX512_BF16, bfloat16 weights: on a Zen 4 it
+runs M = 64 at 410-415 GFLOP/s against oneDNN's 342-346 and M = 16 at 353 against 229, and is
+level from M = 256 on. On a CPU with AVX-512, float32 weights, in the same panels and tiles
+with FMAs: 211 against oneDNN's 200 GFLOP/s at M = 64, 1.4% behind at M = 1024. On those two
+(the AVX-512 GEMM) a SwiGLU's gate/up weight (``GATE_UP_NAME``) is packed paired, so its GEMM
 applies the activation as it stores (``fused_gate_up_silu``): W1 bfloat16 ran 1-4% faster end to
-end than with oneDNN from 256 rows on and a separate SwiGLU, on one packed copy instead of two
-(docs/cpu-kernels.md). ``FERRUM_CPU_GEMM`` picks the kernel: ``auto`` (the default, as above),
-``native`` (the native GEMM wherever it is built: also float32 on an AVX-512 CPU, for
-comparison) or ``onednn``. It is read once, when the first weight is packed, and the choice is
-logged once (event ``cpu_gemm``).
+end than with oneDNN from 256 rows on and a separate SwiGLU, on one packed copy instead of two;
+W1 float32 about 1% and the decode-heavy ``w1-long`` about 4% (docs/cpu-kernels.md).
+``FERRUM_CPU_GEMM`` picks the kernel: ``auto`` (the default, as above), ``native`` (the same
+where it is built) or ``onednn``. It is read once, when the first weight is packed, and the
+choice is logged once (event ``cpu_gemm``).
 
 ``prepack_linears(module)`` swaps every ``nn.Linear`` under ``module`` for a ``PackedLinear`` that
 shares the same ``weight``/``bias`` Parameters (so ``state_dict``/``named_parameters`` and
@@ -119,8 +121,7 @@ def _gemm_kernels() -> dict[torch.dtype, str]:
         module = None if choice == "onednn" else native.load()
         kernels = {torch.float32: "onednn", torch.bfloat16: "onednn"}
         if module is not None:
-            built, avx512 = module.gemm_isa()
-            if built and (choice == "native" or not avx512):
+            if module.gemm_isa()[0]:
                 kernels[torch.float32] = "native"
             if module.gemm_bf16_available():
                 kernels[torch.bfloat16] = "native"
@@ -147,9 +148,21 @@ def _native_gemm_built(compute_dtype: torch.dtype) -> bool:
     return compute_dtype == torch.float32 and bool(module.gemm_isa()[0])
 
 
+def _native_gemm_pairs(compute_dtype: torch.dtype) -> bool:
+    """Whether the native GEMM of `compute_dtype` is the AVX-512 one, which packs a gate/up
+    weight paired and fuses its SwiGLU: bfloat16 always (it needs AVX512_BF16), float32 on an
+    AVX-512 CPU (the AVX2 kernel does not)."""
+    module = native.load()
+    if module is None:
+        return False
+    return compute_dtype == torch.bfloat16 or (
+        compute_dtype == torch.float32 and bool(module.gemm_isa()[1])
+    )
+
+
 def gemm_kernel(compute_dtype: torch.dtype) -> str:
-    """Which GEMM a weight packed to multiply in `compute_dtype` runs: "native" (float32 on an
-    AVX2 CPU without AVX-512, bfloat16 on a CPU with AVX512_BF16) or "onednn", unless
+    """Which GEMM a weight packed to multiply in `compute_dtype` runs: "native" (float32 on a
+    CPU with AVX2 and FMA, bfloat16 on one with AVX512_BF16) or "onednn", unless
     FERRUM_CPU_GEMM says otherwise."""
     return _gemm_kernels().get(compute_dtype, "onednn")
 
@@ -192,12 +205,13 @@ class PackedWeight:
         elif kernel != "onednn" and not _native_gemm_built(self.compute_dtype):
             raise ValueError(f"the native GEMM is not built here for {self.compute_dtype}")
         self.kernel = kernel  # what the copies are packed for
-        # A gate/up weight's native bfloat16 copy in the paired layout (each panel holds the
-        # same 16 columns of both halves), so its GEMM can apply the SwiGLU as it stores.
+        # A gate/up weight's native copy in the paired layout (each panel holds the same 16
+        # columns of both halves), so its GEMM can apply the SwiGLU as it stores: the AVX-512
+        # GEMM's (bfloat16, or float32 on an AVX-512 CPU).
         self.paired = (
             gate_up
             and kernel == "native"
-            and self.compute_dtype == torch.bfloat16
+            and _native_gemm_pairs(self.compute_dtype)
             and weight.shape[0] % 2 == 0
         )
         # Kept: the plain weight may be freed.
@@ -302,16 +316,16 @@ class PackedWeight:
         return out.to(x.dtype)
 
     def fuses_swiglu(self, x: torch.Tensor) -> bool:
-        """Whether ``swiglu(x)`` runs fused: a paired gate/up weight (bfloat16 on the native GEMM,
-        a CPU with AVX512_BF16) and x in its dtype."""
+        """Whether ``swiglu(x)`` runs fused: a paired gate/up weight (on the AVX-512 native GEMM:
+        bfloat16 with AVX512_BF16, float32 with AVX-512F) and x in its dtype."""
         return self.paired and x.dtype == self.compute_dtype
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> silu(gate) * up [..., N/2], the SwiGLU applied by the GEMM as it stores
         its output: no [..., N] intermediate is written. Bit-identical to ``silu_and_mul`` of
-        ``self(x)`` (each half rounded to bfloat16 first). Only where ``fuses_swiglu(x)``."""
+        ``self(x)`` (in bfloat16 each half rounded first). Only where ``fuses_swiglu(x)``."""
         if not self.fuses_swiglu(x):
-            raise ValueError("swiglu needs a paired bfloat16 gate/up weight on the native GEMM")
+            raise ValueError("swiglu needs a paired gate/up weight on the AVX-512 native GEMM")
         return self._native(x, "swiglu")
 
 

@@ -1,5 +1,5 @@
-"""The native GEMMs (``csrc/gemm.cpp``) that packed linears run: float32 on an AVX2 CPU and
-bfloat16 on a CPU with AVX512_BF16. Each against float64 F.linear over the edges of its
+"""The native GEMMs (``csrc/gemm.cpp``) that packed linears run: float32 (AVX-512, or AVX2 and
+FMA) and bfloat16 (AVX512_BF16). Each against float64 F.linear over the edges of its
 blocking, batch-invariant per row, and the kernel choice (``FERRUM_CPU_GEMM``)."""
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from ferrum_kernels.cpu_linear import PackedWeight, gemm_kernel, mkldnn_linear_a
 _module = native.load()
 needs_native_gemm = pytest.mark.skipif(
     _module is None or not _module.gemm_isa()[0], reason="native GEMM not built (needs AVX2)"
+)
+needs_avx512_float32_gemm = pytest.mark.skipif(
+    _module is None or not _module.gemm_isa()[1],
+    reason="native AVX-512 float32 GEMM not built (needs AVX-512F)",
 )
 needs_bf16_gemm = pytest.mark.skipif(
     _module is None or not _module.gemm_bf16_available(),
@@ -74,7 +78,8 @@ def test_native_gemm_matches_float64_linear(
     x = torch.randn(m, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
     packed = _module.pack_gemm_weight(w)
-    assert packed.shape == (-(-n // 16), k, 16)
+    cols = 32 if _module.gemm_isa()[1] else 16  # the AVX-512 kernel's panels, or the AVX2 one's
+    assert packed.shape == (-(-n // cols), k, cols)
     got = _packed_gemm_on(threads, x, packed, b, n)
     want = _float64_linear(x, w, b)
     assert got.shape == (m, n) and got.dtype == torch.float32
@@ -217,50 +222,61 @@ def test_the_gemm_kernel_follows_ferrum_cpu_gemm(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.usefixtures("choose_kernel")
-def test_auto_picks_native_float32_only_without_avx512_and_bf16_with_avx512_bf16(
+def test_auto_picks_the_native_gemm_wherever_it_is_built(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("FERRUM_CPU_GEMM", raising=False)
-    built, avx512 = (False, False) if _module is None else _module.gemm_isa()
-    expected = "native" if built and not avx512 else "onednn"
-    assert gemm_kernel(torch.float32) == expected
+    built = _module is not None and _module.gemm_isa()[0]
+    assert gemm_kernel(torch.float32) == ("native" if built else "onednn")
     bf16_built = _module is not None and _module.gemm_bf16_available()
     assert gemm_kernel(torch.bfloat16) == ("native" if bf16_built else "onednn")
 
 
-@needs_bf16_gemm
-@pytest.mark.parametrize("k", [80, 81])  # an odd K: the last pair's other half is zero
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(torch.bfloat16, marks=needs_bf16_gemm),
+        pytest.param(torch.float32, marks=needs_avx512_float32_gemm),
+    ],
+)
+@pytest.mark.parametrize("k", [80, 81])  # an odd K: a bfloat16 last pair's other half is zero
 @torch.no_grad()
-def test_a_gate_up_weight_is_paired_and_its_gemm_applies_the_swiglu(k: int) -> None:
+def test_a_gate_up_weight_is_paired_and_its_gemm_applies_the_swiglu(
+    dtype: torch.dtype, k: int
+) -> None:
     """A gate/up weight's paired pack (the same 16 columns of both halves in a panel) gives the
     plain product bit for bit, and its fused SwiGLU is silu_and_mul of that product bit for bit;
     a half of 40 columns leaves the last panel partly empty."""
     from ferrum_kernels.cpu_fused import silu_and_mul_cpu
 
     gen = torch.Generator().manual_seed(4)
-    w = torch.randn(80, k, generator=gen).bfloat16()  # gate rows 0-39, up rows 40-79
-    b = torch.randn(80, generator=gen).bfloat16()
+    w = torch.randn(80, k, generator=gen).to(dtype)  # gate rows 0-39, up rows 40-79
+    b = torch.randn(80, generator=gen).to(dtype)
     paired = PackedWeight(w.clone(), b, kernel="native", gate_up=True)
     plain = PackedWeight(w.clone(), b, kernel="native")
     assert paired.paired and not plain.paired
     paired.release_plain()  # serves from its packed copy alone
     for rows in (1, 9, 300):
-        x = torch.randn(rows, k, generator=gen).bfloat16()
+        x = torch.randn(rows, k, generator=gen).to(dtype)
         want = plain(x)
         assert torch.equal(paired(x), want)
         assert paired.fuses_swiglu(x)
         assert torch.equal(paired.swiglu(x), silu_and_mul_cpu(want))
-    x = torch.randn(2, 3, k, generator=gen).bfloat16()  # leading dims kept
+        # The plain product is the linear, to the dtype's rounding.
+        reference = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (0.05, 2**-7)
+        torch.testing.assert_close(want.double(), reference, atol=atol, rtol=rtol)
+    x = torch.randn(2, 3, k, generator=gen).to(dtype)  # leading dims kept
     assert paired.swiglu(x).shape == (2, 3, 40)
-    assert torch.equal(paired.swiglu(x), silu_and_mul_cpu(plain(x)))
-    # Not paired: float32, oneDNN's kernel, an odd N; swiglu refuses them.
+    # (silu_and_mul_cpu runs the native kernel on [T, 2I] rows; torch's silu differs by an ulp)
+    assert torch.equal(paired.swiglu(x).flatten(0, 1), silu_and_mul_cpu(plain(x).flatten(0, 1)))
+    # Not paired: oneDNN's kernel, an odd N; swiglu refuses them.
     others = [PackedWeight(w[:79].clone(), None, kernel="native", gate_up=True)]
-    if mkldnn_linear_available(torch.bfloat16):
+    if mkldnn_linear_available(dtype):
         others.append(PackedWeight(w.clone(), None, kernel="onednn", gate_up=True))
-    others.append(PackedWeight(w.float(), None, kernel="onednn", gate_up=True))
     for other in others:
         assert not other.paired
-        with pytest.raises(ValueError, match="paired bfloat16 gate/up"):
+        with pytest.raises(ValueError, match="paired gate/up weight on the AVX-512"):
             other.swiglu(x.to(other.dtype))
 
 

@@ -17,12 +17,15 @@
 // Rounding: each output is summed in K order within a block and the blocks in order, the same
 // for every row whatever M is, so a row's result does not depend on the rows batched with it.
 //
-// bfloat16 on a CPU with AVX512_BF16 (ferrum_gemm_bf16, below): the weight in panels of 32
-// columns holding pairs of K ([ceil(N/32), ceil(K/2), 32, 2], vdpbf16ps's operand layout), x read
-// in place (each pair of a row broadcast), an 8 x 32 register tile (16 accumulators) in float32,
-// each output rounded once to bfloat16. Measured against oneDNN's pre-packed bfloat16 GEMM on a
-// Zen 4 (2 cores, W1's shapes, twelve layers of weights cold): 410-415 against 342-346 GFLOP/s at
-// M = 64, 353 against 229 at M = 16, level at M = 512-2048 (docs/cpu-kernels.md).
+// The AVX-512 GEMM (ferrum_gemm512, below), bfloat16 on a CPU with AVX512_BF16 and float32 on
+// one with AVX-512F: the weight in panels of 32 columns ([ceil(N/32), K, 32] float32, or pairs of
+// K, [ceil(N/32), ceil(K/2), 32, 2], vdpbf16ps's operand layout, in bfloat16), x read in place
+// (each element, or pair, of a row broadcast), an 8 x 32 register tile (16 accumulators) in
+// float32, each bfloat16 output rounded once. Each output is summed in K order, whatever M is.
+// Measured against oneDNN's pre-packed bfloat16 GEMM on a Zen 4 (2 cores, W1's shapes, twelve
+// layers of weights cold): 410-415 against 342-346 GFLOP/s at M = 64, 353 against 229 at M =
+// 16, level at M = 512-2048 (docs/cpu-kernels.md). A gate/up weight packed paired (each panel
+// the same 16 columns of both halves) gets its SwiGLU applied as the tile stores.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -33,6 +36,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 
 #include "common.h"
 
@@ -217,7 +222,7 @@ constexpr bool kAvailable = false;
 
 }  // namespace ferrum_gemm
 
-namespace ferrum_gemm_bf16 {
+namespace ferrum_gemm512 {
 
 constexpr int64_t kCols = 32;  // weight columns per panel: two 16-lane accumulators a row
 constexpr int kRows = 8;       // rows of x per register tile: 16 accumulators
@@ -231,67 +236,107 @@ constexpr int64_t panel_count(int64_t n, int64_t half) {
   return half > 0 ? (half + 15) / 16 : (n + kCols - 1) / kCols;
 }
 
+// Elements of K per packed step: a float32 panel holds K rows of 32 columns, a bfloat16 one
+// ceil(K/2) rows of 32 column pairs (vdpbf16ps's operand layout).
+template <typename T>
+constexpr int kPerStep = std::is_same<T, float>::value ? 1 : 2;
+
+template <typename T>
+constexpr int64_t panel_steps(int64_t k) {
+  return (k + kPerStep<T> - 1) / kPerStep<T>;
+}
+
+#if defined(__AVX512F__)
+constexpr bool kF32Available = true;
+#else
+constexpr bool kF32Available = false;
+#endif
 #if defined(__AVX512BF16__)
-constexpr bool kAvailable = true;
+constexpr bool kBf16Available = true;
+#else
+constexpr bool kBf16Available = false;
+#endif
 
-// What a tile stores: each output rounded to bfloat16 (kRounded); silu(first half) * second half
-// of the rounded halves, exactly as silu_and_mul computes it (kSwiglu); or the rounded outputs
-// widened back to float32 (kWidened: what `.float()` of kRounded's output holds, written in the
-// same pass; an LM head's logits, which sampling reads as float32).
-enum Store : int { kRounded = 0, kSwiglu = 1, kWidened = 2 };
+#if defined(__AVX512F__)
+// What a tile stores: its outputs in T (bfloat16: each rounded once; kPlain); silu(first half)
+// * second half of those, exactly as silu_and_mul computes it (kSwiglu); or, bfloat16 only, the
+// rounded outputs widened back to float32 (kWidened: what `.float()` of kPlain's output holds,
+// written in the same pass; an LM head's logits, which sampling reads as float32).
+enum Store : int { kPlain = 0, kSwiglu = 1, kWidened = 2 };
 
-// One register tile: `R` rows of x (lda apart, k long) times a panel (pairs of K, 32 columns),
-// its two 16-column halves (plus their bias, in float32, when given) rounded to bfloat16 and
-// stored as `S` says into c0 and c1 (ldc elements of the stored type apart) for the columns in
-// lanes0 and lanes1; kSwiglu stores only into c0. Meanwhile it
-// fetches `fetch_lines` cache lines from `fetch` into L2, paced over its K loop: part of the
-// next panel, which then comes from L2 instead of memory when its first tile starts. Without
-// that fetch a panel's first tile waited on memory: 389-404 against 410-415 GFLOP/s at M = 64,
-// 275 against 353 at M = 16.
-template <int R, Store S>
-void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* __restrict b,
+// One register tile: `R` rows of x (lda apart, k long) times a panel (32 columns; bfloat16 in
+// pairs of K), its two 16-column halves (plus their bias, in float32, when given) stored as `S`
+// says into c0 and c1 (ldc elements of the stored type apart) for the columns in lanes0 and
+// lanes1; kSwiglu stores only into c0. Meanwhile it fetches `fetch_lines` cache lines from
+// `fetch` into L2, paced over its K loop: part of the next panel, which then comes from L2
+// instead of memory when its first tile starts. Without that fetch a bfloat16 panel's first
+// tile waited on memory: 389-404 against 410-415 GFLOP/s at M = 64, 275 against 353 at M = 16.
+template <typename T, int R, Store S>
+void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
           void* __restrict c0, void* __restrict c1, int64_t ldc, __mmask16 lanes0,
           __mmask16 lanes1, const float* __restrict bias0, const float* __restrict bias1,
           const char* fetch, int64_t fetch_lines) {
+  constexpr bool kFloat = std::is_same<T, float>::value;
+  static_assert(!(kFloat && S == kWidened), "float32 outputs are already float32");
   __m512 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t pairs = k / 2;
+  const int64_t steps = k / kPerStep<T>;  // whole steps (a bfloat16 odd K's last element apart)
   int64_t credit = 0, line = 0;
-  for (int64_t k2 = 0; k2 < pairs; ++k2) {
-    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + k2 * 2 * kCols));
-    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + k2 * 2 * kCols + 32));
+  for (int64_t i = 0; i < steps; ++i) {
     credit += fetch_lines;
-    while (credit >= pairs) {  // fetch_lines spread evenly over the pairs
-      credit -= pairs;
+    while (credit >= steps) {  // fetch_lines spread evenly over the steps
+      credit -= steps;
       _mm_prefetch(fetch + 64 * line++, _MM_HINT_T1);
     }
+    if constexpr (kFloat) {
+      const __m512 b0 = _mm512_loadu_ps(b + i * kCols);
+      const __m512 b1 = _mm512_loadu_ps(b + i * kCols + 16);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, a + r * lda + 2 * k2, sizeof pair);
-      const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_set1_ps(a[r * lda + i]);
+        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      }
+    } else {
+#if defined(__AVX512BF16__)
+      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + i * 2 * kCols));
+      const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + i * 2 * kCols + 32));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, a + r * lda + 2 * i, sizeof pair);
+        const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+      }
+#endif
     }
   }
-  if (k & 1) {  // an odd K's last element alone: its pair's other half is zero in the panel
-    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pairs * 2 * kCols));
-    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pairs * 2 * kCols + 32));
-    for (int r = 0; r < R; ++r) {
-      const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(a[r * lda + k - 1]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+#if defined(__AVX512BF16__)
+  if constexpr (!kFloat) {
+    if (k & 1) {  // an odd K's last element alone: its pair's other half is zero in the panel
+      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + steps * 2 * kCols));
+      const __m512bh b1 =
+          reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + steps * 2 * kCols + 32));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(a[r * lda + k - 1]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+      }
     }
   }
+#endif
   __m512 add0 = _mm512_setzero_ps(), add1 = add0;
   if (bias0 != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias0);
   if (bias1 != nullptr) add1 = _mm512_maskz_loadu_ps(lanes1, bias1);
   // Whole halves get plain stores (masked ones cost more on Zen 4).
   const bool whole = lanes0 == 0xffff && (S == kSwiglu || lanes1 == 0xffff);
   for (int r = 0; r < R; ++r) {
-    const __m256i o0 = ferrum::to_bf16(_mm512_add_ps(acc[r][0], add0));
-    const __m256i o1 = ferrum::to_bf16(_mm512_add_ps(acc[r][1], add1));
+    const __m512 v0 = _mm512_add_ps(acc[r][0], add0), v1 = _mm512_add_ps(acc[r][1], add1);
+    // The outputs as T holds them (bfloat16: rounded once), in float32.
+    const __m512 o0 = ferrum::round16(v0, static_cast<T*>(nullptr));
+    const __m512 o1 = ferrum::round16(v1, static_cast<T*>(nullptr));
     if constexpr (S == kWidened) {
       float* p0 = static_cast<float*>(c0) + r * ldc;
       float* p1 = static_cast<float*>(c1) + r * ldc;
@@ -299,73 +344,81 @@ void tile(const uint16_t* __restrict a, int64_t lda, int64_t k, const uint16_t* 
       // 64 rows of W1), and plain stores would first read in every line they overwrite.
       const uintptr_t aligned = reinterpret_cast<uintptr_t>(p0) | reinterpret_cast<uintptr_t>(p1);
       if (whole && (aligned & 63) == 0) {
-        _mm512_stream_ps(p0, ferrum::from_bf16(o0));
-        _mm512_stream_ps(p1, ferrum::from_bf16(o1));
+        _mm512_stream_ps(p0, o0);
+        _mm512_stream_ps(p1, o1);
       } else if (whole) {
-        _mm512_storeu_ps(p0, ferrum::from_bf16(o0));
-        _mm512_storeu_ps(p1, ferrum::from_bf16(o1));
+        _mm512_storeu_ps(p0, o0);
+        _mm512_storeu_ps(p1, o1);
       } else {
-        _mm512_mask_storeu_ps(p0, lanes0, ferrum::from_bf16(o0));
-        _mm512_mask_storeu_ps(p1, lanes1, ferrum::from_bf16(o1));
+        _mm512_mask_storeu_ps(p0, lanes0, o0);
+        _mm512_mask_storeu_ps(p1, lanes1, o1);
       }
       continue;
     }
-    __m256i* p0 = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(c0) + r * ldc);
+    T* p0 = static_cast<T*>(c0) + r * ldc;
     if constexpr (S == kSwiglu) {
-      const __m256i o = ferrum::to_bf16(
-          ferrum::silu_mul16<uint16_t>(ferrum::from_bf16(o0), ferrum::from_bf16(o1)));
+      const __m512 o = ferrum::silu_mul16<T>(o0, o1);
       if (whole) {
-        _mm256_storeu_si256(p0, o);
+        ferrum::store16(p0, o);
       } else {
-        _mm256_mask_storeu_epi16(p0, lanes0, o);
+        ferrum::store16(p0, o, lanes0);
       }
     } else {
-      __m256i* p1 = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(c1) + r * ldc);
-      if (whole) {
-        _mm256_storeu_si256(p0, o0);
-        _mm256_storeu_si256(p1, o1);
+      T* p1 = static_cast<T*>(c1) + r * ldc;
+      if (whole) {  // store16 rounds v to T itself (o, already rounded, would cost two more ops)
+        ferrum::store16(p0, v0);
+        ferrum::store16(p1, v1);
       } else {
-        _mm256_mask_storeu_epi16(p0, lanes0, o0);
-        _mm256_mask_storeu_epi16(p1, lanes1, o1);
+        ferrum::store16(p0, v0, lanes0);
+        ferrum::store16(p1, v1, lanes1);
       }
     }
   }
 }
 
-using Tile = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, void*, void*, int64_t,
-                      __mmask16, __mmask16, const float*, const float*, const char*, int64_t);
+template <typename T>
+using Tile = void (*)(const T*, int64_t, int64_t, const T*, void*, void*, int64_t, __mmask16,
+                      __mmask16, const float*, const float*, const char*, int64_t);
 // By row count (a tile of M's last rows has only those rows' accumulators), for each Store.
-template <Store S>
-constexpr Tile kTilesOf[kRows + 1] = {nullptr,    tile<1, S>, tile<2, S>, tile<3, S>, tile<4, S>,
-                                      tile<5, S>, tile<6, S>, tile<7, S>, tile<8, S>};
+template <typename T, Store S>
+constexpr Tile<T> kTilesOf[kRows + 1] = {
+    nullptr,          tile<T, 1, S>, tile<T, 2, S>, tile<T, 3, S>, tile<T, 4, S>,
+    tile<T, 5, S>,    tile<T, 6, S>, tile<T, 7, S>, tile<T, 8, S>};
+
+template <typename T>
+const Tile<T>* tiles_for(Store store) {
+  if (store == kSwiglu) return kTilesOf<T, kSwiglu>;
+  if constexpr (!std::is_same<T, float>::value) {
+    if (store == kWidened) return kTilesOf<T, kWidened>;
+  }
+  return kTilesOf<T, kPlain>;
+}
 
 // out[M, N] = x[M, K] @ W^T (+ bias). Threads take contiguous runs of panels; each goes over x a
 // block of rows at a time, and within a block panel by panel, every tile of the block on the
 // panel, which stays in L2 meanwhile. half = 0: the plain layout (panel p holds columns 32p ..
 // 32p + 31). half = N / 2: the paired layout (panel p holds columns 16p .. 16p + 15 of each
-// half, pack_gemm_weight_halves). out: [M, N] bfloat16 (kRounded), [M, half] bfloat16 =
-// silu(first half) * second (kSwiglu, paired only), or [M, N] float32 (kWidened).
-void gemm(const uint16_t* __restrict x, const uint16_t* __restrict packed,
-          const float* __restrict bias, void* __restrict out, int64_t m, int64_t n, int64_t k,
-          int64_t half, Store store) {
+// half, pack_gemm_weight_halves). out: [M, N] in T (kPlain), [M, half] in T = silu(first half)
+// * second (kSwiglu, paired only), or [M, N] float32 (kWidened, bfloat16 only).
+template <typename T>
+void gemm(const T* __restrict x, const T* __restrict packed, const float* __restrict bias,
+          void* __restrict out, int64_t m, int64_t n, int64_t k, int64_t half, Store store) {
   const bool swiglu = store == kSwiglu;
-  const int64_t out_bytes = store == kWidened ? sizeof(float) : sizeof(uint16_t);
-  const int64_t pairs = (k + 1) / 2;
+  const int64_t out_bytes = store == kWidened ? sizeof(float) : sizeof(T);
   const int64_t panels = panel_count(n, half);
-  const int64_t panel_elems = pairs * 2 * kCols;
-  const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(uint16_t)) / 64;
+  const int64_t panel_elems = panel_steps<T>(k) * kPerStep<T> * kCols;
+  const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(T)) / 64;
   const int64_t tiles = (m + kRows - 1) / kRows;
-  const int64_t block_tiles = std::max<int64_t>(1, kBlockBytes / (2 * k) / kRows);
+  const int64_t block_tiles =
+      std::max<int64_t>(1, kBlockBytes / (static_cast<int64_t>(sizeof(T)) * k) / kRows);
   const int64_t ldc = swiglu ? half : n;
-  const Tile* by_rows = store == kSwiglu    ? kTilesOf<kSwiglu>
-                        : store == kWidened ? kTilesOf<kWidened>
-                                            : kTilesOf<kRounded>;
+  const Tile<T>* by_rows = tiles_for<T>(store);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t first, int64_t last) {
     for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {
       const int64_t t1 = std::min(tiles, t0 + block_tiles);
       for (int64_t p = first; p < last; ++p) {
-        const uint16_t* b = packed + p * panel_elems;
+        const T* b = packed + p * panel_elems;
         // The panel's two halves: their first output columns and how many of each are real.
         int64_t col0 = p * kCols, col1 = col0 + 16;
         int64_t cols0 = std::min<int64_t>(16, n - col0), cols1 = n - col1;
@@ -394,37 +447,45 @@ void gemm(const uint16_t* __restrict x, const uint16_t* __restrict packed,
     if (store == kWidened) _mm_sfence();  // this thread's streamed stores, before the join
   });
 }
-#else
-constexpr bool kAvailable = false;
 #endif
 
-}  // namespace ferrum_gemm_bf16
+}  // namespace ferrum_gemm512
 
 // True where this build has the bfloat16 GEMM (a CPU with AVX512_BF16).
-bool gemm_bf16_available() { return ferrum_gemm_bf16::kAvailable; }
+bool gemm_bf16_available() { return ferrum_gemm512::kBf16Available; }
 
-// True where this build has the AVX2 + FMA GEMM, and whether the CPU also has AVX-512F (where
-// oneDNN's 16-lane kernels are preferred): (available, avx512f).
+// True where this build has a float32 GEMM, and whether it is the AVX-512 one (the bfloat16
+// GEMM's panels and tiles, with FMAs; it pairs a gate/up weight for a fused SwiGLU) rather than
+// the AVX2 + FMA one: (available, avx512f).
 std::tuple<bool, bool> gemm_isa() {
-#if defined(__AVX512F__)
-  return {ferrum_gemm::kAvailable, true};
-#else
-  return {ferrum_gemm::kAvailable, false};
-#endif
+  return {ferrum_gemm::kAvailable || ferrum_gemm512::kF32Available,
+          ferrum_gemm512::kF32Available};
 }
 
-// w [N, K] bfloat16 -> [panels, ceil(K/2), 32, 2] bfloat16, pair i of a panel column holding
-// its K elements 2i and 2i + 1, past N or K zero. Plain (half = 0): ceil(N/32) panels, panel j
-// holding columns 32j .. 32j + 31. Paired (half = N/2): ceil(half/16) panels, panel j holding
-// columns 16j .. 16j + 15 of each half (gate and up side by side, for the fused SwiGLU).
-torch::Tensor pack_bf16(torch::Tensor w, int64_t half) {
-  using ferrum_gemm_bf16::kCols;
+namespace {
+
+// Whether the AVX-512 GEMM runs this dtype here.
+bool wide_gemm(torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 ? ferrum_gemm512::kBf16Available
+                                   : dtype == torch::kFloat && ferrum_gemm512::kF32Available;
+}
+
+// w [N, K] float32 or bfloat16 -> the AVX-512 GEMM's panels: float32 [panels, K, 32], bfloat16
+// [panels, ceil(K/2), 32, 2] (pair i of a panel column holding its K elements 2i and 2i + 1),
+// past N or K zero. Plain (half = 0): ceil(N/32) panels, panel j holding columns 32j .. 32j +
+// 31. Paired (half = N/2): ceil(half/16) panels, panel j holding columns 16j .. 16j + 15 of
+// each half (gate and up side by side, for the fused SwiGLU).
+template <typename T>
+torch::Tensor pack_panels(torch::Tensor w, int64_t half) {
+  using ferrum_gemm512::kCols;
+  constexpr int64_t per = ferrum_gemm512::kPerStep<T>;
   w = w.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), pairs = (k + 1) / 2;
-  const int64_t panels = ferrum_gemm_bf16::panel_count(n, half);
-  auto packed = torch::zeros({panels, pairs, kCols, 2}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  const int64_t n = w.size(0), k = w.size(1), steps = ferrum_gemm512::panel_steps<T>(k);
+  const int64_t panels = ferrum_gemm512::panel_count(n, half);
+  auto packed = per == 1 ? torch::zeros({panels, steps, kCols}, w.options())
+                         : torch::zeros({panels, steps, kCols, per}, w.options());
+  const T* src = reinterpret_cast<const T*>(w.data_ptr());
+  T* dst = reinterpret_cast<T*>(packed.data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t c = 0; c < kCols; ++c) {
@@ -434,36 +495,111 @@ torch::Tensor pack_bf16(torch::Tensor w, int64_t half) {
           column = within < half ? (c < 16 ? within : half + within) : n;
         }
         if (column >= n) continue;
-        const uint16_t* row = src + column * k;
-        uint16_t* col = dst + j * pairs * kCols * 2 + c * 2;
-        for (int64_t i = 0; i < k; ++i) col[(i / 2) * kCols * 2 + (i & 1)] = row[i];
+        const T* row = src + column * k;
+        T* col = dst + j * steps * kCols * per + c * per;
+        for (int64_t i = 0; i < k; ++i) col[(i / per) * kCols * per + i % per] = row[i];
       }
     }
   });
   return packed;
 }
 
-// w [N, K] bfloat16 (N even: the gate rows, then the up rows) -> the paired layout of
-// pack_bf16, for packed_gemm_halves.
-torch::Tensor pack_gemm_weight_halves(torch::Tensor w) {
-  TORCH_CHECK(ferrum_gemm_bf16::kAvailable, "the bfloat16 GEMM needs a CPU with AVX512_BF16");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16,
-              "weight must be [N, K] bfloat16");
-  TORCH_CHECK(w.size(0) > 0 && w.size(0) % 2 == 0, "N must be even (two halves), got ",
-              w.size(0));
-  return pack_bf16(w, w.size(0) / 2);
+torch::Tensor pack_wide(const torch::Tensor& w, int64_t half) {
+  return w.scalar_type() == torch::kFloat ? pack_panels<float>(w, half)
+                                          : pack_panels<uint16_t>(w, half);
 }
 
-// w [N, K] float32 -> [ceil(N/16), K, 16] float32: panel j holds columns 16j .. 16j + 15 of
-// W^T row by row, columns past N zero. bfloat16 (where gemm_bf16_available): pack_bf16's plain
-// layout.
+// The AVX-512 GEMM over a plain (half = 0) or paired (half = N / 2) pack: x [M, K] and packed
+// in the same dtype (float32 or bfloat16), bias [N] in x's dtype or float32 (added in float32,
+// before a bfloat16 output's one rounding), n = N. -> [M, N] in x's dtype; with swiglu (paired
+// only) [M, half] = silu(first half) * second half; with widened (bfloat16 only) [M, N]
+// float32 holding the bfloat16-rounded outputs.
+torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
+                        const c10::optional<torch::Tensor>& bias, int64_t n, bool paired,
+                        bool swiglu, bool widened = false) {
+  using ferrum_gemm512::kCols;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kBFloat16 ||
+                               x.scalar_type() == torch::kFloat),
+              "x must be [M, K] float32 or bfloat16");
+  const bool is_float = x.scalar_type() == torch::kFloat;
+  TORCH_CHECK(wide_gemm(x.scalar_type()),
+              is_float ? "the AVX-512 float32 GEMM needs a CPU with AVX-512F"
+                       : "the bfloat16 GEMM needs a CPU with AVX512_BF16");
+  TORCH_CHECK(!(is_float && widened), "a widened output is for bfloat16 x");
+  const int64_t per = is_float ? 1 : 2;
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() &&
+                  packed.dim() == (is_float ? 3 : 4) && packed.size(2) == kCols &&
+                  (is_float || packed.size(3) == 2),
+              "packed weight must come from pack_gemm_weight (in x's dtype)");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.size(1) == (k + per - 1) / per, "packed weight is for K=",
+              per * packed.size(1), is_float ? "" : " or one less", ", x has K=", k);
+  const int64_t half = paired ? n / 2 : 0;
+  TORCH_CHECK(!paired || (n > 0 && n % 2 == 0), "a paired weight has an even N, got ", n);
+  const int64_t panels = ferrum_gemm512::panel_count(n, half);
+  TORCH_CHECK(n > 0 && panels == packed.size(0), "N does not match the packed weight");
+  TORCH_CHECK(k > 0 || !swiglu, "the fused SwiGLU needs K > 0");
+  x = x.contiguous();
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && (bias->scalar_type() == x.scalar_type() ||
+                                       bias->scalar_type() == torch::kFloat),
+                "bias must be [N] in x's dtype or float32");
+    b = bias->to(torch::kFloat).contiguous();
+  }
+  if (k == 0) {  // an empty sum: the bias alone
+    auto zero = torch::zeros({m, n}, x.options().dtype(torch::kFloat));
+    auto rounded = (b.defined() ? zero + b : zero).to(x.scalar_type());
+    return widened ? rounded.to(torch::kFloat) : rounded;
+  }
+  auto out = torch::empty({m, swiglu ? half : n},
+                          widened ? x.options().dtype(torch::kFloat) : x.options());
+  if (m == 0) return out;
+#if defined(__AVX512F__)
+  using ferrum_gemm512::Store;
+  const Store store = swiglu ? Store::kSwiglu : widened ? Store::kWidened : Store::kPlain;
+  const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (is_float) {
+    ferrum_gemm512::gemm(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr,
+                         out.data_ptr(), m, n, k, half, store);
+  } else {
+    ferrum_gemm512::gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                         reinterpret_cast<const uint16_t*>(packed.data_ptr()), bias_ptr,
+                         out.data_ptr(), m, n, k, half, store);
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+// w [N, K] (N even: the gate rows, then the up rows), bfloat16 (where gemm_bf16_available) or
+// float32 (where gemm_isa()[1]) -> the paired layout, for packed_gemm_halves.
+torch::Tensor pack_gemm_weight_halves(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kBFloat16 ||
+                               w.scalar_type() == torch::kFloat),
+              "weight must be [N, K] float32 or bfloat16");
+  TORCH_CHECK(wide_gemm(w.scalar_type()),
+              w.scalar_type() == torch::kFloat
+                  ? "a paired float32 weight needs the AVX-512 GEMM (a CPU with AVX-512F)"
+                  : "the bfloat16 GEMM needs a CPU with AVX512_BF16");
+  TORCH_CHECK(w.size(0) > 0 && w.size(0) % 2 == 0, "N must be even (two halves), got ",
+              w.size(0));
+  return pack_wide(w, w.size(0) / 2);
+}
+
+// w [N, K] float32 -> on an AVX-512 build the AVX-512 GEMM's plain panels ([ceil(N/32), K,
+// 32]), else the AVX2 GEMM's ([ceil(N/16), K, 16]: panel j holds columns 16j .. 16j + 15 of
+// W^T row by row); columns past N zero. bfloat16 (where gemm_bf16_available): the AVX-512
+// GEMM's plain panels.
 torch::Tensor pack_gemm_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "weight must be [N, K]");
   if (w.scalar_type() == torch::kBFloat16) {
-    TORCH_CHECK(ferrum_gemm_bf16::kAvailable, "the bfloat16 GEMM needs a CPU with AVX512_BF16");
-    return pack_bf16(w, 0);
+    TORCH_CHECK(wide_gemm(torch::kBFloat16), "the bfloat16 GEMM needs a CPU with AVX512_BF16");
+    return pack_wide(w, 0);
   }
   TORCH_CHECK(w.scalar_type() == torch::kFloat, "weight must be [N, K] float32 or bfloat16");
+  if (wide_gemm(torch::kFloat)) return pack_wide(w, 0);
   w = w.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t panels = (n + ferrum_gemm::kNr - 1) / ferrum_gemm::kNr;
@@ -483,60 +619,12 @@ torch::Tensor pack_gemm_weight(torch::Tensor w) {
   return packed;
 }
 
-// The bfloat16 GEMM over a plain (half = 0) or paired (half = N / 2) pack: x [M, K] and packed
-// bfloat16, bias [N] in x's dtype or float32 (added in float32 before the one rounding), n = N.
-// -> [M, N] bfloat16; with swiglu (paired only) [M, half] = silu(first half) * second half;
-// with widened [M, N] float32 holding the bfloat16-rounded outputs.
-torch::Tensor gemm_bf16(torch::Tensor x, const torch::Tensor& packed,
-                        const c10::optional<torch::Tensor>& bias, int64_t n, bool paired,
-                        bool swiglu, bool widened = false) {
-  using ferrum_gemm_bf16::kCols;
-  TORCH_CHECK(ferrum_gemm_bf16::kAvailable, "the bfloat16 GEMM needs a CPU with AVX512_BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 &&
-                  packed.is_contiguous() && packed.size(2) == kCols && packed.size(3) == 2,
-              "packed weight must come from pack_gemm_weight (bfloat16)");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.size(1) == (k + 1) / 2, "packed weight is for K=", 2 * packed.size(1),
-              " or one less, x has K=", k);
-  const int64_t half = paired ? n / 2 : 0;
-  TORCH_CHECK(!paired || (n > 0 && n % 2 == 0), "a paired weight has an even N, got ", n);
-  const int64_t panels = ferrum_gemm_bf16::panel_count(n, half);
-  TORCH_CHECK(n > 0 && panels == packed.size(0), "N does not match the packed weight");
-  TORCH_CHECK(k > 0 || !swiglu, "the fused SwiGLU needs K > 0");
-  x = x.contiguous();
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n && (bias->scalar_type() == torch::kBFloat16 ||
-                                       bias->scalar_type() == torch::kFloat),
-                "bias must be [N] bfloat16 or float32");
-    b = bias->to(torch::kFloat).contiguous();
-  }
-  if (k == 0) {  // an empty sum: the bias alone
-    auto zero = torch::zeros({m, n}, x.options().dtype(torch::kFloat));
-    auto rounded = (b.defined() ? zero + b : zero).to(x.scalar_type());
-    return widened ? rounded.to(torch::kFloat) : rounded;
-  }
-  auto out = torch::empty({m, swiglu ? half : n},
-                          widened ? x.options().dtype(torch::kFloat) : x.options());
-  if (m == 0) return out;
-#if defined(__AVX512BF16__)
-  using ferrum_gemm_bf16::Store;
-  const Store store = swiglu ? Store::kSwiglu : widened ? Store::kWidened : Store::kRounded;
-  ferrum_gemm_bf16::gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
-                         reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), m, n, k,
-                         half, store);
-#endif
-  return out;
-}
-
-// x [M, K] bfloat16 times a pack_gemm_weight_halves weight [N, K] (bias [N] or None): with
-// swiglu [M, N/2] = silu(x W_gate^T) * (x W_up^T), each rounded to bfloat16 first as
-// silu_and_mul does; without, the plain [M, N] product.
+// x [M, K] times a pack_gemm_weight_halves weight [N, K] (bias [N] or None), in its dtype: with
+// swiglu [M, N/2] = silu(x W_gate^T) * (x W_up^T), each product as the plain GEMM stores it
+// (bfloat16: rounded) first, as silu_and_mul does; without, the plain [M, N] product.
 torch::Tensor packed_gemm_halves(torch::Tensor x, torch::Tensor packed,
                                  c10::optional<torch::Tensor> bias, int64_t n, bool swiglu) {
-  return gemm_bf16(x, packed, bias, n, true, swiglu);
+  return gemm_wide(x, packed, bias, n, true, swiglu);
 }
 
 // x [M, K] bfloat16 times a plain bfloat16 pack_gemm_weight weight (bias [N] or None), n = N
@@ -546,15 +634,16 @@ torch::Tensor packed_gemm_halves(torch::Tensor x, torch::Tensor packed,
 torch::Tensor packed_gemm_widened(torch::Tensor x, torch::Tensor packed,
                                   c10::optional<torch::Tensor> bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
-  return gemm_bf16(x, packed, bias, n, false, false, true);
+  return gemm_wide(x, packed, bias, n, false, false, true);
 }
 
-// x [M, K] float32, packed from pack_gemm_weight, bias [N] float32 or None, n = N -> [M, N]
-// float32; bfloat16 x (where gemm_bf16_available) -> [M, N] bfloat16 (gemm_bf16, plain).
+// x [M, K] float32 or bfloat16 times its dtype's pack_gemm_weight (bias [N] or None), n = N ->
+// [M, N] in x's dtype: the AVX-512 GEMM where it runs that dtype, else (float32) the AVX2 one.
 torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t n) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  if (x.scalar_type() == torch::kBFloat16) return gemm_bf16(x, packed, bias, n, false, false);
+  if (x.scalar_type() == torch::kBFloat16 || wide_gemm(x.scalar_type()))
+    return gemm_wide(x, packed, bias, n, false, false);
   TORCH_CHECK(ferrum_gemm::kAvailable, "packed_gemm needs a build with AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kFloat && packed.is_contiguous(),
