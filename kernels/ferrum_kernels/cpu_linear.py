@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -443,18 +444,26 @@ def packed_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in made)
 
 
-def release_plain_weights(module: nn.Module) -> int:
+def release_plain_weights(module: nn.Module, after_each: Callable[[], object] | None = None) -> int:
     """Free the plain weight of every packed linear and the plain expert tensors of every
     packed ``ExpertWeights`` below ``module`` (see the module docstring); returns the bytes
     freed. For a serving model only: after it the model runs CPU inference in its dtype and
     nothing else. Tied heads keep theirs (the table is also the embedding); experts oneDNN did
-    not pack (or whose packs are stale) keep theirs, as the reference runs on them."""
+    not pack (or whose packs are stale) keep theirs, as the reference runs on them.
+
+    ``after_each()`` runs after each weight (or expert stack) is freed. Start-up hands the freed
+    pages back to the kernel there: an allocator that keeps what it frees would otherwise hold
+    the plain copies while the packed ones made meanwhile (not always in their place) add up."""
     freed = 0
     for child in module.modules():
+        released = 0
         if isinstance(child, PackedLinear) and child._pack is not None:
-            freed += child._pack.release_plain()
+            released = child._pack.release_plain()
         elif isinstance(child, ExpertWeights):
-            freed += _release_experts(child)
+            released = _release_experts(child)
+        if released and after_each is not None:
+            after_each()
+        freed += released
     return freed
 
 

@@ -1,5 +1,6 @@
 """The C allocator is told to keep freed activation buffers before the model loads, and the
-plain weights start-up frees are handed back to the kernel once (ferrum_server.host_memory)."""
+plain weights start-up frees are handed back to the kernel as each is freed
+(ferrum_server.host_memory)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import resource
 from typing import Any
 
 import pytest
+from ferrum_kernels.cpu_linear import PackedLinear
 from ferrum_server import host_memory, startup
 from ferrum_server.config import EngineConfig
 from ferrum_server.tools.bench.runners import minor_faults
@@ -41,7 +43,10 @@ def test_start_up_keeps_freed_memory_before_the_weights_load_and_returns_their_p
     )
     parts = startup.build_parts(EngineConfig(model="tiny", kv_cache_bytes=4 * 1024**2), 1)
     assert parts.device.type == "cpu"
-    assert calls == ["keep", "load", "release", "return"]
+    # The pages go back after each packed linear's plain weight is freed, and once at the end.
+    packed = sum(isinstance(m, PackedLinear) and m._pack is not None for m in parts.model.modules())
+    assert packed > 0
+    assert calls == ["keep", "load", "release"] + ["return"] * (packed + 1)
 
 
 def test_a_cpu_engine_shares_the_main_arena_before_its_thread_starts(
@@ -85,3 +90,27 @@ def test_minor_faults_reads_the_count_the_kernel_keeps() -> None:
     read = minor_faults()
     assert ours <= read <= resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     assert minor_faults(2**31 - 1) == 0  # no such process
+
+
+def test_release_plain_weights_calls_back_after_each_weight_it_frees() -> None:
+    """The callback start-up uses to hand each plain weight's pages back runs once per freed
+    weight, after it is freed, and not for weights already released."""
+    import torch
+    from ferrum_kernels.cpu_linear import mkldnn_linear_available, prepack_linears
+    from ferrum_kernels.cpu_linear import release_plain_weights as release
+    from torch import nn
+
+    if not mkldnn_linear_available():
+        pytest.skip("no packed linears on this CPU")
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    assert prepack_linears(model) == 2
+    plain = [m.weight for m in model if isinstance(m, PackedLinear)]
+    seen: list[list[int]] = []
+
+    def after() -> None:
+        seen.append([p.numel() for p in plain])
+
+    freed = release(model, after_each=after)
+    assert freed == (16 * 32 + 32 * 8) * torch.float32.itemsize
+    assert seen == [[0, 32 * 8], [0, 0]]  # the first freed, then both
+    assert release(model, after_each=after) == 0 and len(seen) == 2
