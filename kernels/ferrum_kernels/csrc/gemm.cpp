@@ -562,11 +562,14 @@ torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
   if (is_float) {
     ferrum_gemm512::gemm(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr,
                          out.data_ptr(), m, n, k, half, store);
-  } else {
+  }
+#if defined(__AVX512BF16__)  // (instantiated only where vdpbf16ps exists; refused above else)
+  if (!is_float) {
     ferrum_gemm512::gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
                          reinterpret_cast<const uint16_t*>(packed.data_ptr()), bias_ptr,
                          out.data_ptr(), m, n, k, half, store);
   }
+#endif
 #endif
   return out;
 }
