@@ -280,42 +280,52 @@ def test_a_gate_up_weight_is_paired_and_its_gemm_applies_the_swiglu(
             other.swiglu(x.to(other.dtype))
 
 
-@needs_bf16_gemm
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(torch.bfloat16, marks=needs_bf16_gemm),
+        pytest.param(torch.float32, marks=needs_avx512_float32_gemm),
+    ],
+)
 @torch.no_grad()
-def test_prepack_pairs_gate_up_projections_and_the_backend_fuses_them() -> None:
-    """prepack_linears pairs the linears named gate_up_proj (only those); the CPU backend's
-    gate_up_silu then runs them fused, and falls back to silu_and_mul of the projection for
-    anything else (a plain linear, float32), with the same result."""
+def test_prepack_pairs_gate_up_projections_and_the_backend_fuses_them(
+    dtype: torch.dtype, choose_kernel: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prepack_linears pairs the linears named gate_up_proj (only those) where the native GEMM
+    runs the dtype (the default); the CPU backend's gate_up_silu then runs them fused, and falls
+    back to silu_and_mul of the projection for anything else (a plain linear), with the same
+    result."""
     from ferrum_kernels.backend import cpu_backend
     from ferrum_kernels.cpu_fused import silu_and_mul_cpu
     from ferrum_kernels.cpu_linear import PackedLinear, fused_gate_up_silu, prepack_linears
     from torch import nn
 
+    monkeypatch.delenv("FERRUM_CPU_GEMM", raising=False)  # the default kernel choice
     torch.manual_seed(5)
     mlp = nn.Module()
-    mlp.gate_up_proj = nn.Linear(48, 64, bias=False, dtype=torch.bfloat16)
-    mlp.other_proj = nn.Linear(48, 64, bias=False, dtype=torch.bfloat16)
+    mlp.gate_up_proj = nn.Linear(48, 64, bias=False, dtype=dtype)
+    mlp.other_proj = nn.Linear(48, 64, bias=False, dtype=dtype)
     want = {name: m.weight.detach().clone() for name, m in mlp.named_children()}
     assert prepack_linears(mlp) == 2
     gate_up, other = mlp.gate_up_proj, mlp.other_proj
     assert isinstance(gate_up, PackedLinear) and isinstance(other, PackedLinear)
     assert gate_up._pack is not None and gate_up._pack.paired
     assert other._pack is not None and not other._pack.paired
-    x = torch.randn(7, 48).bfloat16()
+    x = torch.randn(7, 48).to(dtype)
     backend = cpu_backend()
     for name, module in (("gate_up_proj", gate_up), ("other_proj", other)):
         reference = silu_and_mul_cpu(module(x))
         assert torch.equal(backend.gate_up_silu(module, x), reference)
         torch.testing.assert_close(
             reference.float(),
-            torch.nn.functional.silu((x @ want[name].T)[:, :32].float()).bfloat16().float()
+            torch.nn.functional.silu((x @ want[name].T)[:, :32].float()).to(dtype).float()
             * (x @ want[name].T)[:, 32:].float(),
             atol=0.05,
             rtol=0.02,
         )
     assert fused_gate_up_silu(gate_up, x) is not None
     assert fused_gate_up_silu(other, x) is None
-    assert fused_gate_up_silu(nn.Linear(48, 64, dtype=torch.bfloat16), x) is None
+    assert fused_gate_up_silu(nn.Linear(48, 64, dtype=dtype), x) is None
 
 
 @needs_bf16_gemm
