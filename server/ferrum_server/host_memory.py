@@ -17,7 +17,7 @@ in the engine thread's arena. A served executor happened not to fault either way
 Keeping freed memory would also keep the plain weights that start-up frees once they are
 packed, so start-up calls `return_free_pages` after freeing each one (and once at its end): held
 until the end, they stacked under the packed copies made meanwhile, and W1 float32's start-up
-peak swung by 40-150 MB with where the allocator put those copies. The steps that reuse the
+peak swung by 35-150 MB with where the allocator put those copies. The steps that reuse the
 pages fault once and then keep them.
 
 `share_main_arena` has every thread started afterwards allocate from glibc's main arena, and

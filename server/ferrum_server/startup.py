@@ -125,7 +125,7 @@ def build_parts(
         # The served model runs only its packed linears: their plain copies are dead weight.
         # The allocator keeps what it frees, so each plain weight's pages go back to the kernel
         # as it is freed: kept, they stacked under the packed copies made meanwhile, and W1
-        # float32's start-up peaked 40-150 MB higher, by how the allocator placed them.
+        # float32's start-up peaked 35-150 MB higher, by how the allocator placed them.
         freed = release_plain_weights(model, after_each=host_memory.return_free_pages)
         _LOG.info("plain_weights_released", mib=round(freed / 1024**2, 1))
         host_memory.return_free_pages()  # and whatever else start-up freed

@@ -334,10 +334,30 @@ void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
   const bool whole = lanes0 == 0xffff && (S == kSwiglu || lanes1 == 0xffff);
   for (int r = 0; r < R; ++r) {
     const __m512 v0 = _mm512_add_ps(acc[r][0], add0), v1 = _mm512_add_ps(acc[r][1], add1);
+    if constexpr (S == kPlain) {  // store16 rounds to T (bfloat16) itself, once
+      T* p0 = static_cast<T*>(c0) + r * ldc;
+      T* p1 = static_cast<T*>(c1) + r * ldc;
+      if (whole) {
+        ferrum::store16(p0, v0);
+        ferrum::store16(p1, v1);
+      } else {
+        ferrum::store16(p0, v0, lanes0);
+        ferrum::store16(p1, v1, lanes1);
+      }
+      continue;
+    }
     // The outputs as T holds them (bfloat16: rounded once), in float32.
     const __m512 o0 = ferrum::round16(v0, static_cast<T*>(nullptr));
     const __m512 o1 = ferrum::round16(v1, static_cast<T*>(nullptr));
-    if constexpr (S == kWidened) {
+    if constexpr (S == kSwiglu) {
+      T* p0 = static_cast<T*>(c0) + r * ldc;
+      const __m512 o = ferrum::silu_mul16<T>(o0, o1);
+      if (whole) {
+        ferrum::store16(p0, o);
+      } else {
+        ferrum::store16(p0, o, lanes0);
+      }
+    } else {  // kWidened
       float* p0 = static_cast<float*>(c0) + r * ldc;
       float* p1 = static_cast<float*>(c1) + r * ldc;
       // Whole cache lines bypass the cache: a vocabulary's float32 rows are megabytes (8 MB at
@@ -352,25 +372,6 @@ void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
       } else {
         _mm512_mask_storeu_ps(p0, lanes0, o0);
         _mm512_mask_storeu_ps(p1, lanes1, o1);
-      }
-      continue;
-    }
-    T* p0 = static_cast<T*>(c0) + r * ldc;
-    if constexpr (S == kSwiglu) {
-      const __m512 o = ferrum::silu_mul16<T>(o0, o1);
-      if (whole) {
-        ferrum::store16(p0, o);
-      } else {
-        ferrum::store16(p0, o, lanes0);
-      }
-    } else {
-      T* p1 = static_cast<T*>(c1) + r * ldc;
-      if (whole) {  // store16 rounds v to T itself (o, already rounded, would cost two more ops)
-        ferrum::store16(p0, v0);
-        ferrum::store16(p1, v1);
-      } else {
-        ferrum::store16(p0, v0, lanes0);
-        ferrum::store16(p1, v1, lanes1);
       }
     }
   }
