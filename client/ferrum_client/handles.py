@@ -207,6 +207,13 @@ class ExecutorClient:
     def try_admit_prefill(self, request: pb.TryAdmitPrefillRequest) -> pb.TryAdmitPrefillResponse:
         return self._call("TryAdmitPrefill", request)  # type: ignore[no-any-return]
 
+    def try_admit_prefill_batch(
+        self, request: pb.TryAdmitPrefillBatchRequest
+    ) -> pb.TryAdmitPrefillBatchResponse:
+        """Several probes in one call, decided in order until one is deferred (only where
+        capabilities say supports_admission_batch)."""
+        return self._call("TryAdmitPrefillBatch", request)  # type: ignore[no-any-return]
+
     def cancel_prefill_admission(
         self, request: pb.CancelPrefillAdmissionRequest
     ) -> pb.CancelPrefillAdmissionResponse:
@@ -410,6 +417,13 @@ class AsyncExecutorClient:
         self, request: pb.TryAdmitPrefillRequest
     ) -> pb.TryAdmitPrefillResponse:
         return await self._call("TryAdmitPrefill", request)  # type: ignore[no-any-return]
+
+    async def try_admit_prefill_batch(
+        self, request: pb.TryAdmitPrefillBatchRequest
+    ) -> pb.TryAdmitPrefillBatchResponse:
+        """Several probes in one call, decided in order until one is deferred (only where
+        capabilities say supports_admission_batch)."""
+        return await self._call("TryAdmitPrefillBatch", request)  # type: ignore[no-any-return]
 
     async def cancel_prefill_admission(
         self, request: pb.CancelPrefillAdmissionRequest

@@ -162,6 +162,10 @@ class SchedulerConfig:
     # executor selected for it (see the module docstring). Needs an executor that supports it
     # (supports_decode_continuation); otherwise the scheduler pipelines as without it.
     decode_continuation: bool = False
+    # Probe a burst of waiting requests in one call where the backend decides several at once
+    # (BatchAdmission: TryAdmitPrefillBatch), in queue order as one probe each would be; a
+    # burst of 64 prompts then pays one round trip instead of 64.
+    batch_admissions: bool = True
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1 or self.max_running < 1 or self.pipeline_depth < 1:
@@ -353,6 +357,34 @@ class Backend(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One request's admission probe: ``Backend.admit``'s arguments."""
+
+    request_id: str
+    tokens: Sequence[int]  # the prompt, then any outputs being replayed
+    maximum_tokens: int
+    prompt_tokens: int
+    first_chunk_tokens: int = 0
+
+
+@runtime_checkable
+class BatchAdmission(Protocol):
+    """A backend that decides several admission probes in one call (an executor's
+    TryAdmitPrefillBatch)."""
+
+    def admission_batch_limits(self) -> tuple[int, int]:
+        """(most probes, most input tokens in all) one ``admit_many`` takes; (0, 0) when the
+        executor has no batch call (known once the backend is open)."""
+        ...
+
+    async def admit_many(self, probes: Sequence[Probe]) -> list[Admission]:
+        """The probes decided in order until one is deferred ("deferred" or "maintenance"):
+        one Admission per probe decided, that one last; the probes after it were not decided
+        and hold nothing."""
+        ...
+
+
 @runtime_checkable
 class FailoverBackend(Protocol):
     """A backend over several executors (``ferrum_client.fleet_backend.FleetBackend``) that
@@ -368,6 +400,27 @@ class FailoverBackend(Protocol):
         """Whether the executor behind a lane (``Admission.lane``) takes continuation decodes:
         members of one fleet may run different versions."""
         ...
+
+
+def _admission_from_pb(decision: pb.TryAdmitPrefillResponse, request_id: str) -> Admission:
+    kind = decision.WhichOneof("decision")
+    if kind == "admitted":
+        return Admission(
+            "admitted", decision.admitted.cache_id, decision.admitted.cached_prompt_tokens
+        )
+    if kind == "rejected":
+        return Admission("rejected", reason=decision.rejected.reason)
+    if kind == "maintenance_deferred":
+        # Its wait condition is for after a bounded number of maintenance rounds only.
+        return Admission("maintenance", wait=decision.maintenance_deferred.wait_condition)
+    if kind != "deferred":
+        raise ContractViolation(f"TryAdmitPrefill answered no decision for {request_id!r}")
+    deferred = decision.deferred
+    return Admission(
+        "deferred",
+        wait=deferred.wait_condition,
+        narrower_prefill_tokens=deferred.narrower_prefill_tokens,
+    )
 
 
 def admission_request(
@@ -398,9 +451,15 @@ class GrpcBackend:
     def __init__(self, client: AsyncExecutorClient) -> None:
         self.client = client
         self._stream: StepStream | None = None
+        self._batch_limits = (0, 0)
 
     async def open(self) -> StepLimits:
         capabilities = (await self.client.get_capabilities()).capabilities
+        if capabilities.supports_admission_batch:
+            self._batch_limits = (
+                capabilities.max_batch_size,
+                capabilities.max_admission_batch_tokens,
+            )
         self._stream = self.client.step_stream()
         await self._stream.__aenter__()
         return StepLimits(
@@ -426,24 +485,35 @@ class GrpcBackend:
         decision = await self.client.try_admit_prefill(
             admission_request(request_id, tokens, maximum_tokens, prompt_tokens, first_chunk_tokens)
         )
-        kind = decision.WhichOneof("decision")
-        if kind == "admitted":
-            return Admission(
-                "admitted", decision.admitted.cache_id, decision.admitted.cached_prompt_tokens
+        return _admission_from_pb(decision, request_id)
+
+    def admission_batch_limits(self) -> tuple[int, int]:
+        return self._batch_limits
+
+    async def admit_many(self, probes: Sequence[Probe]) -> list[Admission]:
+        response = await self.client.try_admit_prefill_batch(
+            pb.TryAdmitPrefillBatchRequest(
+                probes=[
+                    admission_request(
+                        p.request_id,
+                        p.tokens,
+                        p.maximum_tokens,
+                        p.prompt_tokens,
+                        p.first_chunk_tokens,
+                    )
+                    for p in probes
+                ]
             )
-        if kind == "rejected":
-            return Admission("rejected", reason=decision.rejected.reason)
-        if kind == "maintenance_deferred":
-            # Its wait condition is for after a bounded number of maintenance rounds only.
-            return Admission("maintenance", wait=decision.maintenance_deferred.wait_condition)
-        if kind != "deferred":
-            raise ContractViolation(f"TryAdmitPrefill answered no decision for {request_id!r}")
-        deferred = decision.deferred
-        return Admission(
-            "deferred",
-            wait=deferred.wait_condition,
-            narrower_prefill_tokens=deferred.narrower_prefill_tokens,
         )
+        if len(response.decisions) > len(probes):
+            raise ContractViolation(
+                f"TryAdmitPrefillBatch answered {len(response.decisions)} decisions for "
+                f"{len(probes)} probes"
+            )
+        return [
+            _admission_from_pb(decision, probe.request_id)
+            for decision, probe in zip(response.decisions, probes, strict=False)
+        ]
 
     async def maintain(self, request_id: str) -> Maintenance:
         response = await self.client.maintain_prefill_backing(
@@ -635,6 +705,8 @@ class StepRecord:
 class SchedulerStats:
     steps: int = 0
     admission_probes: int = 0
+    # Calls that carried several of those probes (BatchAdmission.admit_many).
+    admission_batches: int = 0
     admissions_deferred: int = 0
     capacity_waits: int = 0
     # Waits that returned because a named source advanced.
@@ -704,6 +776,12 @@ class Scheduler:
             self.backend if isinstance(self.backend, FailoverBackend) else None
         )
         self.config = config or SchedulerConfig()
+        # A backend that decides several admission probes in one call.
+        self._batcher: BatchAdmission | None = (
+            self.backend
+            if self.config.batch_admissions and isinstance(self.backend, BatchAdmission)
+            else None
+        )
         self.stats = SchedulerStats()
         # One lane per executor the running requests are on ("" for a single executor).
         self._lanes: dict[str, _Lane] = {"": _Lane("")}
@@ -834,23 +912,24 @@ class Scheduler:
             request = self._waiting[0]
             if request.wait is not None:
                 return  # still waiting on its capacity sources
-            decision = await self._probe(request)
+            burst = self._burst(cap - len(self._running))
+            if len(burst) > 1:
+                # All but the last decision are admitted or rejected (a deferral ends the
+                # batch), and settle their requests at once; the last goes on below as the
+                # head's decision.
+                decisions = await self._probe_many(burst)
+                for ahead, settled in zip(burst, decisions[:-1], strict=False):
+                    self._settle_admission(ahead, settled)
+                request, decision = burst[len(decisions) - 1], decisions[-1]
+            else:
+                decision = await self._probe(request)
             if decision.kind == "deferred" and self._narrow_admission(decision):
                 # A hint, not a grant: re-probe with that first chunk.
                 decision = await self._probe(request, decision.narrower_prefill_tokens)
                 if decision.kind == "admitted":
                     self.stats.narrowed_admissions += 1
-            if decision.kind == "admitted":
-                self._waiting.popleft()
-                request.cache_id = decision.cache_id
-                request.lane = decision.lane
-                request.computed = decision.cached_prompt_tokens
-                request.touched_s = time.monotonic()
-                request.maintenance_rounds = 0
-                self._running.append(request)
-            elif decision.kind == "rejected":
-                self._waiting.popleft()
-                self._finish_failed(request, "rejected", decision.reason)
+            if decision.kind in ("admitted", "rejected"):
+                self._settle_admission(request, decision)
             elif decision.kind == "maintenance":
                 self.stats.maintenance_deferrals += 1
                 if await self._maintain(request, decision) == "wait":
@@ -860,6 +939,55 @@ class Scheduler:
                 self.stats.admissions_deferred += 1
                 request.wait = decision.wait
                 return
+
+    def _settle_admission(self, request: _Request, decision: Admission) -> None:
+        """The head `request` admitted (it runs) or rejected (it ends)."""
+        if self._waiting[0] is not request:
+            raise RuntimeError("an admission decision settles the head of the queue only")
+        if decision.kind == "admitted":
+            self._waiting.popleft()
+            request.cache_id = decision.cache_id
+            request.lane = decision.lane
+            request.computed = decision.cached_prompt_tokens
+            request.touched_s = time.monotonic()
+            request.maintenance_rounds = 0
+            self._running.append(request)
+        elif decision.kind == "rejected":
+            self._waiting.popleft()
+            self._finish_failed(request, "rejected", decision.reason)
+        else:
+            raise ContractViolation(
+                f"an admission batch went on after {request.result.request_id!r} was "
+                f"{decision.kind}"
+            )
+
+    def _burst(self, room: int) -> list[_Request]:
+        """The waiting requests from the head one admission batch probes: at most `room` and
+        the backend's limits, none waiting on a capacity source; just the head without a
+        batching backend."""
+        head = self._waiting[0]
+        if self._batcher is None or room < 2:
+            return [head]
+        most_probes, most_tokens = self._batcher.admission_batch_limits()
+        burst: list[_Request] = []
+        tokens = 0
+        for request in itertools.islice(self._waiting, min(room, most_probes)):
+            tokens += len(request.context)
+            if request.wait is not None or tokens > most_tokens:
+                break
+            burst.append(request)
+        return burst or [head]
+
+    async def _probe_many(self, burst: list[_Request]) -> list[Admission]:
+        assert self._batcher is not None
+        decisions = await self._batcher.admit_many(
+            [Probe(r.result.request_id, r.context, r.max_tokens, len(r.prompt)) for r in burst]
+        )
+        if not decisions:
+            raise ContractViolation(f"an admission batch of {len(burst)} probes decided none")
+        self.stats.admission_probes += len(decisions)
+        self.stats.admission_batches += 1
+        return decisions
 
     async def _probe(self, request: _Request, first_chunk_tokens: int = 0) -> Admission:
         self.stats.admission_probes += 1

@@ -50,9 +50,11 @@ def message_limits(engine: Engine, server: ServerConfig) -> tuple[int, int]:
 
     A request carries at most max(batch tokens, sequence length) token ids (a prompt travels
     whole in Prefill and TryAdmitPrefill), <= 5 bytes each, plus per-item columns, two ids and
-    a token mask of ceil(vocab / 8) bytes. A response carries at most one float32 logits row per
-    output position (max(batch tokens, batch size) rows) plus top log-probabilities. Both are
-    doubled for encoding overhead; an explicit --max-message-bytes replaces both.
+    a token mask of ceil(vocab / 8) bytes. A TryAdmitPrefillBatch's probes carry at most that
+    many tokens or 65,536 (capacity.admission_batch_tokens): 320 KiB, within the base. A
+    response carries at most one float32 logits row per output position (max(batch tokens,
+    batch size) rows) plus top log-probabilities. Both are doubled for encoding overhead; an
+    explicit --max-message-bytes replaces both.
     """
     if server.max_message_bytes:
         return server.max_message_bytes, server.max_message_bytes

@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from ferrum_server import logs
@@ -22,6 +22,7 @@ from ferrum_server.domain import (
     DeferralMode,
     DeferralStage,
     ItemKind,
+    RequestOrigin,
     Shortfall,
     ShortfallKind,
     Step,
@@ -78,6 +79,32 @@ class Rejected:
 
 
 Decision = Admitted | Deferred | Rejected
+
+# The fewest input tokens an admission batch may carry in all, whatever the step and sequence
+# limits: a burst of typical prompts fits one call (see admission_batch_tokens).
+MIN_ADMISSION_BATCH_TOKENS = 65536
+
+
+def admission_batch_tokens(max_batch_tokens: int, max_sequence_length: int) -> int:
+    """Most input tokens one admission batch (TryAdmitPrefillBatch) may carry over all its
+    probes. One prompt of the longest sequence always fits; so does the whole batch in the
+    receive limit on messages (app.message_limits: its term for one prompt, or its 1 MiB
+    base for 65,536 varint ids)."""
+    return max(MIN_ADMISSION_BATCH_TOKENS, max_batch_tokens, max_sequence_length)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionProbe:
+    """One admission probe's input: a TryAdmitPrefill call, or a probe of a batch."""
+
+    request_id: str
+    tokens: list[int]  # the execution context: prompt, then any replayed outputs
+    max_tokens: int  # bound on context plus outputs; 0 = the model maximum
+    prompt_tokens: int
+    replayed_tokens: int
+    instance_id: int = 0
+    first_chunk_tokens: int = 0  # 0 = claim the whole context's blocks now
+    origin: RequestOrigin | None = None  # None: unspecified
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,12 +431,69 @@ class CapacityManager:
         """Admit, defer or reject one request. The admission claims the KV blocks of the first
         `first_chunk_tokens` context tokens (0 = all of them) and the prefix-cache hit; a
         deferral for lack of blocks hints the largest first chunk that would fit now."""
+        probe = AdmissionProbe(
+            request_id,
+            tokens,
+            max_tokens,
+            prompt_tokens,
+            replayed_tokens,
+            instance_id,
+            first_chunk_tokens,
+        )
+        self._check_probe(probe)
+        return self._decide(probe)
+
+    def try_admit_batch(
+        self, probes: Sequence[AdmissionProbe], instance_id: int = 0
+    ) -> list[Decision]:
+        """`try_admit` of each probe in order, until one is deferred: its decision is the last,
+        and the probes after it are not decided. At most max_batch_size probes and
+        `admission_batch_tokens` input tokens in all, each request id once. Every probe is
+        checked before any is decided, so a batch refused for its input changes nothing."""
         check_instance(instance_id, self.limits)
-        self._validate(request_id, tokens, max_tokens, prompt_tokens, replayed_tokens)
-        if first_chunk_tokens > len(tokens):
+        limits = self.limits
+        if len(probes) > limits.max_batch_size:
             raise InvalidArgument(
-                f"first_chunk_tokens {first_chunk_tokens} exceeds the {len(tokens)} input tokens"
+                f"{len(probes)} admission probes exceed max_batch_size {limits.max_batch_size}"
             )
+        total = sum(len(probe.tokens) for probe in probes)
+        most = admission_batch_tokens(limits.max_batch_tokens, limits.max_sequence_length)
+        if total > most:
+            raise InvalidArgument(
+                f"the admission probes carry {total} input tokens; a batch takes at most {most}"
+            )
+        seen: set[str] = set()
+        for probe in probes:
+            if probe.request_id in seen:
+                raise InvalidArgument(f"request {probe.request_id!r} is probed twice in the batch")
+            seen.add(probe.request_id)
+            self._check_probe(probe)
+        decisions: list[Decision] = []
+        for probe in probes:
+            decision = self._decide(probe)
+            decisions.append(decision)
+            if isinstance(decision, Deferred):
+                break
+        return decisions
+
+    def _check_probe(self, probe: AdmissionProbe) -> None:
+        """Everything that makes a probe bad input (INVALID_ARGUMENT, ALREADY_EXISTS) or stale
+        (FAILED_PRECONDITION), checked before anything is decided."""
+        check_instance(probe.instance_id, self.limits)
+        tokens = probe.tokens
+        self._validate(
+            probe.request_id, tokens, probe.max_tokens, probe.prompt_tokens, probe.replayed_tokens
+        )
+        if probe.first_chunk_tokens > len(tokens):
+            raise InvalidArgument(
+                f"first_chunk_tokens {probe.first_chunk_tokens} exceeds the {len(tokens)} input "
+                "tokens"
+            )
+
+    def _decide(self, probe: AdmissionProbe) -> Decision:
+        """Admit, defer or reject a probe that passed `_check_probe`."""
+        request_id, tokens = probe.request_id, probe.tokens
+        max_tokens, first_chunk_tokens = probe.max_tokens, probe.first_chunk_tokens
         self.stats.probes += 1
         kv = self.kv
         model_max = self.limits.max_sequence_length

@@ -18,6 +18,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from ferrum_server.capacity import (
+    AdmissionProbe,
     Admitted,
     Decision,
     Demand,
@@ -218,6 +219,30 @@ def request_origin_from_pb(value: int) -> RequestOrigin | None:
         return RequestOrigin(value)
     except ValueError:
         raise InvalidArgument(f"unknown request origin {value}") from None
+
+
+def admission_probe_from_pb(request: pb.TryAdmitPrefillRequest) -> AdmissionProbe:
+    """A TryAdmitPrefill request (or a probe of a batch) as the engine takes it."""
+    return AdmissionProbe(
+        request_id=request.request_id,
+        tokens=list(request.input_tokens),
+        max_tokens=request.maximum_sequence_tokens,
+        prompt_tokens=request.product_prompt_tokens,
+        replayed_tokens=request.replayed_output_tokens,
+        instance_id=request.executor_instance_id,
+        first_chunk_tokens=request.first_chunk_tokens,
+        origin=request_origin_from_pb(request.request_origin),
+    )
+
+
+def admission_probes_from_pb(request: pb.TryAdmitPrefillBatchRequest) -> list[AdmissionProbe]:
+    """A TryAdmitPrefillBatch's probes; a probe's own step_id is refused (the batch has one)."""
+    for index, probe in enumerate(request.probes):
+        if probe.step_id:
+            raise InvalidArgument(
+                f"probe {index} sets step_id; a batch's probes share the batch's step_id"
+            )
+    return [admission_probe_from_pb(probe) for probe in request.probes]
 
 
 def sampling_from_pb(params: pb.SamplingParams) -> Sampling:
@@ -777,6 +802,14 @@ def capacity_snapshot_to_pb(
         release_epoch=state.epochs.release_epoch,
         capacity_epoch=state.epochs.capacity_epoch,
         poisoned=poisoned,
+    )
+
+
+def decisions_to_pb(
+    decisions: list[Decision], state: CapacityState, kv: KvManager
+) -> pb.TryAdmitPrefillBatchResponse:
+    return pb.TryAdmitPrefillBatchResponse(
+        decisions=[decision_to_pb(decision, state, kv) for decision in decisions]
     )
 
 

@@ -102,6 +102,8 @@ def capabilities(engine: Engine) -> pb.ExecutorCapabilities:
         cuda_graph_batch_sizes=list(engine.graph_batch_sizes),
         cache_lease_ms=round(engine.config.cache_lease_s * 1000),
         kv_capacity=kv_capacity(engine),
+        supports_admission_batch=True,
+        max_admission_batch_tokens=engine.admission_batch_tokens,
     )
 
 

@@ -19,7 +19,7 @@ import functools
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
@@ -28,12 +28,14 @@ from ferrum_kernels.sampling import SampleOutput
 
 from ferrum_server import faults, host_memory, logs
 from ferrum_server.capacity import (
+    AdmissionProbe,
     Admitted,
     CapacityManager,
     Decision,
     Deferred,
     PreemptionMode,
     PreemptionReceipt,
+    admission_batch_tokens,
 )
 from ferrum_server.config import EngineConfig
 from ferrum_server.device_tokens import DeviceToken
@@ -201,6 +203,11 @@ class Engine:
         """Decode batch sizes replayed from CUDA graphs (empty when graphs are off)."""
         graphs = self.runner.graphs
         return graphs.batch_sizes if graphs is not None else ()
+
+    @property
+    def admission_batch_tokens(self) -> int:
+        """Most input tokens one admission batch may carry (`try_admit_batch`)."""
+        return admission_batch_tokens(self.limits.max_batch_tokens, self.limits.max_sequence_length)
 
     def limit_responses(self, max_bytes: int) -> None:
         """Refuse steps whose results could not be sent in max_bytes (set by the server)."""
@@ -815,6 +822,29 @@ class Engine:
             instance_id,
             first_chunk_tokens,
         )
+        self._record_probe(request_id, origin, prompt_tokens, decision)
+        self.publish_gauges()
+        return decision
+
+    def try_admit_batch(
+        self, probes: Sequence[AdmissionProbe], instance_id: int = 0
+    ) -> list[Decision]:
+        """CapacityManager.try_admit_batch (the probes decided in order until one is deferred,
+        nothing between them), each decision counted and logged as `try_admit` does."""
+        self._check_healthy()
+        decisions = self.capacity.try_admit_batch(probes, instance_id)
+        for probe, decision in zip(probes, decisions, strict=False):
+            self._record_probe(probe.request_id, probe.origin, probe.prompt_tokens, decision)
+        self.publish_gauges()
+        return decisions
+
+    def _record_probe(
+        self,
+        request_id: str,
+        origin: RequestOrigin | None,
+        prompt_tokens: int,
+        decision: Decision,
+    ) -> None:
         label = origin.name.lower() if origin is not None else "unspecified"
         self.recorder.metrics.record_admission_probe(label)
         outcome = _outcome(decision)
@@ -825,8 +855,6 @@ class Engine:
             cache = self.kv.caches[decision.cache_id]
             # Replayed outputs stay outputs (a penalty scoped to outputs covers them).
             cache.prompt_tokens = prompt_tokens
-        self.publish_gauges()
-        return decision
 
     def begin_drain(self, began_ns: int) -> None:
         """A drain began at `began_ns` (perf_counter_ns, stamped on the event loop as it flips

@@ -121,8 +121,8 @@ METRIC_DOCS: list[tuple[str, str, tuple[str, ...], str]] = [
     (f"{PREFIX}_admissions_total", "counter", ("outcome",),
      "Admission decisions (admitted, deferred, maintenance_deferred, rejected)."),
     (f"{PREFIX}_admission_probes_total", "counter", ("origin",),
-     "TryAdmitPrefill calls that passed validation, by request origin (product, startup, "
-     "diagnostic, unspecified)."),
+     "Admission probes decided (TryAdmitPrefill calls and TryAdmitPrefillBatch probes that "
+     "passed validation), by request origin (product, startup, diagnostic, unspecified)."),
     (f"{PREFIX}_completion_work_total", "counter", ("call", "work"),
      "CompleteCache (complete) and CancelPrefillAdmission (cancel) calls by the work they leave "
      "behind: none, or additional_or_unproven (after a fault)."),

@@ -592,6 +592,25 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         )
         return convert.decision_to_pb(decision, self.notifier.state, engine.kv)
 
+    @_mutating
+    async def TryAdmitPrefillBatch(
+        self, request: pb.TryAdmitPrefillBatchRequest, ticket: Ticket[Any]
+    ) -> pb.TryAdmitPrefillBatchResponse:
+        self._require_admitting()
+        engine = self.engine
+
+        def release_admitted(decisions: list[Decision]) -> None:
+            engine.release_caches([d.cache_id for d in decisions if isinstance(d, Admitted)])
+
+        decisions = await engine.run(
+            ticket,
+            engine.try_admit_batch,
+            await self._parse(convert.admission_probes_from_pb, request),
+            request.executor_instance_id,
+            on_orphan=release_admitted,
+        )
+        return convert.decisions_to_pb(decisions, self.notifier.state, engine.kv)
+
     @_maps_errors
     async def CancelPrefillAdmission(
         self, request: pb.CancelPrefillAdmissionRequest, context: Any

@@ -203,7 +203,9 @@ def test_concurrent_rpc_limit_refuses_fast_and_recovers_exactly(server: InProces
     report(tally)
 
 
-@pytest.mark.parametrize("method", ["UnifiedBatch", "Prefill", "TryAdmitPrefill", "ReleaseCache"])
+@pytest.mark.parametrize(
+    "method", ["UnifiedBatch", "Prefill", "TryAdmitPrefill", "TryAdmitPrefillBatch", "ReleaseCache"]
+)
 def test_malformed_bytes_never_reach_a_handler(
     server: InProcessServer, channel: grpc.Channel, method: str
 ) -> None:

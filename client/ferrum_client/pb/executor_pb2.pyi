@@ -1044,6 +1044,8 @@ class ExecutorCapabilities(_message.Message):
     SUPPORTS_DECODE_CONTINUATION_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     RANK_MEMORY_PLANS_FIELD_NUMBER: _builtins.int
+    SUPPORTS_ADMISSION_BATCH_FIELD_NUMBER: _builtins.int
+    MAX_ADMISSION_BATCH_TOKENS_FIELD_NUMBER: _builtins.int
     max_batch_size: _builtins.int
     """Most sequences in one forward."""
     max_sequence_length: _builtins.int
@@ -1089,6 +1091,12 @@ class ExecutorCapabilities(_message.Message):
     tensor_parallel_size: _builtins.int
     """Ranks the model is split over by tensor parallelism (1: one device). This executor (rank 0)
     answers every call; the other ranks repeat its forwards on their shards.
+    """
+    supports_admission_batch: _builtins.bool
+    """TryAdmitPrefillBatch is served (docs/capacity.md#admitting-a-burst)."""
+    max_admission_batch_tokens: _builtins.int
+    """Most input tokens one TryAdmitPrefillBatch may carry over all its probes (which number at
+    most max_batch_size); 0 where the call is not served.
     """
     @_builtins.property
     def attention_mechanisms(self) -> _containers.RepeatedScalarFieldContainer[Global___AttentionType.ValueType]:
@@ -1156,10 +1164,12 @@ class ExecutorCapabilities(_message.Message):
         supports_decode_continuation: _builtins.bool = ...,
         tensor_parallel_size: _builtins.int = ...,
         rank_memory_plans: _abc.Iterable[Global___MemoryPlan] | None = ...,
+        supports_admission_batch: _builtins.bool = ...,
+        max_admission_batch_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cache_lease_ms", b"cache_lease_ms", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "kv_capacity", b"kv_capacity", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "rank_memory_plans", b"rank_memory_plans", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_continuous_batching", b"supports_continuous_batching", "supports_decode_continuation", b"supports_decode_continuation", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_limits", b"admission_limits", "attention_mechanisms", b"attention_mechanisms", "block_size", b"block_size", "cache_lease_ms", b"cache_lease_ms", "cuda_graph_batch_sizes", b"cuda_graph_batch_sizes", "execution_resource_authority", b"execution_resource_authority", "kv_capacity", b"kv_capacity", "max_admission_batch_tokens", b"max_admission_batch_tokens", "max_batch_size", b"max_batch_size", "max_num_logprobs", b"max_num_logprobs", "max_sequence_length", b"max_sequence_length", "memory_plan", b"memory_plan", "memory_requirements", b"memory_requirements", "rank_memory_plans", b"rank_memory_plans", "supported_devices", b"supported_devices", "supported_dtypes", b"supported_dtypes", "supports_admission_batch", b"supports_admission_batch", "supports_continuous_batching", b"supports_continuous_batching", "supports_decode_continuation", b"supports_decode_continuation", "supports_dynamic_batching", b"supports_dynamic_batching", "supports_native_unified_decode", b"supports_native_unified_decode", "supports_pipeline_parallelism", b"supports_pipeline_parallelism", "supports_prefix_caching", b"supports_prefix_caching", "supports_server_sampling", b"supports_server_sampling", "supports_speculative_decoding", b"supports_speculative_decoding", "supports_swap_preemption", b"supports_swap_preemption", "supports_tensor_parallelism", b"supports_tensor_parallelism", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -4306,6 +4316,73 @@ class TryAdmitPrefillResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_decision) -> _WhichOneofReturnType_decision | None: ...
 
 Global___TryAdmitPrefillResponse: _TypeAlias = TryAdmitPrefillResponse  # noqa: Y015
+
+@_typing.final
+class TryAdmitPrefillBatchRequest(_message.Message):
+    """Admission probes for several requests, decided in order (a burst of arrivals in one round
+    trip). At most ExecutorCapabilities.max_batch_size probes and max_admission_batch_tokens
+    input tokens in all; every probe is checked as TryAdmitPrefill checks it. A probe that is
+    INVALID_ARGUMENT (or any other error) fails the whole call and releases what its earlier
+    probes admitted: an error changes nothing.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROBES_FIELD_NUMBER: _builtins.int
+    EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    executor_instance_id: _builtins.int
+    """Fence."""
+    step_id: _builtins.int
+    """Caller-chosen idempotency key for the whole batch, 0 = none (as TryAdmitPrefill.step_id)."""
+    @_builtins.property
+    def probes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TryAdmitPrefillRequest]:
+        """The probes, in the order they are decided. Each probe's own step_id must be 0 (the batch
+        has one); its executor_instance_id fences it as in TryAdmitPrefill.
+        """
+
+    def __init__(
+        self,
+        *,
+        probes: _abc.Iterable[Global___TryAdmitPrefillRequest] | None = ...,
+        executor_instance_id: _builtins.int = ...,
+        step_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_instance_id", b"executor_instance_id", "probes", b"probes", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TryAdmitPrefillBatchRequest: _TypeAlias = TryAdmitPrefillBatchRequest  # noqa: Y015
+
+@_typing.final
+class TryAdmitPrefillBatchResponse(_message.Message):
+    """Response of TryAdmitPrefillBatch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECISIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def decisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___TryAdmitPrefillResponse]:
+        """One decision per probe decided, in probe order. Probes are decided until one is deferred
+        (deferred or maintenance_deferred): that one's decision is the last, and the probes after
+        it were not decided (they hold nothing; probe them again once its wait is over). Admitted
+        and rejected probes do not stop the batch.
+        """
+
+    def __init__(
+        self,
+        *,
+        decisions: _abc.Iterable[Global___TryAdmitPrefillResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TryAdmitPrefillBatchResponse: _TypeAlias = TryAdmitPrefillBatchResponse  # noqa: Y015
 
 @_typing.final
 class CancelPrefillAdmissionRequest(_message.Message):

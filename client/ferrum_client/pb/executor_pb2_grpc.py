@@ -125,6 +125,11 @@ class ExecutorServiceStub:
                 request_serializer=ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillRequest.SerializeToString,
                 response_deserializer=ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillResponse.FromString,
                 _registered_method=True)
+        self.TryAdmitPrefillBatch = channel.unary_unary(
+                '/ferrum.executor.v1.ExecutorService/TryAdmitPrefillBatch',
+                request_serializer=ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillBatchRequest.SerializeToString,
+                response_deserializer=ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillBatchResponse.FromString,
+                _registered_method=True)
         self.CancelPrefillAdmission = channel.unary_unary(
                 '/ferrum.executor.v1.ExecutorService/CancelPrefillAdmission',
                 request_serializer=ferrum__client_dot_pb_dot_executor__pb2.CancelPrefillAdmissionRequest.SerializeToString,
@@ -315,6 +320,14 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TryAdmitPrefillBatch(self, request, context):
+        """Several admission probes in one call, decided in order as that many TryAdmitPrefill calls
+        would be, with nothing between them; stops after the first probe deferred.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CancelPrefillAdmission(self, request, context):
         """Release an admitted request that never started.
         """
@@ -486,6 +499,11 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.TryAdmitPrefill,
                     request_deserializer=ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillRequest.FromString,
                     response_serializer=ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillResponse.SerializeToString,
+            ),
+            'TryAdmitPrefillBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.TryAdmitPrefillBatch,
+                    request_deserializer=ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillBatchRequest.FromString,
+                    response_serializer=ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillBatchResponse.SerializeToString,
             ),
             'CancelPrefillAdmission': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelPrefillAdmission,
@@ -1030,6 +1048,33 @@ class ExecutorService:
             '/ferrum.executor.v1.ExecutorService/TryAdmitPrefill',
             ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillRequest.SerializeToString,
             ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TryAdmitPrefillBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ExecutorService/TryAdmitPrefillBatch',
+            ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillBatchRequest.SerializeToString,
+            ferrum__client_dot_pb_dot_executor__pb2.TryAdmitPrefillBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

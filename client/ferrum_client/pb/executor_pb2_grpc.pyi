@@ -102,6 +102,10 @@ class ExecutorServiceStub:
     """Record the successful completion of a sequence and release its cache. Idempotent."""
     TryAdmitPrefill: _grpc.UnaryUnaryMultiCallable[_executor_pb2.TryAdmitPrefillRequest, _executor_pb2.TryAdmitPrefillResponse]
     """Admission probe: does this request fit? Launches no device work."""
+    TryAdmitPrefillBatch: _grpc.UnaryUnaryMultiCallable[_executor_pb2.TryAdmitPrefillBatchRequest, _executor_pb2.TryAdmitPrefillBatchResponse]
+    """Several admission probes in one call, decided in order as that many TryAdmitPrefill calls
+    would be, with nothing between them; stops after the first probe deferred.
+    """
     CancelPrefillAdmission: _grpc.UnaryUnaryMultiCallable[_executor_pb2.CancelPrefillAdmissionRequest, _executor_pb2.CancelPrefillAdmissionResponse]
     """Release an admitted request that never started."""
     MaintainPrefillBacking: _grpc.UnaryUnaryMultiCallable[_executor_pb2.MaintainPrefillBackingRequest, _executor_pb2.MaintainPrefillBackingResponse]
@@ -175,6 +179,10 @@ class ExecutorServiceAsyncStub(ExecutorServiceStub):
     """Record the successful completion of a sequence and release its cache. Idempotent."""
     TryAdmitPrefill: _aio.UnaryUnaryMultiCallable[_executor_pb2.TryAdmitPrefillRequest, _executor_pb2.TryAdmitPrefillResponse]  # type: ignore[assignment]
     """Admission probe: does this request fit? Launches no device work."""
+    TryAdmitPrefillBatch: _aio.UnaryUnaryMultiCallable[_executor_pb2.TryAdmitPrefillBatchRequest, _executor_pb2.TryAdmitPrefillBatchResponse]  # type: ignore[assignment]
+    """Several admission probes in one call, decided in order as that many TryAdmitPrefill calls
+    would be, with nothing between them; stops after the first probe deferred.
+    """
     CancelPrefillAdmission: _aio.UnaryUnaryMultiCallable[_executor_pb2.CancelPrefillAdmissionRequest, _executor_pb2.CancelPrefillAdmissionResponse]  # type: ignore[assignment]
     """Release an admitted request that never started."""
     MaintainPrefillBacking: _aio.UnaryUnaryMultiCallable[_executor_pb2.MaintainPrefillBackingRequest, _executor_pb2.MaintainPrefillBackingResponse]  # type: ignore[assignment]
@@ -353,6 +361,16 @@ class ExecutorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_executor_pb2.TryAdmitPrefillResponse, _abc.Awaitable[_executor_pb2.TryAdmitPrefillResponse]]:
         """Admission probe: does this request fit? Launches no device work."""
+
+    @_abc_1.abstractmethod
+    def TryAdmitPrefillBatch(
+        self,
+        request: _executor_pb2.TryAdmitPrefillBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.TryAdmitPrefillBatchResponse, _abc.Awaitable[_executor_pb2.TryAdmitPrefillBatchResponse]]:
+        """Several admission probes in one call, decided in order as that many TryAdmitPrefill calls
+        would be, with nothing between them; stops after the first probe deferred.
+        """
 
     @_abc_1.abstractmethod
     def CancelPrefillAdmission(

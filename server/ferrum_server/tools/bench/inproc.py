@@ -16,6 +16,7 @@ from ferrum_client.scheduler import (
     Admission,
     Maintenance,
     PlannedItem,
+    Probe,
     Receipt,
     ReleaseSource,
     StepLimits,
@@ -23,7 +24,7 @@ from ferrum_client.scheduler import (
     StepTiming,
 )
 
-from ferrum_server.capacity import Admitted, Deferred, PreemptionMode
+from ferrum_server.capacity import AdmissionProbe, Admitted, Decision, Deferred, PreemptionMode
 from ferrum_server.capacity_notifier import CapacityNotifier
 from ferrum_server.convert import sampling_from_pb
 from ferrum_server.domain import (
@@ -78,13 +79,28 @@ class InProcessBackend:
             0,
             first_chunk_tokens,
         )
-        if isinstance(decision, Admitted):
-            return Admission("admitted", decision.cache_id, decision.cached_prompt_tokens)
-        if isinstance(decision, Deferred):
-            return Admission(
-                "deferred", wait=decision, narrower_prefill_tokens=decision.narrower_prefill_tokens
-            )
-        return Admission("rejected", reason=decision.reason)
+        return _admission(decision)
+
+    def admission_batch_limits(self) -> tuple[int, int]:
+        return self.engine.config.max_batch_size, self.engine.admission_batch_tokens
+
+    async def admit_many(self, probes: Sequence[Probe]) -> list[Admission]:
+        engine = self.engine
+        decisions = await engine.call(
+            engine.try_admit_batch,
+            [
+                AdmissionProbe(
+                    p.request_id,
+                    list(p.tokens),
+                    p.maximum_tokens,
+                    p.prompt_tokens,
+                    len(p.tokens) - p.prompt_tokens,
+                    first_chunk_tokens=p.first_chunk_tokens,
+                )
+                for p in probes
+            ],
+        )
+        return [_admission(decision) for decision in decisions]
 
     async def maintain(self, request_id: str) -> Maintenance:
         # The pool is allocated whole at start-up: the engine never asks for maintenance, and
@@ -188,3 +204,13 @@ async def _result(future: Awaitable[object]) -> StepResult:
         blocked_sources=blocked,
         waits=waits,
     )
+
+
+def _admission(decision: Decision) -> Admission:
+    if isinstance(decision, Admitted):
+        return Admission("admitted", decision.cache_id, decision.cached_prompt_tokens)
+    if isinstance(decision, Deferred):
+        return Admission(
+            "deferred", wait=decision, narrower_prefill_tokens=decision.narrower_prefill_tokens
+        )
+    return Admission("rejected", reason=decision.reason)
