@@ -240,12 +240,13 @@ def test_caller_gone_during_the_step_releases_what_it_opened(
     report(tally)
 
 
-@pytest.mark.parametrize("method", ["reserve_slots", "try_admit"])
+@pytest.mark.parametrize("method", ["reserve_slots", "try_admit", "try_admit_batch"])
 def test_caller_gone_during_a_reservation_releases_what_it_opened(
     server: InProcessServer, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
-    """ReserveKvSlots without a cache id and TryAdmitPrefill open a cache whose id only the
-    response carries: when the caller has left by the time it is ready, the cache is released."""
+    """ReserveKvSlots without a cache id, TryAdmitPrefill and TryAdmitPrefillBatch open caches
+    whose ids only the response carries: when the caller has left by the time it is ready, the
+    caches are released."""
     tally = Tally(f"cancelled-mid-{method}")
     engine = server.engine
     owner = engine.capacity if method == "reserve_slots" else engine
@@ -266,18 +267,35 @@ def test_caller_gone_during_a_reservation_releases_what_it_opened(
                         request_ids=["gone-reserve"], target_lens=[9]
                     )
                     await short.reserve_kv_slots(request)
-                else:
+                elif method == "try_admit":
                     admit = pb.TryAdmitPrefillRequest(
                         request_id="gone-admit", input_tokens=[4, 5, 6], product_prompt_tokens=3
                     )
                     await short.try_admit_prefill(admit)
+                else:
+                    probes = [
+                        pb.TryAdmitPrefillRequest(
+                            request_id=f"gone-batch-{k}",
+                            input_tokens=[4 + k, 5, 6],
+                            product_prompt_tokens=3,
+                        )
+                        for k in range(2)
+                    ]
+                    await short.try_admit_prefill_batch(
+                        pb.TryAdmitPrefillBatchRequest(probes=probes)
+                    )
             tally.resolve(method, code_name(caught.value))
             assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             await asyncio.sleep(1.0)  # the call finishes after its caller left
 
     run_scenario(scenario())
     monkeypatch.undo()
-    assert not server.live_requests() & {"gone-reserve", "gone-admit"}
+    assert not server.live_requests() & {
+        "gone-reserve",
+        "gone-admit",
+        "gone-batch-0",
+        "gone-batch-1",
+    }
     tally.blocks_leaked = server.blocks_leaked()
     report(tally)
 
