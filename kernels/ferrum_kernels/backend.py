@@ -61,6 +61,11 @@ plus, optionally:
 * ``prepare_model(model) -> int``: puts a model's weights in the form the backend wants (the CPU
   backend pre-packs its linears); idempotent, returns how many weights it changed. The model
   runs it when the backend is bound (``LlamaForCausalLM.bind_backend``).
+* ``decode_layer(DenseLayerParts) -> DecodeLayerFn | None``: a dense decoder layer's whole
+  decode-only step in one function, computing what the functions above compute for it (the
+  CPU backend's ``cpu_decode_layer.NativeDecodeLayer``: its native kernels without the Python
+  between them). The model asks for one per dense layer once its weights are prepared; a
+  function that answers None for a step leaves it to the generic path.
 
 Third-party attention (FlashInfer, flash-attn) plugs in through ``register_attention_provider``:
 a factory that, given the device, returns an attention callable with the signature above (KV
@@ -75,6 +80,7 @@ here, so they are left as documented hooks rather than untested adapters. The po
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -92,6 +98,7 @@ from ferrum_kernels.attention import (
     write_kv,
 )
 from ferrum_kernels.cpu_attention import CpuAttention, write_kv_cpu
+from ferrum_kernels.cpu_decode_layer import DenseLayerParts, NativeDecodeLayer
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
 from ferrum_kernels.cpu_linear import float32_linear, fused_gate_up_silu, prepack_linears
 from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
@@ -167,6 +174,22 @@ Float32LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
 FusedMoeFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 SampleFn = Callable[[torch.Tensor, SamplingTensors], SampleOutput]
 ModelPreparer = Callable[[nn.Module], int]
+# A dense layer's decode-only step in one function: (hidden, residual, cos, sin, kv_layer,
+# meta) -> (output, residual), or None where it does not serve the step (the generic path
+# then runs it).
+DecodeLayerFn = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata,
+    ],
+    tuple[torch.Tensor, torch.Tensor] | None,
+]
+# The backend's DecodeLayerFn for a dense layer made of `DenseLayerParts`, or None.
+DecodeLayerFactory = Callable[[DenseLayerParts], DecodeLayerFn | None]
 AttentionProvider = Callable[[torch.device], AttentionFn | None]
 # (batch, num_heads, num_kv_heads) -> graph-safe attend(query, kv_layer, scale); called outside
 # graph capture (it may allocate and copy), the returned callable is what gets captured.
@@ -191,6 +214,8 @@ class KernelBackend:
     fused_gate_up_silu: FusedGateUpSiluFn | None = None
     # A linear whose output is widened to float32 as the GEMM stores it, or None where not.
     float32_linear: Float32LinearFn | None = None
+    # A dense layer's decode-only step in one function, or None where there is none.
+    decode_layer: DecodeLayerFactory | None = None
 
     def gate_up_silu(self, gate_up_proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [T, I] of gate_up_proj(x) [T, 2I] (rows: gate, then up)."""
@@ -281,9 +306,10 @@ def cpu_backend() -> KernelBackend:
     function falls back to the reference for what it cannot serve (no compiler,
     ``FERRUM_CPU_NATIVE=0``, another dtype), as do the packed linears without oneDNN.
     """
+    attention = CpuAttention()
     return KernelBackend(
         name="cpu",
-        attention=CpuAttention(),
+        attention=attention,
         write_kv=write_kv_cpu,
         rms_norm_residual=rms_norm_residual_cpu,
         rotary=rotary_cpu,
@@ -293,6 +319,7 @@ def cpu_backend() -> KernelBackend:
         fused_moe=fused_moe_cpu,
         fused_gate_up_silu=fused_gate_up_silu,
         float32_linear=float32_linear,
+        decode_layer=functools.partial(NativeDecodeLayer.build, attention=attention),
     )
 
 
@@ -399,4 +426,5 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> KernelBa
     if attention is None:
         raise RuntimeError(f"attention provider {prefer!r} cannot serve {device}")
     base = _triton_backend() if _triton_usable(device) else torch_backend()
-    return replace(base, name=f"{base.name}+{prefer}", attention=attention)
+    # decode_layer off: the provider's attention serves every layer and step.
+    return replace(base, name=f"{base.name}+{prefer}", attention=attention, decode_layer=None)

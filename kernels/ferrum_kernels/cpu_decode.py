@@ -22,9 +22,9 @@ import torch
 
 from ferrum_kernels import native
 
-__all__ = ["decode_attention", "native_available"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "decode_attention", "native_available"]
 
-_SUPPORTED_DIMS = (32, 64, 80, 96, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the head dims the kernel is built for
 
 
 def native_available() -> bool:
@@ -45,7 +45,7 @@ def decode_attention(
         query.device.type != "cpu"
         or query.dtype not in (torch.float32, torch.bfloat16)
         or kv_layer.dtype != query.dtype
-        or query.shape[2] not in _SUPPORTED_DIMS
+        or query.shape[2] not in SUPPORTED_HEAD_DIMS
         or not kv_layer.is_contiguous()
     ):
         return None

@@ -20,7 +20,8 @@ from typing import ClassVar
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata
-from ferrum_kernels.backend import KernelBackend, torch_backend
+from ferrum_kernels.backend import DecodeLayerFn, KernelBackend, torch_backend
+from ferrum_kernels.cpu_decode_layer import DenseLayerParts
 from ferrum_kernels.layers import TiedLinear, rms_norm
 from torch import nn
 
@@ -210,6 +211,8 @@ class RMSNorm(nn.Module):
 class DecoderLayer(nn.Module):
     # The model's backend, set by LlamaForCausalLM.bind_backend (a plain attribute, not state).
     backend: KernelBackend
+    # The backend's whole-layer decode step for this layer (bind_decode_layer), or None.
+    decode_layer: DecodeLayerFn | None
     # The norm every RMSNorm of the layer is built with (Gemma's layers use their (1 + w) kind).
     norm_class: ClassVar[type[RMSNorm]] = RMSNorm
 
@@ -225,11 +228,13 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.backend = _REFERENCE
+        self.decode_layer = None
         h, d = config.hidden_size, config.head_dim
         # This rank's heads (all of them on one rank): query heads split evenly, KV heads split
         # or replicated so that every local query head's KV head is local (parallel.sharding).
         heads = attention_shard(config.num_heads, config.num_kv_heads, tp.rank, tp.world_size)
         self.num_heads, self.num_kv_heads, self.head_dim = heads.q_heads, heads.kv_heads, d
+        self.split = tp.is_parallel  # o and the MLP's down projection all-reduce
         inter = config.intermediate_size // tp.world_size
         self.scale = d**-0.5
         # This layer's sliding window (0 = global), handed to every attention call.
@@ -281,6 +286,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's output [T, hidden], residual stream [T, hidden]); the layer's
         result is their sum, which the next norm forms (fused with it where a kernel can)."""
+        if self.decode_layer is not None:
+            done = self.decode_layer(hidden, residual, cos, sin, kv_layer, meta)
+            if done is not None:
+                return done
         kernels = self.backend
         norm = self.input_layernorm
         x, residual = kernels.rms_norm_residual(hidden, residual, norm.weight, norm.eps)
@@ -294,6 +303,45 @@ class DecoderLayer(nn.Module):
         act = kernels.gate_up_silu(self.gate_up_proj, x)
         mlp_out: torch.Tensor = self.down_proj(act)  # [T, hidden]
         return mlp_out, residual
+
+    def bind_decode_layer(self) -> None:
+        """Take the backend's whole-layer decode step where it has one for this layer (after
+        the backend prepared the weights): a dense layer computing exactly what `forward`
+        does through the backend's functions."""
+        parts = self.dense_parts()
+        factory = self.backend.decode_layer
+        self.decode_layer = factory(parts) if factory is not None and parts is not None else None
+
+    def dense_parts(self) -> DenseLayerParts | None:
+        """This layer as `DenseLayerParts` when `forward` is exactly norm, qkv, rotary, global
+        attention, o, norm and a SwiGLU MLP, on one rank; else None. Subclasses (other norms,
+        activations, soft caps) have none."""
+        if (
+            type(self) is not DecoderLayer
+            or self.split
+            or type(self.input_layernorm) is not RMSNorm
+            or type(self.post_attention_layernorm) is not RMSNorm
+            or self.q_norm is not None
+            or self.window
+            or self.moe is not None
+            or self.gate_up_proj is None
+            or self.down_proj is None
+        ):
+            return None
+        return DenseLayerParts(
+            input_norm_weight=self.input_layernorm.weight,
+            input_norm_eps=self.input_layernorm.eps,
+            post_norm_weight=self.post_attention_layernorm.weight,
+            post_norm_eps=self.post_attention_layernorm.eps,
+            qkv_proj=self.qkv_proj,
+            o_proj=self.o_proj,
+            gate_up_proj=self.gate_up_proj,
+            down_proj=self.down_proj,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            scale=self.scale,
+        )
 
     def _attention(
         self,
@@ -417,7 +465,11 @@ class LlamaForCausalLM(CausalLM):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.backend = backend
-        return backend.prepare_model(self) if backend.prepare_model is not None else 0
+        prepared = backend.prepare_model(self) if backend.prepare_model is not None else 0
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.bind_decode_layer()  # over the weights as prepared
+        return prepared
 
     def reset_rope_cache(
         self, device: torch.device | None = None, max_sequence_length: int | None = None

@@ -1,0 +1,125 @@
+"""The CPU backend's whole-layer decode step (``cpu_decode_layer.NativeDecodeLayer``): bit for bit
+the generic path's logits and KV, on the steps it serves; the generic path on every other step
+and for every layer it does not serve; and greedy tokens as transformers picks them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ferrum_kernels import native
+from ferrum_kernels.backend import cpu_backend
+from ferrum_server.models import load_model
+from ferrum_server.models.llama import DecoderLayer
+from helpers_models import PagedRunner, check_greedy_against_transformers
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+# head_dim 64 (the decode kernel's sizes), grouped query heads.
+CONFIG = dict(
+    vocab_size=300,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.08,
+)
+
+
+def _model(tmp_path: Path, dtype: torch.dtype, **overrides: Any) -> Any:
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**{**CONFIG, **overrides}))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model, config = load_model(str(tmp_path), dtype=dtype, device=torch.device("cpu"))
+    model.bind_backend(cpu_backend())
+    return model, config
+
+
+def _layers(model: Any) -> list[DecoderLayer]:
+    return [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+
+
+class _Spy:
+    """Wraps a layer's decode_layer and records whether each call served the step."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn, self.served = fn, []
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        self.served.append(out is not None)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_decode_steps_match_the_generic_path_bit_for_bit(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    assert native.load() is not None, "the native kernels must build here"
+    model, config = _model(tmp_path, dtype)
+    layers = _layers(model)
+    fast = [layer.decode_layer for layer in layers]
+    assert all(fn is not None for fn in fast)
+    spies = [_Spy(fn) for fn in fast]  # type: ignore[arg-type]
+    runner = PagedRunner(model, config, num_blocks=64, block_size=16, shuffle=True)
+    rng = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=rng).tolist() for n in (5, 23, 40)]
+    for layer, spy in zip(layers, spies, strict=True):
+        layer.decode_layer = spy
+    runner.step(list(enumerate(prompts)))  # prefill chunks: the generic path
+    assert not any(s for spy in spies for s in spy.served)
+    tokens = [7, 11, 13]
+    for step in range(4):
+        decodes = [(i, [t]) for i, t in enumerate(tokens)]
+        if step == 3:  # a prefill chunk beside the decodes: the whole step goes generic
+            decodes.append((3, [1, 2, 3]))
+        before = runner.snapshot()
+        served = len(spies[0].served)
+        got = runner.step(decodes)
+        kv_got = runner.kv_cache.clone()
+        assert all(spy.served[served:] == [step < 3] for spy in spies)
+        runner.restore(before)
+        for layer in layers:
+            layer.decode_layer = None
+        want = runner.step(decodes)
+        for layer, spy in zip(layers, spies, strict=True):
+            layer.decode_layer = spy
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        assert torch.equal(kv_got, runner.kv_cache)
+        tokens = [int(logits[-1].argmax()) for logits in got[:3]]
+
+
+def test_layers_it_cannot_serve_run_the_generic_path(tmp_path: Path) -> None:
+    biased, _ = _model(tmp_path / "bias", torch.float32, attention_bias=True)
+    assert all(layer.decode_layer is None for layer in _layers(biased))
+    narrow, _ = _model(tmp_path / "narrow", torch.float32, hidden_size=64)  # head_dim 16
+    assert all(layer.decode_layer is None for layer in _layers(narrow))
+    plain, _ = _model(tmp_path / "plain", torch.float32)
+    layer = _layers(plain)[0]
+    assert layer.dense_parts() is not None and layer.decode_layer is not None
+    # Gradients wanted: the generic linears fall back to F.linear, and so does the step.
+    hidden = torch.zeros(2, 256)
+    kv = torch.zeros(2, 4, 16, 2, 64)
+    with torch.enable_grad():
+        assert layer.decode_layer(hidden, None, hidden[:, :32], hidden[:, :32], kv, None) is None
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@torch.no_grad()
+def test_decodes_match_transformers_greedy(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    check_greedy_against_transformers(
+        tmp_path,
+        LlamaConfig(**CONFIG),
+        prompt_len=21,
+        chunk_ends=[21],
+        steps=10,
+        num_blocks=64,
+        block_size=16,
+    )
