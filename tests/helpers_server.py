@@ -68,6 +68,17 @@ def random_prompts(seed: int, count: int, low: int, high: int) -> list[list[int]
     ]
 
 
+def assert_quiescent(server: LiveServer) -> None:
+    """The server is back where it started: no step in flight, no cache, every KV block free
+    (and the KV manager's own invariants hold)."""
+    engine = server.engine
+    assert not engine._launched  # type: ignore[attr-defined]  # every step finished
+    kv = engine.kv  # type: ignore[attr-defined]
+    kv.check()
+    assert not kv.caches
+    assert kv.pool.num_available == kv.pool.num_blocks
+
+
 def tiny_block_bytes(block_size: int) -> int:
     """Bytes of one float32 KV block of the tiny model (to size pools in blocks)."""
     import torch

@@ -14,6 +14,7 @@ from ferrum_server.capacity import MIN_ADMISSION_BATCH_TOKENS
 from helpers_server import (
     TINY_VOCAB,
     LiveServer,
+    assert_quiescent,
     random_prompts,
     start_live_server,
     tiny_block_bytes,
@@ -54,13 +55,6 @@ def _probe(
     )
 
 
-def _assert_quiescent(server: LiveServer) -> None:
-    kv = server.engine.kv  # type: ignore[attr-defined]
-    kv.check()
-    assert not kv.caches
-    assert kv.pool.num_available == kv.pool.num_blocks
-
-
 def _cancel(client: ExecutorClient, *request_ids: str) -> None:
     for request_id in request_ids:
         client.cancel_prefill_admission(pb.CancelPrefillAdmissionRequest(request_id=request_id))
@@ -84,7 +78,7 @@ def test_probes_are_decided_in_order_until_one_is_deferred(tight: LiveServer) ->
         # What single probes answer, one after another.
         singles = [client.try_admit_prefill(_probe(*probe)) for probe in BURST[:4]]
         _cancel(client, "a", "c")
-        _assert_quiescent(tight)
+        assert_quiescent(tight)
         batch = client.try_admit_prefill_batch(
             pb.TryAdmitPrefillBatchRequest(probes=[_probe(*probe) for probe in BURST])
         ).decisions
@@ -100,7 +94,7 @@ def test_probes_are_decided_in_order_until_one_is_deferred(tight: LiveServer) ->
         assert kv.live_cache_of("e") is None and len(kv.caches) == 2
         assert client.try_admit_prefill(_probe(*BURST[4])).WhichOneof("decision") == "admitted"
         _cancel(client, "a", "c", "e")
-    _assert_quiescent(tight)
+    assert_quiescent(tight)
 
 
 def _refused(client: ExecutorClient, request: pb.TryAdmitPrefillBatchRequest) -> ExecutorError:
@@ -130,14 +124,14 @@ def test_bad_input_fails_the_whole_batch_and_changes_nothing(tight: LiveServer) 
             )
             assert error.code == expected, error
             assert words in str(error), error
-            _assert_quiescent(tight)
+            assert_quiescent(tight)
         stale = pb.TryAdmitPrefillBatchRequest(probes=[_probe("a", 8)], executor_instance_id=12345)
         assert _refused(client, stale).code == grpc.StatusCode.FAILED_PRECONDITION
         # Nothing was decided: no probe was counted.
         assert tight.engine.capacity.stats.probes == probes_before  # type: ignore[attr-defined]
         # An empty batch decides nothing.
         assert not client.try_admit_prefill_batch(pb.TryAdmitPrefillBatchRequest()).decisions
-    _assert_quiescent(tight)
+    assert_quiescent(tight)
 
 
 def test_a_step_id_replays_the_stored_decisions(tight: LiveServer) -> None:
@@ -153,7 +147,7 @@ def test_a_step_id_replays_the_stored_decisions(tight: LiveServer) -> None:
         other = pb.TryAdmitPrefillBatchRequest(probes=[_probe("x", 8)], step_id=41)
         assert _refused(client, other).code == grpc.StatusCode.ALREADY_EXISTS
         _cancel(client, "a", "b")
-    _assert_quiescent(tight)
+    assert_quiescent(tight)
 
 
 def _generate(
@@ -180,7 +174,7 @@ def test_the_scheduler_admits_a_burst_in_one_call(roomy: LiveServer) -> None:
     assert single.stats.admission_batches == 0
     assert single.stats.admission_probes == len(prompts)
     assert batched == one_by_one
-    _assert_quiescent(roomy)
+    assert_quiescent(roomy)
 
 
 def test_a_burst_larger_than_the_pool_completes_as_with_single_probes(
@@ -193,8 +187,8 @@ def test_a_burst_larger_than_the_pool_completes_as_with_single_probes(
     outputs, scheduler = _generate(tight, prompts, config)
     assert outputs == expected
     assert scheduler.stats.admission_batches >= 1 and scheduler.stats.admissions_deferred > 0
-    _assert_quiescent(tight)
-    _assert_quiescent(roomy)
+    assert_quiescent(tight)
+    assert_quiescent(roomy)
 
 
 def test_the_receive_limit_holds_a_full_batch(tight: LiveServer) -> None:

@@ -15,6 +15,7 @@ from ferrum_client.scheduler import GenerationParams, Scheduler, SchedulerConfig
 from helpers_server import (
     TINY_VOCAB,
     LiveServer,
+    assert_quiescent,
     random_prompts,
     start_live_server,
     tiny_block_bytes,
@@ -65,13 +66,6 @@ def no_prefix_server() -> Iterator[LiveServer]:
     )
 
 
-def _assert_quiescent(server: LiveServer) -> None:
-    kv = server.engine.kv  # type: ignore[attr-defined]
-    kv.check()
-    assert not kv.caches
-    assert kv.pool.num_available == kv.pool.num_blocks
-
-
 def _run_scheduler(
     server: LiveServer, prompts: list[list[int]], params: GenerationParams, config: SchedulerConfig
 ) -> tuple[list[list[int]], Scheduler]:
@@ -106,8 +100,8 @@ def test_small_pool_completes_everything_like_a_large_one(
     assert stats.admissions_deferred <= stats.wakeups + stats.own_releases
     if mode == pb.PREEMPTION_MODE_SWAP:
         assert tight.engine.capacity.stats.swaps_in > swaps_before  # type: ignore[attr-defined]
-    _assert_quiescent(tight)
-    _assert_quiescent(roomy)
+    assert_quiescent(tight)
+    assert_quiescent(roomy)
 
 
 def test_permanent_rejection_is_immediate(tight: LiveServer) -> None:
@@ -138,7 +132,7 @@ def test_permanent_rejection_is_immediate(tight: LiveServer) -> None:
             )
         )
         assert will_outgrow.WhichOneof("decision") == "rejected"
-    _assert_quiescent(tight)
+    assert_quiescent(tight)
 
 
 def test_bad_admission_requests_are_invalid(tight: LiveServer) -> None:
@@ -154,7 +148,7 @@ def test_bad_admission_requests_are_invalid(tight: LiveServer) -> None:
             with pytest.raises(ExecutorError) as caught:
                 client.try_admit_prefill(request)
             assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    _assert_quiescent(tight)
+    assert_quiescent(tight)
 
 
 def test_deferral_wait_wakes_on_release_and_cancel_frees(tight: LiveServer) -> None:
@@ -219,7 +213,7 @@ def test_deferral_wait_wakes_on_release_and_cancel_frees(tight: LiveServer) -> N
         assert not client.cancel_prefill_admission(
             pb.CancelPrefillAdmissionRequest(request_id="hog")
         ).released
-    _assert_quiescent(tight)
+    assert_quiescent(tight)
 
 
 def test_preemption_receipt_retires_the_exact_incarnation(tight: LiveServer) -> None:
@@ -257,7 +251,7 @@ def test_preemption_receipt_retires_the_exact_incarnation(tight: LiveServer) -> 
         ).admitted
         assert again.cache_id != admitted.cache_id
         client.release_cache(pb.ReleaseCacheRequest(cache_id=again.cache_id))
-    _assert_quiescent(tight)
+    assert_quiescent(tight)
 
 
 def test_watch_capacity_streams_changes(tight: LiveServer) -> None:
@@ -276,7 +270,7 @@ def test_watch_capacity_streams_changes(tight: LiveServer) -> None:
             await events.aclose()
 
     tight.run(scenario())
-    _assert_quiescent(tight)
+    assert_quiescent(tight)
 
 
 def test_shared_prefix_is_computed_once(
@@ -298,8 +292,8 @@ def test_shared_prefix_is_computed_once(
     assert outputs == reference
     hits = engine.capacity.stats.prefix_hit_tokens  # type: ignore[attr-defined]
     assert hits >= 31 * 256
-    _assert_quiescent(prefix_server)
-    _assert_quiescent(no_prefix_server)
+    assert_quiescent(prefix_server)
+    assert_quiescent(no_prefix_server)
 
 
 def test_a_chunk_that_does_not_fit_runs_its_fitting_prefix_only_when_allowed(
@@ -387,4 +381,4 @@ def test_a_chunk_that_does_not_fit_runs_its_fitting_prefix_only_when_allowed(
         assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
         for cache_id in (admitted.cache_id, blocker_id):
             client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id))
-    _assert_quiescent(tight)
+    assert_quiescent(tight)

@@ -39,7 +39,13 @@ from ferrum_client.scheduler import (
     SchedulerConfig,
     StepResult,
 )
-from helpers_server import LiveServer, random_prompts, start_live_server, tiny_block_bytes
+from helpers_server import (
+    LiveServer,
+    assert_quiescent,
+    random_prompts,
+    start_live_server,
+    tiny_block_bytes,
+)
 
 VOCAB = 512  # the tiny model
 ABORTED = grpc.StatusCode.ABORTED.value[0]
@@ -103,14 +109,6 @@ def _unified(client: ExecutorClient, batch: BatchBuilder, step_id: int = 0) -> l
 def _release(client: ExecutorClient, *cache_ids: str) -> None:
     for cache_id in cache_ids:
         client.release_cache(pb.ReleaseCacheRequest(cache_id=cache_id))
-
-
-def _assert_quiescent(server: LiveServer) -> None:
-    assert not server.engine._launched  # type: ignore[attr-defined]  # every step finished
-    kv = server.engine.kv  # type: ignore[attr-defined]
-    kv.check()
-    assert not kv.caches
-    assert kv.pool.num_available == kv.pool.num_blocks
 
 
 # -- the executor ----------------------------------------------------------------------------
@@ -347,7 +345,7 @@ def test_continued_outputs_equal_plain_greedy(roomy: LiveServer) -> None:
         # Steps did launch while the one before them was in flight (about a third of them
         # on a 2-core CPU, where a launch runs its whole forward before it returns).
         assert engine_stats.launched_ahead_steps > launched_ahead
-    _assert_quiescent(roomy)
+    assert_quiescent(roomy)
 
     engine = Engine(EngineConfig(block_size=4, kv_cache_bytes=1024 * tiny_block_bytes(4)))
     try:
@@ -440,7 +438,7 @@ def test_a_request_that_stops_has_one_extra_item_and_gives_back_every_block(
             # Ended by length: never continued past its last token.
             assert len(decodes) == len(outputs) - 1
             assert committed == len(prompt) + len(outputs) - 1
-    _assert_quiescent(roomy)
+    assert_quiescent(roomy)
 
 
 def test_steps_overlap_and_every_running_request_is_in_every_step(roomy: LiveServer) -> None:
@@ -489,7 +487,7 @@ def test_steps_overlap_and_every_running_request_is_in_every_step(roomy: LiveSer
     assert [r.num_decodes for r in records] == [0] + [len(prompts)] * 5
     assert Gated.steps == len(records) and Gated.overlapped == len(records) - 1
     assert scheduler.stats.max_in_flight == 2
-    _assert_quiescent(roomy)
+    assert_quiescent(roomy)
 
 
 def test_a_pool_too_small_completes_everything_like_a_large_one(
@@ -507,8 +505,8 @@ def test_a_pool_too_small_completes_everything_like_a_large_one(
     assert all(r.finish_reason == "length" for r in results)
     stats = scheduler.stats
     assert stats.preemptions > 0 and stats.deferred_items > 0 and stats.continuations > 0
-    _assert_quiescent(tight)
-    _assert_quiescent(roomy)
+    assert_quiescent(tight)
+    assert_quiescent(roomy)
 
 
 def test_decodes_that_outgrow_the_pool_preempt_once_the_pipeline_drains(
@@ -530,7 +528,7 @@ def test_decodes_that_outgrow_the_pool_preempt_once_the_pipeline_drains(
     results, scheduler = tight.run(scenario())  # type: ignore[misc]
     assert [r.output_ids for r in results] == [r.output_ids for r in expected]
     assert scheduler.stats.deferred_items > 0 and scheduler.stats.preemptions > 0
-    _assert_quiescent(tight)
+    assert_quiescent(tight)
 
 
 def test_a_request_cancelled_with_its_continuation_in_flight_gives_everything_back(
@@ -559,4 +557,4 @@ def test_a_request_cancelled_with_its_continuation_in_flight_gives_everything_ba
     assert [r.finish_reason for r in results] == ["cancelled", "length", "length"]
     assert results[0].output_ids == plain[0].output_ids[: len(results[0].output_ids)]
     assert [r.output_ids for r in results[1:]] == [r.output_ids for r in plain[1:]]
-    _assert_quiescent(roomy)
+    assert_quiescent(roomy)

@@ -13,6 +13,7 @@ from ferrum_client import AsyncExecutorClient
 from ferrum_client.scheduler import GenerationParams, ItemKind, Scheduler, SchedulerConfig
 from helpers_server import (
     LiveServer,
+    assert_quiescent,
     random_prompts,
     start_live_server,
     tiny_block_bytes,
@@ -65,13 +66,6 @@ def narrow() -> Iterator[LiveServer]:
     )
 
 
-def _assert_quiescent(server: LiveServer) -> None:
-    kv = server.engine.kv  # type: ignore[attr-defined]
-    kv.check()
-    assert not kv.caches
-    assert kv.pool.num_available == kv.pool.num_blocks
-
-
 def _generate(
     server: LiveServer,
     prompts: list[list[int]],
@@ -103,7 +97,7 @@ def test_mixed_batches_equal_single_request_greedy(either: LiveServer) -> None:
     # The batches really were mixed: some steps carried decodes and prefill chunks together.
     records = scheduler.stats.records
     assert any(r.num_decodes and r.num_prefill_tokens for r in records)
-    _assert_quiescent(either)
+    assert_quiescent(either)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -142,7 +136,7 @@ def test_aligned_first_tokens_start_the_burst_together(server: LiveServer, depth
     for prompt, got in zip(prompts, outputs, strict=True):
         want, _, _ = _generate(server, [prompt], params, alone)
         assert got == want[0]
-    _assert_quiescent(server)
+    assert_quiescent(server)
 
 
 def test_aligned_first_tokens_cost_a_lone_prompt_no_extra_step(server: LiveServer) -> None:
@@ -161,7 +155,7 @@ def test_aligned_first_tokens_cost_a_lone_prompt_no_extra_step(server: LiveServe
             steps.append([(r.num_decodes, r.num_prefill_tokens) for r in scheduler.stats.records])
         assert steps[0] == steps[1]
         assert sum(1 for _, prefill in steps[0] if prefill) == (1 if length <= 40 else 2)
-    _assert_quiescent(server)
+    assert_quiescent(server)
 
 
 def test_first_token_hold_is_bounded(server: LiveServer) -> None:
@@ -175,7 +169,7 @@ def test_first_token_hold_is_bounded(server: LiveServer) -> None:
     _, reasons, scheduler = _generate(server, prompts, GenerationParams(max_new_tokens=4), config)
     assert reasons == ["length"] * len(prompts)
     assert any(r.num_decodes and r.num_prefill_tokens for r in scheduler.stats.records)
-    _assert_quiescent(server)
+    assert_quiescent(server)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -195,7 +189,7 @@ def test_budget_and_chunking_hold_at_every_step(either: LiveServer, depth: int) 
     assert sum(r.num_prefill_tokens for r in records) == sum(len(p) for p in prompts)
     assert max(len(p) for p in prompts) > budget
     assert scheduler.stats.max_in_flight == depth
-    _assert_quiescent(either)
+    assert_quiescent(either)
 
 
 def test_stop_token_ends_a_request(server: LiveServer) -> None:
@@ -208,7 +202,7 @@ def test_stop_token_ends_a_request(server: LiveServer) -> None:
         server, [prompt], GenerationParams(max_new_tokens=12, stop_token_ids=(stop,)), config
     )
     assert stopped[0] == full[0][:cut] and reasons == ["stop"]
-    _assert_quiescent(server)
+    assert_quiescent(server)
 
 
 def test_stream_yields_every_token_in_order(either: LiveServer) -> None:
@@ -226,7 +220,7 @@ def test_stream_yields_every_token_in_order(either: LiveServer) -> None:
 
     streamed, whole = either.run(scenario())  # type: ignore[misc]
     assert [streamed[i] for i in range(len(prompts))] == whole
-    _assert_quiescent(either)
+    assert_quiescent(either)
 
 
 def test_cancellation_frees_capacity_for_a_waiting_request(small: LiveServer) -> None:
@@ -257,7 +251,7 @@ def test_cancellation_frees_capacity_for_a_waiting_request(small: LiveServer) ->
     reasons, outputs, late_tokens = small.run(scenario())  # type: ignore[misc]
     assert reasons == ["cancelled", "length"]
     assert outputs[0] < 50 and late_tokens == 4
-    _assert_quiescent(small)
+    assert_quiescent(small)
 
 
 def test_in_process_backend_matches_grpc(server: LiveServer) -> None:
@@ -356,7 +350,7 @@ def test_step_time_target_lowers_the_budget_and_keeps_decodes(server: LiveServer
     assert any(r.num_tokens > 35 for r in records[: scheduler.cost.min_observations])
     assert learned and all(r.num_tokens <= max(35, r.num_decodes + 32) for r in learned)
     assert any(r.num_prefill_tokens and r.num_decodes for r in learned)
-    _assert_quiescent(server)
+    assert_quiescent(server)
 
 
 def test_prefill_keeps_its_share_of_the_target_when_the_decodes_alone_exceed_it(
@@ -386,7 +380,7 @@ def test_prefill_keeps_its_share_of_the_target_when_the_decodes_alone_exceed_it(
     # With min_prefill_share=0 there is one: planned before the fit told the costs apart.
     over = [r for r in learned if r.num_decodes >= 3 and r.num_prefill_tokens > MIN_PREFILL_TOKENS]
     assert len(over) >= 3, [(r.num_decodes, r.num_prefill_tokens) for r in learned]
-    _assert_quiescent(server)
+    assert_quiescent(server)
 
 
 @pytest.mark.parametrize("align", [True, False])
@@ -408,7 +402,7 @@ def test_steps_stay_within_the_executors_limits(
     for prompt, got in zip(prompts, outputs, strict=True):
         want, _, _ = _generate(server, [prompt], params, SchedulerConfig())
         assert got == want[0]
-    _assert_quiescent(narrow)
+    assert_quiescent(narrow)
 
 
 def test_a_prompt_that_does_not_fit_starts_with_the_narrower_chunk_the_executor_hints(
@@ -463,4 +457,4 @@ def test_a_prompt_that_does_not_fit_starts_with_the_narrower_chunk_the_executor_
     assert committed == 40  # the hinted prefix ran while the blocker held the rest
     # One deferred chunk, then a wait on its source: no step was resubmitted meanwhile.
     assert stats.deferred_items == 1 and stats.capacity_waits == 1
-    _assert_quiescent(small)
+    assert_quiescent(small)
