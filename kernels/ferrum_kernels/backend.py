@@ -109,6 +109,9 @@ from ferrum_kernels.sampling import SampleOutput, SamplingTensors, sample
 __all__ = [
     "AttentionFn",
     "DecodeAttentionFactory",
+    "DecodeLayerFactory",
+    "DecodeLayerFn",
+    "DenseLayerParts",
     "FusedMoeFn",
     "KernelBackend",
     "ModelPreparer",

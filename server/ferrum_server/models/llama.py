@@ -20,8 +20,7 @@ from typing import ClassVar
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata
-from ferrum_kernels.backend import DecodeLayerFn, KernelBackend, torch_backend
-from ferrum_kernels.cpu_decode_layer import DenseLayerParts
+from ferrum_kernels.backend import DecodeLayerFn, DenseLayerParts, KernelBackend, torch_backend
 from ferrum_kernels.layers import TiedLinear, rms_norm
 from torch import nn
 
