@@ -22,6 +22,7 @@ float32 softmax (transformers' "eager" attention, the only one it runs Gemma 2 w
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,6 +36,7 @@ __all__ = [
     "AttentionMetadata",
     "DecodeAttentionFn",
     "DecodeBatch",
+    "OutputRows",
     "check_softcap",
     "check_window",
     "decode_attention_reference",
@@ -140,6 +142,58 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start[-1] if self.query_start else 0
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRows:
+    """The query rows of a forward whose final hidden states are used (the rows that go through
+    the LM head): each item's last ``counts[i]`` rows, in item order.
+
+    A model runs its last layer past the KV write only for these rows: no other row's output
+    after that write reaches anything (a later step reads the K/V, never the hidden states).
+    ``meta`` describes the attention of these rows alone: every item with at least one of them,
+    its context as before, its queries only its kept trailing rows (so their positions are
+    unchanged). It is None when no row is kept.
+    """
+
+    rows: torch.Tensor  # [R] int64 on the model device: flat rows into T
+    meta: AttentionMetadata | None
+
+    @property
+    def count(self) -> int:
+        return int(self.rows.shape[0])
+
+    @classmethod
+    def select(
+        cls, meta: AttentionMetadata, counts: list[int], rows: torch.Tensor | None = None
+    ) -> OutputRows:
+        """Each item's last ``counts[i]`` query rows of ``meta`` (``rows``: those flat rows on
+        the device, when the caller has them already)."""
+        qs = meta.query_start
+        if len(counts) != meta.num_items:
+            raise ValueError(f"counts has {len(counts)} entries for {meta.num_items} items")
+        kept: list[int] = []  # items with at least one row kept
+        flat: list[int] = []
+        for i, n in enumerate(counts):
+            if not 0 <= n <= qs[i + 1] - qs[i]:
+                raise ValueError(f"item {i} keeps {n} of its {qs[i + 1] - qs[i]} query rows")
+            if n:
+                kept.append(i)
+                flat.extend(range(qs[i + 1] - n, qs[i + 1]))
+        device = meta.block_tables.device
+        if rows is None:
+            rows = ints_to_device(flat, device)
+        elif rows.shape != (len(flat),):
+            raise ValueError(f"rows must be [R={len(flat)}], got {tuple(rows.shape)}")
+        if not kept:
+            return cls(rows, None)
+        sub = AttentionMetadata.build(
+            [0, *itertools.accumulate(counts[i] for i in kept)],
+            [meta.context_lens[i] for i in kept],
+            meta.block_tables[ints_to_device(kept, device)],
+            meta.slot_mapping[rows],
+        )
+        return cls(rows, sub)
 
 
 def write_kv(

@@ -101,10 +101,11 @@ class ModelRunner:
         """The forward itself, as every rank runs it: the logits [R, vocab] (float32) of the
         plan's output rows, or None when it has none."""
         input_ids, positions, meta = plan.inputs(self.block_size)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        # The model finishes only the output rows (its last layer past the KV write): [R, hidden]
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, plan.outputs(meta))
         if not plan.output_rows.numel():
             return None
-        return self.model.compute_logits(hidden[plan.output_rows])
+        return self.model.compute_logits(hidden)
 
     def _plan(self, items: list[StepItem], caches: list[Cache]) -> ForwardPlan:
         """The step flattened into one token dimension, with the rows whose logits it needs."""
@@ -115,11 +116,11 @@ class ModelRunner:
         block_ids = [cache.block_ids for cache in caches]
         table = padded_block_table(block_ids, max(map(len, block_ids)))
         output_rows: list[int] = []  # flat token rows that go through the LM head
+        output_counts: list[int] = []  # per item: its last rows among them
         for index, item in enumerate(items):
-            if item.kind == ItemKind.VERIFY:
-                output_rows.extend(range(query_start[index], query_start[index + 1]))
-            elif item.is_final:
-                output_rows.append(query_start[index + 1] - 1)
+            n = item.num_outputs
+            output_counts.append(n)
+            output_rows.extend(range(query_start[index + 1] - n, query_start[index + 1]))
         # Token ids and output rows in one copy; none waits for the device (`to_device`).
         flat = ints_to_device([*flat_tokens, *output_rows], device)
         return ForwardPlan(
@@ -129,6 +130,7 @@ class ModelRunner:
             context_lens=[item.end for item in items],
             block_tables=to_device(table, device),
             output_rows=flat[len(flat_tokens) :],
+            output_counts=output_counts,
         )
 
     def _graphable(self, items: list[StepItem], caches: list[Cache]) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.attention import AttentionMetadata, OutputRows
 from ferrum_kernels.backend import KernelBackend
 from torch import nn
 
@@ -50,8 +50,11 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] for every query row of the batch."""
+        """Final-normed hidden states [T, hidden] for every query row of the batch, or
+        [R, hidden] for ``outputs``' rows alone, when given: a model may then skip whatever
+        only the other rows' hidden states need (never their K/V)."""
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

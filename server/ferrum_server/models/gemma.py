@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.attention import AttentionMetadata, OutputRows
 from ferrum_kernels.layers import gelu_tanh_and_mul, gemma_rms_norm, soft_cap
 
 from ferrum_server.models.config import ModelConfig
@@ -124,11 +124,18 @@ class GemmaDecoderLayer(DecoderLayer):
         sin: torch.Tensor,  # [T, head_dim/2]
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
+        outputs: OutputRows | None = None,  # the model's last layer: the rows it must finish
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's output [T, hidden], residual stream [T, hidden]), whose sum is the
-        layer's result, as in ``DecoderLayer``."""
+        layer's result, as in ``DecoderLayer`` (and for the output rows alone with
+        ``outputs``)."""
         stream = hidden if residual is None else residual + hidden  # [T, hidden]
-        attention = self._attention(self.input_layernorm(stream), cos, sin, kv_layer, meta)
+        x = self.input_layernorm(stream)
+        attention = self._attention(x, cos, sin, kv_layer, meta, outputs)
+        if outputs is not None:
+            stream = stream[outputs.rows]  # [R, hidden]
+            if not outputs.count:
+                return attention, stream  # [0, hidden] each
         stream = stream + self.post_attention_layernorm(attention)
         assert self.gate_up_proj is not None and self.down_proj is not None  # never sparse
         gate_up = self.gate_up_proj(self.pre_feedforward_layernorm(stream))  # [T, 2I]
@@ -192,8 +199,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,  # [T] int64
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] for every query row of the batch."""
+        """Final-normed hidden states [T, hidden] for every query row of the batch, or
+        [R, hidden] for the output rows alone (as ``LlamaForCausalLM.forward``)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         hidden = hidden * embedding_normalizer(self.config.hidden_size, hidden.dtype)
         dtype = hidden.dtype
@@ -203,9 +212,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
             self.rope_local_sin[positions].to(dtype),
         )  # [T, D/2] each
         residual: torch.Tensor | None = None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             cos, sin = local_rope if self.spec.sliding_layers[i] else global_rope
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta)
+            keep = outputs if i == last else None
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta, keep)
         assert residual is not None  # a model has at least one layer
         final: torch.Tensor = self.norm(residual + hidden)
         return final

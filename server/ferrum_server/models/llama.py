@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.attention import AttentionMetadata, OutputRows
 from ferrum_kernels.backend import DecodeLayerFn, DenseLayerParts, KernelBackend, torch_backend
 from ferrum_kernels.layers import TiedLinear, rms_norm
 from torch import nn
@@ -282,17 +282,24 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,  # [T, head_dim/2]
         kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
+        outputs: OutputRows | None = None,  # the model's last layer: the rows it must finish
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's output [T, hidden], residual stream [T, hidden]); the layer's
-        result is their sum, which the next norm forms (fused with it where a kernel can)."""
-        if self.decode_layer is not None:
+        result is their sum, which the next norm forms (fused with it where a kernel can).
+        With ``outputs``, every row's K/V is written as always, and both come back for the
+        output rows alone ([R, hidden]): the rest of the layer runs only for them."""
+        if self.decode_layer is not None and outputs is None:
             done = self.decode_layer(hidden, residual, cos, sin, kv_layer, meta)
             if done is not None:
                 return done
         kernels = self.backend
         norm = self.input_layernorm
         x, residual = kernels.rms_norm_residual(hidden, residual, norm.weight, norm.eps)
-        attention = self._attention(x, cos, sin, kv_layer, meta)
+        attention = self._attention(x, cos, sin, kv_layer, meta, outputs)
+        if outputs is not None:
+            residual = residual[outputs.rows]  # [R, hidden]
+            if not outputs.count:
+                return attention, residual  # [0, hidden] each
         norm = self.post_attention_layernorm
         x, residual = kernels.rms_norm_residual(attention, residual, norm.weight, norm.eps)
         if self.moe is not None:
@@ -349,7 +356,10 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor:
+        """-> [T, hidden], or [R, hidden] for the output rows alone (``outputs``), every row's
+        K/V written either way."""
         kernels = self.backend
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -362,6 +372,14 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = kernels.rotary(q, k, cos, sin)  # may rotate in place (q, k are views of qkv)
+        if outputs is not None:
+            # Every row's K/V, then attention for the output rows only (their K/V written once
+            # more by the call, the same values): no other row's attention output is used.
+            kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
+            if outputs.meta is None:
+                return x[:0]  # [0, hidden]: no row is used
+            rows = outputs.rows
+            q, k, v, meta, t = q[rows], k[rows], v[rows], outputs.meta, outputs.count
         o = self._attend(q, k, v, kv_layer, meta)  # [T, H, D]; writes K/V
         out: torch.Tensor = self.o_proj(o.reshape(t, h * d))  # [T, hidden]
         return out
@@ -495,14 +513,21 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,  # [T] int64
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] for every query row of the batch."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        """Final-normed hidden states [T, hidden] for every query row of the batch, or
+        [R, hidden] for the output rows alone (``outputs``: the last layer then finishes only
+        those rows; see ``OutputRows``)."""
+        hidden: torch.Tensor = self.embed_tokens(input_ids)  # [T, hidden]
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, D/2]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, D/2]
         residual: torch.Tensor | None = None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta)
+            keep = outputs if i == last else None
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta, keep)
+        if not hidden.shape[0]:
+            return hidden  # no output row
         norm = self.norm
         return self._backend.rms_norm_residual(hidden, residual, norm.weight, norm.eps)[0]
 

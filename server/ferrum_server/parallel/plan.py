@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.attention import AttentionMetadata, OutputRows
 from ferrum_kernels.transfer import ints_to_device
 
 from ferrum_server.parallel.group import TensorParallel
@@ -49,6 +49,8 @@ class ForwardPlan:
     context_lens: list[int]  # [B]
     block_tables: torch.Tensor  # [B, width] int64, rows padded with block 0
     output_rows: torch.Tensor  # [R] int64 flat token rows that go through the LM head
+    # [B] how many of each item's last rows those are (host): the same rows, per item
+    output_counts: list[int]
 
     def inputs(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input ids, positions, attention metadata) for the model."""
@@ -79,6 +81,13 @@ class ForwardPlan:
             self.query_start, self.context_lens, self.block_tables, slot_mapping
         )
         return self.token_ids, positions, meta
+
+    def outputs(self, meta: AttentionMetadata) -> OutputRows | None:
+        """The output rows as the model takes them (``OutputRows``; ``meta`` from ``inputs``),
+        or None when every row is one (a decode-only step): the model then finishes them all."""
+        if self.output_rows.shape[0] == self.token_ids.shape[0]:
+            return None
+        return OutputRows.select(meta, self.output_counts, self.output_rows)
 
 
 def _header(op: Op, *values: int) -> list[int]:
@@ -208,11 +217,25 @@ def forward_plan(received: Received) -> ForwardPlan:
     tokens, batch, width, rows = received.header[1:5]
     parts = torch.split(received.payload, [tokens, 3 * batch + 1, batch * width, rows])
     small = parts[1].tolist()
+    query_start = small[: batch + 1]
     return ForwardPlan(
         token_ids=parts[0],
-        query_start=small[: batch + 1],
+        query_start=query_start,
         offsets=small[batch + 1 : 2 * batch + 1],
         context_lens=small[2 * batch + 1 :],
         block_tables=parts[2].reshape(batch, width),
         output_rows=parts[3],
+        output_counts=output_counts(query_start, parts[3].tolist()),
     )
+
+
+def output_counts(query_start: list[int], rows: list[int]) -> list[int]:
+    """How many of each item's rows are among ``rows`` (each item's trailing rows, in item
+    order, as the runner picks them)."""
+    counts = [0] * (len(query_start) - 1)
+    item = 0
+    for row in rows:
+        while row >= query_start[item + 1]:
+            item += 1
+        counts[item] += 1
+    return counts
