@@ -216,16 +216,17 @@ def forward_plan(received: Received) -> ForwardPlan:
     assert received.op == Op.FORWARD and received.payload is not None
     tokens, batch, width, rows = received.header[1:5]
     parts = torch.split(received.payload, [tokens, 3 * batch + 1, batch * width, rows])
-    small = parts[1].tolist()
+    # One read back to the host (a device sync on a GPU) for everything the host needs.
+    small = torch.cat((parts[1], parts[3])).tolist()
     query_start = small[: batch + 1]
     return ForwardPlan(
         token_ids=parts[0],
         query_start=query_start,
         offsets=small[batch + 1 : 2 * batch + 1],
-        context_lens=small[2 * batch + 1 :],
+        context_lens=small[2 * batch + 1 : 3 * batch + 1],
         block_tables=parts[2].reshape(batch, width),
         output_rows=parts[3],
-        output_counts=output_counts(query_start, parts[3].tolist()),
+        output_counts=output_counts(query_start, small[3 * batch + 1 :]),
     )
 
 
