@@ -218,10 +218,12 @@ async def _serve(engine: EngineConfig, server: ServerConfig, port_file: pathlib.
     exit code 1, so the orchestrator restarts every rank)."""
     from ferrum_server import probe_file
     from ferrum_server.app import start_server
+    from ferrum_server.process_gc import freeze_startup_objects
 
     if server.probe_file:
         probe_file.remove(server.probe_file)
     running = await start_server(engine, server)
+    freeze_startup_objects()  # this process is the server: start-up's objects are never walked
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(str(running.port))

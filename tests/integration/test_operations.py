@@ -284,6 +284,12 @@ def test_sigterm_drain_finishes_held_requests_takes_no_new_ones_then_exits_zero(
     assert [e.get("state") for e in lifecycle][-3:] == ["draining", "closing", "stopped"]
     assert lifecycle[-2]["caches_finished"] is False
     assert lifecycle[-1]["caches_released"] == 2
+    # Once serving, the process froze what start-up made (process_gc): once, all of it.
+    names = [e.get("event") for e in events]
+    frozen = [e for e in events if e.get("event") == "gc_frozen"]
+    assert len(frozen) == 1 and frozen[0]["objects"] > 10_000
+    serving = next(i for i, e in enumerate(events) if e.get("state") == "serving")
+    assert names.index("gc_frozen") > serving
 
 
 def test_sigterm_drain_with_nothing_held_exits_at_once(tmp_path: object) -> None:

@@ -29,6 +29,7 @@ from ferrum_server.kv.storage import HostKv, KvStorage
 from ferrum_server.metrics import Metrics
 from ferrum_server.parallel.launch import config_from_json, join_group, leave_group
 from ferrum_server.parallel.plan import Op, PlanReceiver, Received, forward_plan
+from ferrum_server.process_gc import freeze_startup_objects
 from ferrum_server.runner import ModelRunner
 from ferrum_server.startup import BuiltParts, build_parts
 
@@ -102,6 +103,7 @@ def follow(config: EngineConfig, server: ServerConfig | None = None) -> int:
     try:
         tp = join_group(config)
         parts = build_parts(config, instance_id=0, tp=tp)
+        freeze_startup_objects()  # follow() runs as a rank's own process (the CLI's, launch's)
         if metrics is not None:
             metrics.set_memory_plan(parts.memory_plan.parts(), 0)
             metrics.set_rank_memory_plans(parts.rank_plans[tp.rank : tp.rank + 1], tp.rank)
