@@ -172,19 +172,16 @@ class OutputRows:
         qs = meta.query_start
         if len(counts) != meta.num_items:
             raise ValueError(f"counts has {len(counts)} entries for {meta.num_items} items")
-        kept: list[int] = []  # items with at least one row kept
-        flat: list[int] = []
         for i, n in enumerate(counts):
             if not 0 <= n <= qs[i + 1] - qs[i]:
                 raise ValueError(f"item {i} keeps {n} of its {qs[i + 1] - qs[i]} query rows")
-            if n:
-                kept.append(i)
-                flat.extend(range(qs[i + 1] - n, qs[i + 1]))
+        kept = [i for i, n in enumerate(counts) if n]  # items with at least one row kept
         device = meta.block_tables.device
         if rows is None:
+            flat = [row for i in kept for row in range(qs[i + 1] - counts[i], qs[i + 1])]
             rows = ints_to_device(flat, device)
-        elif rows.shape != (len(flat),):
-            raise ValueError(f"rows must be [R={len(flat)}], got {tuple(rows.shape)}")
+        elif rows.shape != (sum(counts),):
+            raise ValueError(f"rows must be [R={sum(counts)}], got {tuple(rows.shape)}")
         if not kept:
             return cls(rows, None)
         sub = AttentionMetadata.build(
