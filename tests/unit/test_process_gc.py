@@ -25,7 +25,8 @@ def test_freezing_collects_first_then_leaves_the_survivors_out_of_every_collecti
     try:
         frozen = freeze_startup_objects()
         assert dead() is None  # collected before the freeze, not frozen forever
-        assert frozen == gc.get_freeze_count() > 0
+        # What it froze (objects other tests left may be freed meanwhile: no later equality).
+        assert frozen > 0
         tracked = gc.get_objects()
         assert not any(obj is alive for obj in tracked)  # frozen: no generation holds it
         made_after = _Node()
