@@ -96,7 +96,7 @@ def build_parts(
     shapes = _GraphShapes(config.block_size, max_len, graph_sizes)
     plan = _plan_memory(config, model, model_config, kernels, capturer, shapes)
     plan = plan.with_num_blocks(tp.agree_min(plan.num_blocks, device))
-    kv_cache = torch.zeros(
+    kv_cache = torch.empty(
         (
             model_config.num_layers,
             2,
@@ -109,6 +109,16 @@ def build_parts(
         dtype=dtype,
         device=device,
     )
+    if device.type == "cpu":
+        # While no page of it is touched yet: the zeroing below then faults in huge pages.
+        advised = host_memory.advise_huge_pages(kv_cache)
+        _LOG.info(
+            "kv_pool_huge_pages",
+            advised_mib=round(advised / 2**20, 1),
+            pool_mib=round(kv_cache.numel() * kv_cache.element_size() / 2**20, 1),
+            transparent_huge_pages=host_memory.transparent_huge_pages(),
+        )
+    kv_cache.zero_()
     kv = KvManager(
         plan.num_blocks,
         config.block_size,

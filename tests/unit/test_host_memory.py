@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes.util
 import resource
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,3 +115,59 @@ def test_release_plain_weights_calls_back_after_each_weight_it_frees() -> None:
     assert freed == (16 * 32 + 32 * 8) * torch.float32.itemsize
     assert seen == [[0, 32 * 8], [0, 0]]  # the first freed, then both
     assert release(model, after_each=after) == 0 and len(seen) == 2
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's flags for the mapping holding `address` (/proc/self/smaps' VmFlags)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+_LINUX = Path("/proc/self/smaps").is_file()
+
+
+def test_huge_page_range_takes_the_whole_huge_pages_inside_a_buffer() -> None:
+    mib2 = host_memory.HUGE_PAGE_BYTES
+    assert host_memory.huge_page_range(0, 3 * mib2) == (0, 3 * mib2)
+    assert host_memory.huge_page_range(4096, 3 * mib2) == (mib2, 2 * mib2)  # both ends partial
+    assert host_memory.huge_page_range(mib2 - 1, mib2) == (mib2, 0)  # none whole
+    assert host_memory.huge_page_range(5 * mib2 + 64, 2 * mib2) == (6 * mib2, mib2)
+
+
+@pytest.mark.skipif(not (_GLIBC and _LINUX), reason="madvise and /proc/self/smaps are Linux's")
+def test_advise_huge_pages_marks_the_buffers_whole_huge_pages_and_refuses_device_memory() -> None:
+    import torch
+
+    # Above glibc's largest mmap threshold (32 MiB): a mapping of its own, untouched yet.
+    buffer = torch.empty(64 * 1024**2, dtype=torch.uint8)
+    start, length = host_memory.huge_page_range(buffer.data_ptr(), buffer.numel())
+    assert length >= 62 * 1024**2
+    assert "hg" not in _vm_flags(start)
+    assert host_memory.advise_huge_pages(buffer) == length
+    # madvise split the mapping at the advised range: inside it is marked, the partial head not.
+    assert "hg" in _vm_flags(start) and "hg" in _vm_flags(start + length - 1)
+    if start > buffer.data_ptr():
+        assert "hg" not in _vm_flags(start - 1)
+    assert host_memory.advise_huge_pages(torch.empty(1024)) == 0  # no whole huge page
+    with pytest.raises(ValueError, match="host memory"):
+        host_memory.advise_huge_pages(torch.empty(8, device="meta"))
+    assert host_memory.transparent_huge_pages() in ("always", "madvise", "never", "")
+
+
+@pytest.mark.skipif(not (_GLIBC and _LINUX), reason="madvise and /proc/self/smaps are Linux's")
+def test_a_cpu_kv_pool_is_advised_huge_pages_and_starts_zeroed() -> None:
+    # A pool above glibc's largest mmap threshold, so in a mapping no other buffer shares.
+    parts = startup.build_parts(EngineConfig(model="tiny", kv_cache_bytes=64 * 1024**2), 1)
+    pool = parts.kv_cache
+    assert pool.numel() * pool.element_size() > 32 * 1024**2
+    start, length = host_memory.huge_page_range(pool.data_ptr(), pool.numel() * pool.element_size())
+    assert length > 0 and "hg" in _vm_flags(start)
+    assert not pool.any()  # advised before its first write, then zeroed as before
