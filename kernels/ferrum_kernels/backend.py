@@ -45,6 +45,9 @@ functions whatever was selected:
         projection)
     float32_logits(head, x [N,H]) -> head(x).float() [N,V] (a method: ``float32_linear``'s one
         GEMM where it applies, else the head's output widened)
+    output_columns(proj, x [T,K], start) -> proj(x)[:, start:] (a method: ``trailing_columns``'
+        GEMM over those columns' weights where it applies, a bare ``nn.Linear`` over its
+        weight's rows from ``start``, else the whole projection sliced)
     fused_moe(x [T,H], experts: ExpertWeights, weights [T,K] float32, ids [T,K] int64) -> [T,H]
         sum over k of weights[:, k] * SwiGLU expert ids[:, k] applied to x, in x's dtype: the
         experts of a sparse layer as grouped GEMMs over the tokens sorted by expert
@@ -88,6 +91,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ferrum_kernels.attention import (
@@ -100,7 +104,12 @@ from ferrum_kernels.attention import (
 from ferrum_kernels.cpu_attention import CpuAttention, write_kv_cpu
 from ferrum_kernels.cpu_decode_layer import DenseLayerParts, NativeDecodeLayer
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
-from ferrum_kernels.cpu_linear import float32_linear, fused_gate_up_silu, prepack_linears
+from ferrum_kernels.cpu_linear import (
+    float32_linear,
+    fused_gate_up_silu,
+    prepack_linears,
+    trailing_columns,
+)
 from ferrum_kernels.cpu_moe import fused_moe_cpu, prepack_experts
 from ferrum_kernels.layers import apply_rotary, rms_norm, silu_and_mul
 from ferrum_kernels.moe import ExpertWeights, fused_moe_reference
@@ -174,6 +183,7 @@ SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
 # (gate_up_proj, x) -> silu(gate) * up, or None where the fused form does not apply.
 FusedGateUpSiluFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
 Float32LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
+TrailingColumnsFn = Callable[[nn.Module, torch.Tensor, int], torch.Tensor | None]
 FusedMoeFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 SampleFn = Callable[[torch.Tensor, SamplingTensors], SampleOutput]
 ModelPreparer = Callable[[nn.Module], int]
@@ -217,6 +227,8 @@ class KernelBackend:
     fused_gate_up_silu: FusedGateUpSiluFn | None = None
     # A linear whose output is widened to float32 as the GEMM stores it, or None where not.
     float32_linear: Float32LinearFn | None = None
+    # A linear's last output columns from their weights alone, or None where it cannot.
+    trailing_columns: TrailingColumnsFn | None = None
     # A dense layer's decode-only step in one function, or None where there is none.
     decode_layer: DecodeLayerFactory | None = None
 
@@ -237,6 +249,19 @@ class KernelBackend:
                 return widened
         logits: torch.Tensor = head(x)
         return logits.float()
+
+    def output_columns(self, proj: nn.Module, x: torch.Tensor, start: int) -> torch.Tensor:
+        """``proj(x)[:, start:]`` [T, N - start], computing the other columns only where no
+        kernel can skip them: a fused qkv projection's k and v when no row needs its q."""
+        if self.trailing_columns is not None:
+            tail = self.trailing_columns(proj, x, start)
+            if tail is not None:
+                return tail
+        if type(proj) is nn.Linear:
+            bias = None if proj.bias is None else proj.bias[start:]
+            return F.linear(x, proj.weight[start:], bias)
+        out: torch.Tensor = proj(x)
+        return out[:, start:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +347,7 @@ def cpu_backend() -> KernelBackend:
         fused_moe=fused_moe_cpu,
         fused_gate_up_silu=fused_gate_up_silu,
         float32_linear=float32_linear,
+        trailing_columns=trailing_columns,
         decode_layer=functools.partial(NativeDecodeLayer.build, attention=attention),
     )
 

@@ -316,6 +316,29 @@ class PackedWeight:
         )
         return out.to(x.dtype)
 
+    def trails(self, x: torch.Tensor, start: int) -> bool:
+        """Whether ``trailing(x, start)`` runs: a plain (not paired) weight on the native GEMM,
+        x in its dtype, and ``start`` on a panel boundary short of N (panels hold 32 columns
+        on the AVX-512 GEMM, 16 on the AVX2 one)."""
+        if self.kernel != "native" or self.paired or x.dtype != self.compute_dtype:
+            return False
+        width = int(self.packed().shape[2])
+        return 0 < start < self.out_features and start % width == 0
+
+    def trailing(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x [..., K] -> ``self(x)[..., start:]`` bit for bit, from the panels holding those
+        columns alone: the packed copy's later panels are a weight of their own (a fused qkv
+        projection's k and v, when no row needs its q). Only where ``trails(x, start)``."""
+        if not self.trails(x, start):
+            raise ValueError("trailing needs a plain native pack, x in its dtype, a panel start")
+        packed = self.packed()
+        first = start // int(packed.shape[2])
+        tail = packed.narrow(0, first, packed.shape[0] - first)  # whole panels: contiguous
+        bias = None if self.bias is None else self.bias.detach()[start:].to(self.compute_dtype)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        flat: torch.Tensor = native.load().packed_gemm(rows, tail, bias, self.out_features - start)
+        return flat if x.dim() == 2 else flat.view(*x.shape[:-1], flat.shape[-1])
+
     def fuses_swiglu(self, x: torch.Tensor) -> bool:
         """Whether ``swiglu(x)`` runs fused: a paired gate/up weight (on the AVX-512 native GEMM:
         bfloat16 with AVX512_BF16, float32 with AVX-512F) and x in its dtype."""
@@ -382,6 +405,14 @@ def fused_gate_up_silu(proj: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     the activation to ``proj(x)`` itself."""
     pack = _serving_pack(proj, x)
     return pack.swiglu(x) if pack is not None and pack.fuses_swiglu(x) else None
+
+
+def trailing_columns(proj: nn.Module, x: torch.Tensor, start: int) -> torch.Tensor | None:
+    """``proj(x)[..., start:]`` computed from those columns' weights alone
+    (``PackedWeight.trailing``) when proj is a packed linear whose native GEMM serves x and
+    ``start`` falls on a panel boundary; else None, and the caller slices ``proj(x)``."""
+    pack = _serving_pack(proj, x)
+    return pack.trailing(x, start) if pack is not None and pack.trails(x, start) else None
 
 
 def float32_linear(head: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

@@ -75,6 +75,13 @@ def test_rotary_in_place_on_qkv_views_is_bit_identical(dtype: torch.dtype, d: in
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(v, v_before)  # the V part of the row is left alone
+    # k alone, as a layer writing K/V for no query row rotates it: q given with no heads.
+    kv = torch.randn(t, 2 * hkv * d, dtype=dtype)
+    k_only = kv[:, : hkv * d].reshape(t, hkv, d)
+    want_k, v_before = apply_rotary(k_only, cos, sin), kv[:, hkv * d :].clone()
+    _, got_k = rotary_cpu(k_only[:, :0], k_only, cos, sin)
+    assert got_k.data_ptr() == k_only.data_ptr() and torch.equal(got_k, want_k)
+    assert torch.equal(kv[:, hkv * d :], v_before)
 
 
 @pytest.mark.parametrize("layout", ["separate", "k first", "gap"])

@@ -428,3 +428,67 @@ def test_a_native_gemm_call_lets_other_python_threads_run() -> None:
     )
     assert len(calls) == 6
     assert inside > 100, f"{inside} ticks of another thread inside {len(calls)} GEMM calls"
+
+
+@needs_native_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_trailing_columns_are_the_full_products_columns_bit_for_bit(dtype: torch.dtype) -> None:
+    """PackedWeight.trailing(x, start) is self(x)[..., start:] exactly: the same panels run the
+    same tiles, over partial tiles and a partial last panel, with and without a bias, for 2-D
+    and 3-D inputs. Only a plain native pack at a panel boundary short of N trails."""
+    if dtype == torch.bfloat16 and not _module.gemm_bf16_available():  # type: ignore[union-attr]
+        pytest.skip("no bfloat16 GEMM on this CPU")
+    gen = torch.Generator().manual_seed(12)
+    n, k = 200, 72  # the last panel partial
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    for bias in (None, torch.randn(n, generator=gen).to(dtype)):
+        pack = PackedWeight(weight, bias, kernel="native")
+        width = int(pack.packed().shape[2])
+        x = torch.randn(2, 13, k, generator=gen).to(dtype)
+        for start in (width, 2 * width, (n - 1) // width * width):
+            assert pack.trails(x, start)
+            tail = pack.trailing(x, start)
+            assert tail.shape == (2, 13, n - start)
+            assert torch.equal(tail, pack(x)[..., start:])
+            assert torch.equal(pack.trailing(x[0], start), pack(x[0])[:, start:])
+        for start in (0, width // 2, n, n + width):
+            assert not pack.trails(x, start)
+        assert not pack.trails(x.double(), width)
+        with pytest.raises(ValueError, match="panel start"):
+            pack.trailing(x, width + 1)
+    paired = PackedWeight(weight, None, kernel="native", gate_up=True)
+    assert not paired.paired or not paired.trails(x, 32)
+
+
+@needs_native_gemm
+@torch.no_grad()
+def test_the_backend_computes_a_projections_trailing_columns_alone_where_it_can() -> None:
+    """output_columns(proj, x, start) equals proj(x)[:, start:] on every backend: the CPU
+    backend's from the trailing panels alone for a packed linear, the torch backend's from the
+    weight's rows for a bare nn.Linear, and the full projection sliced where neither applies."""
+    from ferrum_kernels.backend import cpu_backend, torch_backend
+    from ferrum_kernels.cpu_linear import PackedLinear, prepack_linears, trailing_columns
+    from torch import nn
+
+    torch.manual_seed(8)
+    model = nn.Module()
+    model.qkv_proj = nn.Linear(48, 160, bias=True)
+    plain = nn.Linear(48, 160, bias=True)
+    prepack_linears(model)
+    assert isinstance(model.qkv_proj, PackedLinear)
+    x = torch.randn(9, 48)
+    width = int(model.qkv_proj._pack.packed().shape[2])
+    assert trailing_columns(model.qkv_proj, x, width) is not None
+    assert trailing_columns(model.qkv_proj, x, width + 1) is None  # not a panel boundary
+    assert trailing_columns(plain, x, width) is None  # not packed
+    cpu, reference = cpu_backend(), torch_backend()
+    for start in (width, width + 1):
+        expected = model.qkv_proj(x)[:, start:]
+        assert torch.equal(cpu.output_columns(model.qkv_proj, x, start), expected)
+    torch.testing.assert_close(
+        reference.output_columns(plain, x, 96), plain(x)[:, 96:], rtol=1e-6, atol=1e-6
+    )
+    torch.testing.assert_close(  # a bare nn.Linear on the CPU backend: its rows from 100
+        cpu.output_columns(plain, x, 100), plain(x)[:, 100:], rtol=1e-6, atol=1e-6
+    )

@@ -163,7 +163,13 @@ def test_the_last_layer_runs_its_mlp_for_the_output_rows_only() -> None:
     last = len(model.layers) - 1
     assert seen == [*((i, 16) for i in range(last)), (last, 6)]
 
-    # A step with no output row (prefill chunks only) stops the last layer at its KV write.
+    # A step with no output row (prefill chunks only) stops the last layer at its KV write,
+    # and its qkv projection computes k and v alone (the trailing columns), never q.
+    projected: list[int] = []  # layers whose whole qkv projection ran
+    for index, layer in enumerate(model.layers):
+        layer.qkv_proj.register_forward_hook(
+            lambda module, args, out, index=index: projected.append(index)
+        )
     seen.clear()
     prefill = _meta([6, 5], [6, 12])
     none = OutputRows.select(prefill, [0, 0])
@@ -172,6 +178,7 @@ def test_the_last_layer_runs_its_mlp_for_the_output_rows_only() -> None:
     hidden = model(ids[:11], positions[:11], pool, prefill, none)
     assert hidden.shape == (0, model.config.hidden_size)
     assert seen == [(i, 11) for i in range(last)]
+    assert projected == list(range(last))
     full = model(ids[:11], positions[:11], reference, prefill)
     assert full.shape[0] == 11
     assert torch.equal(pool, reference)  # the same K/V in every layer, the last included

@@ -497,6 +497,12 @@ def test_rotary_in_place(dtype: torch.dtype) -> None:
         tol = _TOL[dtype]
         torch.testing.assert_close(q, want_q, **tol)
         torch.testing.assert_close(k, want_k, **tol)
+    # k alone (q with no heads), as a layer writing K/V for no query row rotates it.
+    k_only = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    want_k = apply_rotary(k_only, cos, sin)
+    _, got_k = rotary_triton(k_only[:, :0], k_only, cos, sin)
+    assert got_k is k_only
+    torch.testing.assert_close(k_only, want_k, **_TOL[dtype])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -363,6 +363,17 @@ class DecoderLayer(nn.Module):
         kernels = self.backend
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if outputs is not None and outputs.meta is None:
+            # No row is used (prompt chunks, none of them final): only the K/V write is left,
+            # so the projection computes its k and v columns alone, never q.
+            kv = kernels.output_columns(self.qkv_proj, x, h * d)  # [T, 2Hkv * D]
+            k = kv[:, : hkv * d].reshape(t, hkv, d)  # [T, Hkv, D]
+            v = kv[:, hkv * d :].reshape(t, hkv, d)
+            if self.q_norm is not None and self.k_norm is not None:
+                k = self.k_norm(k)
+            _, k = kernels.rotary(k[:, :0], k, cos, sin)  # k alone (no query heads)
+            kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
+            return x[:0]  # [0, hidden]
         qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) * D]
         q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
         q = q.reshape(t, h, d)  # [T, H, D]
@@ -376,9 +387,8 @@ class DecoderLayer(nn.Module):
             # Every row's K/V, then attention for the output rows only (their K/V written once
             # more by the call, the same values): no other row's attention output is used.
             kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
-            if outputs.meta is None:
-                return x[:0]  # [0, hidden]: no row is used
             rows = outputs.rows
+            assert outputs.meta is not None  # (no output row returned above)
             q, k, v, meta, t = q[rows], k[rows], v[rows], outputs.meta, outputs.count
         o = self._attend(q, k, v, kv_layer, meta)  # [T, H, D]; writes K/V
         out: torch.Tensor = self.o_proj(o.reshape(t, h * d))  # [T, hidden]
