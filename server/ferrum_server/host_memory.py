@@ -31,10 +31,10 @@ arenas was not pinned down.
 
 `advise_huge_pages` asks the kernel for transparent huge pages (2 MiB) under a long-lived
 buffer: start-up advises the KV pool before zeroing it. A decode step reads every item's K/V
-blocks (about 250 MB a step on W1, out of a 1 GiB pool); with 4 KiB pages each block's read
-misses the TLB and walks the page tables, with 2 MiB pages the whole pool takes about 500
-entries. Once requests have come and gone, an item's blocks lie scattered over the pool: there
-the decode attention ran 4-12% faster with huge pages, and about 1% over blocks in order, as a
+blocks (about 250 MB a step on W1, out of a 1 GiB pool): in 4 KiB pages that pool spans about
+260,000 pages, far more than a TLB holds, so block reads keep walking the page tables; in 2
+MiB pages it spans 512. Once requests have come and gone, an item's blocks lie scattered over the pool: there
+the decode attention ran 4-12% faster with huge pages, and 1-8% over blocks in order, as a
 fresh pool hands them out (docs/benchmarks.md, thirty-first session). It is advice
 (madvise(MADV_HUGEPAGE)): the kernel follows it where /sys/kernel/mm/transparent_hugepage/enabled
 is `always` or `madvise` (`never` turns it off for the machine), and only for pages not yet
