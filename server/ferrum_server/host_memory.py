@@ -33,14 +33,16 @@ arenas was not pinned down.
 buffer: start-up advises the KV pool before zeroing it. A decode step reads every item's K/V
 blocks (about 250 MB a step on W1, out of a 1 GiB pool): in 4 KiB pages that pool spans about
 260,000 pages, far more than a TLB holds, so block reads keep walking the page tables; in 2
-MiB pages it spans 512. Once requests have come and gone, an item's blocks lie scattered over the pool: there
-the decode attention ran 4-12% faster with huge pages, and 1-8% over blocks in order, as a
-fresh pool hands them out (docs/benchmarks.md, thirty-first session). It is advice
-(madvise(MADV_HUGEPAGE)): the kernel follows it where /sys/kernel/mm/transparent_hugepage/enabled
-is `always` or `madvise` (`never` turns it off for the machine), and only for pages not yet
-touched, which is why the pool is advised while empty.
+MiB pages it spans 512. Once requests have come and gone, an item's blocks lie scattered over
+the pool: there the decode attention ran 4-12% faster with huge pages, and 1-8% over blocks
+in order, as a fresh pool hands them out (docs/benchmarks.md, thirty-first session). It is
+advice (madvise(MADV_HUGEPAGE)): the kernel follows it where
+/sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise` (`never` turns it off
+for the machine), and only for pages not yet touched, which is why the pool is advised while
+empty.
 
-The allocator settings are no-ops off glibc, and the huge page advice off Linux.
+The allocator settings, the page return and the huge page advice are no-ops off glibc (the
+advice goes through glibc's `madvise`).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def huge_page_range(address: int, length: int) -> tuple[int, int]:
 def advise_huge_pages(buffer: torch.Tensor) -> int:
     """Advise transparent huge pages for the whole 2 MiB pages of a CPU tensor's storage (its
     first and last partial pages keep 4 KiB ones). Call it before the buffer is first written:
-    pages already touched stay small. Returns the bytes advised: 0 off Linux, for a buffer
+    pages already touched stay small. Returns the bytes advised: 0 off glibc, for a buffer
     holding no whole huge page, or where the kernel refused (logged)."""
     if buffer.device.type != "cpu":
         raise ValueError(f"huge pages are advised for host memory, not {buffer.device}")
