@@ -111,7 +111,7 @@ def build_parts(
     )
     if device.type == "cpu":
         # While no page of it is touched yet: the zeroing below then faults in huge pages.
-        advised = host_memory.advise_huge_pages(kv_cache)
+        advised = host_memory.advise_huge_pages(kv_cache) if config.kv_huge_pages else 0
         _LOG.info(
             "kv_pool_huge_pages",
             advised_mib=round(advised / 2**20, 1),

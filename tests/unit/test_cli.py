@@ -33,6 +33,8 @@ FLAG_NAMES = {
     "step-ledger-max-bytes", "step-ledger-evicted-ids",
     # Added since (issue #16).
     "tensor-parallel-size", "rank", "world-size", "dist-init", "collective-timeout-s",
+    # Added since (issue #19).
+    "kv-huge-pages",
 }  # fmt: skip
 # Fields set in code only.
 NOT_FLAGS = {
@@ -59,6 +61,7 @@ def _samples(model_dir: Path) -> dict[str, tuple[str, Any]]:
         "kernel-backend": ("torch", "torch"),
         "prefix-caching": ("false", False),
         "swap-space-bytes": ("0", 0),
+        "kv-huge-pages": ("off", False),
         "require-fencing": ("yes", True),
         "cache-lease-s": ("60", 60.0),
         "prefix-pending-s": ("0.5", 0.5),

@@ -171,3 +171,12 @@ def test_a_cpu_kv_pool_is_advised_huge_pages_and_starts_zeroed() -> None:
     start, length = host_memory.huge_page_range(pool.data_ptr(), pool.numel() * pool.element_size())
     assert length > 0 and "hg" in _vm_flags(start)
     assert not pool.any()  # advised before its first write, then zeroed as before
+
+
+@pytest.mark.skipif(not (_GLIBC and _LINUX), reason="madvise and /proc/self/smaps are Linux's")
+def test_kv_huge_pages_false_leaves_the_pool_on_small_pages() -> None:
+    config = EngineConfig(model="tiny", kv_cache_bytes=64 * 1024**2, kv_huge_pages=False)
+    pool = startup.build_parts(config, 1).kv_cache
+    start, length = host_memory.huge_page_range(pool.data_ptr(), pool.numel() * pool.element_size())
+    assert length > 0 and "hg" not in _vm_flags(start)
+    assert not pool.any()
