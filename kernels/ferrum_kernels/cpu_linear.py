@@ -282,11 +282,12 @@ class PackedWeight:
         return self._native(x, "widened")
 
     def _native(
-        self, x: torch.Tensor, store: Literal["plain", "swiglu", "widened"]
+        self, x: torch.Tensor, store: Literal["plain", "swiglu", "widened"], start: int = 0
     ) -> torch.Tensor:
         # Called about fifty times a decode step: the reshapes and casts run only when they
         # change something (each is a dispatcher call even as a no-op). "widened" keeps the
-        # GEMM's float32 output; the others return x's dtype.
+        # GEMM's float32 output; the others return x's dtype. start > 0 (a plain pack, on a
+        # panel boundary: `trails`): the output columns from start on, from their panels alone.
         compute = self.compute_dtype
         bias = None if self.bias is None else self.bias.detach().to(compute)
         flat_input = x.dim() == 2
@@ -295,7 +296,11 @@ class PackedWeight:
             rows = rows.to(compute)
         packed = self.packed()
         module = native.load()
-        n = self.out_features
+        n = self.out_features - start
+        if start:
+            first = start // int(packed.shape[2])
+            packed = packed.narrow(0, first, packed.shape[0] - first)  # whole panels: contiguous
+            bias = None if bias is None else bias[start:]
         if self.paired:
             flat: torch.Tensor = module.packed_gemm_halves(rows, packed, bias, n, store == "swiglu")
         elif store == "widened":
@@ -331,13 +336,7 @@ class PackedWeight:
         projection's k and v, when no row needs its q). Only where ``trails(x, start)``."""
         if not self.trails(x, start):
             raise ValueError("trailing needs a plain native pack, x in its dtype, a panel start")
-        packed = self.packed()
-        first = start // int(packed.shape[2])
-        tail = packed.narrow(0, first, packed.shape[0] - first)  # whole panels: contiguous
-        bias = None if self.bias is None else self.bias.detach()[start:].to(self.compute_dtype)
-        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        flat: torch.Tensor = native.load().packed_gemm(rows, tail, bias, self.out_features - start)
-        return flat if x.dim() == 2 else flat.view(*x.shape[:-1], flat.shape[-1])
+        return self._native(x, "plain", start)
 
     def fuses_swiglu(self, x: torch.Tensor) -> bool:
         """Whether ``swiglu(x)`` runs fused: a paired gate/up weight (on the AVX-512 native GEMM:
