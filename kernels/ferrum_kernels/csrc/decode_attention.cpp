@@ -432,9 +432,14 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
         ahead.pace((n * heads + kDotsPerStep - 1) / kDotsPerStep);
         int64_t dots = 0;
         for (int64_t j = 0; j < n; ++j) {
-          for (int64_t hq = 0; hq < heads; ++hq, ++dots) {
-            if (dots % kDotsPerStep == 0) ahead.step();
-            parts[hq * 16 + j] = partial_dot<D>(qrow + hq * D, tile[j] + (hq / group) * D);
+          // KV heads, then their query heads: a division per dot product (hq / group) took
+          // longer than the dot product.
+          const T* kr = tile[j];
+          for (int64_t kv = 0, hq = 0; kv < n_kv_heads; ++kv, kr += D) {
+            for (int64_t g = 0; g < group; ++g, ++hq, ++dots) {
+              if (dots % kDotsPerStep == 0) ahead.step();
+              parts[hq * 16 + j] = partial_dot<D>(qrow + hq * D, kr);
+            }
           }
         }
         for (int64_t hq = 0; hq < heads; ++hq) {
