@@ -392,8 +392,8 @@ inline float softmax16(float* s, int64_t ctx, uint16_t* bits) {
 // come out of one transpose-reduce (reduce16) instead of 16 horizontal sums. Read head by head
 // across the tile's rows instead, the kernel took 3-5% longer over a W1 decode step's pool in
 // bfloat16 and 13-18% in float32 on a Zen 5 machine (bit-identical: each partial sum is formed
-// as before; see docs/benchmarks.md). V is accumulated in registers over the tile, for the query heads of a KV
-// head together (accumulate_heads).
+// as before; see docs/benchmarks.md). V is accumulated in registers over the tile, for the query
+// heads of a KV head together (accumulate_heads).
 template <typename T, int D>
 void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
                          const T* __restrict v_pool, const int64_t* __restrict tables,
