@@ -458,7 +458,8 @@ def test_trailing_columns_are_the_full_products_columns_bit_for_bit(dtype: torch
         with pytest.raises(ValueError, match="panel start"):
             pack.trailing(x, width + 1)
     paired = PackedWeight(weight, None, kernel="native", gate_up=True)
-    assert not paired.paired or not paired.trails(x, 32)
+    if paired.paired:  # a gate/up weight pairs its halves on the AVX-512 GEMM only
+        assert not paired.trails(x, width)
 
 
 @needs_native_gemm
