@@ -33,6 +33,10 @@ RETIRED_MAX_IDS = 65536
 RETIRED_MAX_BYTES = 16 * 1024**2
 RETIRED_ENTRY_OVERHEAD = 256
 _ROOT_HASH = b"ferrum-prefix-root"
+# The most blocks a new cache's run of free blocks is sought for (BlockPool.allocate's room):
+# 2,048 tokens of 16-token blocks. Past it a cache grows into whatever blocks are free; a larger
+# room would leave fewer runs to find in a fragmented pool for little more in-order reading.
+_MAX_ROOM_BLOCKS = 128
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -392,7 +396,12 @@ class KvManager:
         """Make positions [0, target_len) writable; return the number of new blocks."""
         needed = self.blocks_needed(cache, target_len)
         if needed:
-            cache.block_ids.extend(self.pool.allocate(needed))
+            # Where the blocks go (see block_pool): after the cache's last block, else at a run
+            # with room for what the cache may still grow to (its declared maximum, capped).
+            held = len(cache.block_ids)
+            room = min(self.blocks_for(cache.max_tokens) - held, _MAX_ROOM_BLOCKS)
+            after = cache.block_ids[-1] if held else None
+            cache.block_ids.extend(self.pool.allocate(needed, after, max(room, needed)))
         return needed
 
     def unreserve(self, cache: Cache, num_blocks: int) -> int:
