@@ -59,6 +59,17 @@ def test_a_run_is_searched_past_the_last_new_sequence_then_from_the_start() -> N
     pool.check()
 
 
+def test_a_run_freed_after_a_failed_search_is_found_again() -> None:
+    pool = BlockPool(16)
+    held = pool.allocate(16)
+    pool.free(held[1::2])  # every other block: no run of two
+    assert pool.allocate(1, room=4) == [1]  # no room to grow in, but a free block
+    assert pool.allocate(1, room=4) == [3]  # (that failed search is not repeated)
+    pool.free([held[8], held[10]])  # 8 and 10 join 7, 9 and 11: a run of five
+    assert pool.allocate(1, room=4) == [7]  # (5, the next free block, is not a run of four)
+    pool.check()
+
+
 def test_blocks_taken_in_runs_and_freed_again_are_never_handed_out_twice() -> None:
     rng = random.Random(0)
     pool = BlockPool(64)

@@ -36,6 +36,9 @@ class BlockPool:
         self._num_free = num_blocks
         self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
         self._cursor = 0  # where the search for a new sequence's run starts (next fit)
+        # No run of this many free blocks exists: only a release can make one, so until then a
+        # search for one that long fails at once (in a fragmented pool each search scans it).
+        self._no_run_of = num_blocks + 1
         self._ref_counts: list[int] = [0] * num_blocks
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self._hash_of: dict[int, bytes] = {}
@@ -85,11 +88,12 @@ class BlockPool:
         if want and room >= want:
             start = self._free_run(room)
             if start < 0 and room > want:
+                room = want  # no room to grow in: still one run for these blocks
                 start = self._free_run(want)
             if start >= 0:
                 is_free[start : start + want] = bytes(want)
                 taken.extend(range(start, start + want))
-                self._cursor = start + max(room, want)
+                self._cursor = start + room
         self._num_free -= len(taken)
         while len(taken) < count and self._num_free:
             block_id = self._free_ids.pop()
@@ -109,10 +113,14 @@ class BlockPool:
     def _free_run(self, length: int) -> int:
         """The first block of `length` free blocks in a row, searched from the cursor on and
         then from the start; -1 when there is none. (A C-speed substring search.)"""
+        if length >= self._no_run_of:
+            return -1
         run = b"\x01" * length
         start = self._is_free.find(run, self._cursor)
         if start < 0 and self._cursor:
             start = self._is_free.find(run, 0, self._cursor + length - 1)
+        if start < 0:
+            self._no_run_of = length
         return start
 
     def acquire(self, block_id: int) -> None:
@@ -142,6 +150,7 @@ class BlockPool:
     def _release(self, block_id: int) -> None:
         self._is_free[block_id] = 1
         self._num_free += 1
+        self._no_run_of = self.num_blocks + 1
         self._free_ids.append(block_id)
         # Stale entries (blocks taken in runs) are skipped when popped. Rebuilt here, the stack
         # holds at most twice the free blocks plus 64 after a release, so never more than
