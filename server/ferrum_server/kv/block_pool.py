@@ -9,7 +9,8 @@ Every block is in exactly one of three states:
 
 Where a free block goes matters to the decode attention, which reads each sequence's blocks
 in order: it reads a sequence whose blocks sit one after another in the pool faster than one
-whose blocks are scattered (5-9% on a Zen 5 machine at W1's shapes, see docs/benchmarks.md).
+whose blocks are scattered (in bfloat16 at W1's shapes on a Zen 5 machine, 13-15% faster:
+benchmarks/kv_layout_bench.py, docs/benchmarks.md).
 So `allocate` takes the blocks right after a sequence's last one when they are free, and starts
 a new sequence at a run of free blocks long enough for what it may grow to (`room`), leaving
 that run's tail free for it. That is a preference, never a reservation: when no such run is

@@ -34,8 +34,9 @@ RETIRED_MAX_BYTES = 16 * 1024**2
 RETIRED_ENTRY_OVERHEAD = 256
 _ROOT_HASH = b"ferrum-prefix-root"
 # The most blocks a new cache's run of free blocks is sought for (BlockPool.allocate's room):
-# 2,048 tokens of 16-token blocks. Past it a cache grows into whatever blocks are free; a larger
-# room would leave fewer runs to find in a fragmented pool for little more in-order reading.
+# 2,048 tokens at the default 16-token block. Past it a cache grows into whatever blocks are
+# free; a larger room would leave fewer runs to find in a fragmented pool for little more
+# in-order reading.
 _MAX_ROOM_BLOCKS = 128
 
 
