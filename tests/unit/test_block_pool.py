@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 from ferrum_server.kv.block_pool import BlockPool
 from ferrum_server.kv.manager import KvManager
@@ -106,4 +107,36 @@ def test_the_manager_grows_interleaved_caches_in_consecutive_blocks() -> None:
     for cache in caches:
         assert len(cache.block_ids) == kv.blocks_for(34)
         assert _breaks(cache.block_ids) == 0, cache.block_ids
+    kv.pool.check()
+
+
+def test_under_churn_caches_stay_in_runs() -> None:
+    """A long-running server's churn (caches of mixed lengths opening, growing by chunks and
+    decodes, and ending at random) scatters a free list's blocks; placement keeps each cache
+    nearly whole: here none of the ended caches' 3,447 blocks is out of order, where the free
+    list alone leaves 2,471 out of order."""
+    rng = random.Random(0)
+    kv = KvManager(1000, 16, 64, coordinator_id=1, prefix_caching=False)
+    live: dict[str, tuple[Any, int, int, int]] = {}  # cache, length, prompt, final length
+    out_of_order = total = opened = 0
+    for _ in range(800):
+        while len(live) < 24:
+            prompt, new = rng.randint(32, 400), rng.randint(16, 200)
+            if kv.pool.num_available < kv.blocks_for(prompt + new) + 4:
+                break
+            cache = kv.open(f"r{opened}", prompt + new)
+            opened += 1
+            kv.grow(cache, min(prompt, 128))
+            live[cache.cache_id] = (cache, min(prompt, 128), prompt, prompt + new)
+        for cache_id, (cache, length, prompt, final) in list(live.items()):
+            length = min(length + 128, prompt) if length < prompt else length + 1
+            kv.grow(cache, length)
+            live[cache_id] = (cache, length, prompt, final)
+            if length >= final:
+                out_of_order += _breaks(cache.block_ids)
+                total += len(cache.block_ids)
+                kv.release(cache_id)
+                del live[cache_id]
+    assert opened > 100 and total > 2000
+    assert out_of_order / total < 0.05, (out_of_order, total)
     kv.pool.check()
