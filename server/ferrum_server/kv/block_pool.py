@@ -9,8 +9,8 @@ Every block is in exactly one of three states:
 
 Where a free block goes matters to the decode attention, which reads each sequence's blocks
 in order: it reads a sequence whose blocks sit one after another in the pool faster than one
-whose blocks are scattered (in bfloat16 at W1's shapes on a Zen 5 machine, 13-15% faster:
-benchmarks/kv_layout_bench.py, docs/benchmarks.md).
+whose blocks are scattered (in bfloat16 on a Zen 5 machine, 8% less time a step for W1's
+decodes and 14% for `w1-long`'s: benchmarks/kv_layout_bench.py, docs/benchmarks.md).
 So `allocate` takes the blocks right after a sequence's last one when they are free, and starts
 a new sequence at a run of free blocks long enough for what it may grow to (`room`), leaving
 that run's tail free for it. That is a preference, never a reservation: when no such run is
@@ -153,10 +153,11 @@ class BlockPool:
         self._num_free += 1
         self._no_run_of = self.num_blocks + 1
         self._free_ids.append(block_id)
-        # Stale entries (blocks taken in runs) are skipped when popped. Rebuilt here, the stack
-        # holds at most twice the free blocks plus 64 after a release, so never more than
-        # twice the pool plus 64 (an allocation only shortens it).
-        if len(self._free_ids) > 2 * self._num_free + 64:
+        # Entries past the free blocks (blocks since taken in runs) are skipped when popped. The
+        # stack is rebuilt, a pass over the pool, once they pass half the pool: so at most once
+        # every num_blocks / 2 blocks taken or released, and it never holds more than 1.5x the
+        # pool plus one entry (an allocation only shortens it).
+        if len(self._free_ids) - self._num_free > self.num_blocks // 2:
             self._free_ids = [b for b in range(self.num_blocks - 1, -1, -1) if self._is_free[b]]
 
     # -- prefix cache ----------------------------------------------------------------------
