@@ -215,11 +215,16 @@ def test_repeated_rounds_interleave_systems_and_report_the_median_round(
 
     monkeypatch.setattr(harness, "_run_worker", fake_worker)
     monkeypatch.setattr(harness, "measure_gemm", lambda workload, dtype: {"packed": 1.0})
+    reads = iter([61.5, 44.0, 80.25])
+    monkeypatch.setattr(harness, "measure_memory_read", lambda: next(reads))
     report = harness.run_bench(
         "smoke", ["float32"], ["inproc"], repeat=3, cache_dir=tmp_path, progress=False,
         log=io.StringIO(),
     )  # fmt: skip
     assert order == ["ferrum-grpc", "ferrum-inproc"] * 3
+    # The memory read rate is taken before every round and kept round by round.
+    assert report["by_dtype"]["float32"]["memory_read_gbs"] == [61.5, 44.0, 80.25]
+    assert "memory read GB/s by round: [61.5, 44.0, 80.25]" in harness.format_table(report)
     results = report["by_dtype"]["float32"]["results"]
     assert results["ferrum-grpc"]["rounds_output_tok_s"] == [1.5, 3.0, 2.0]
     assert results["ferrum-grpc"]["wall_s"] == 3.0  # the median round: 2.0 tok/s
@@ -312,3 +317,10 @@ def test_bench_runs_the_model_split_over_two_ranks_beside_it(tmp_path: Path) -> 
     assert split["peak_rss_mb"]["rank1"] > 0  # the follower's own peak, beside rank 0's
     bad = _cli("bench", "--workload", "smoke", "--tensor-parallel-size", "0")
     assert bad.returncode == 2 and "--tensor-parallel-size" in bad.stderr
+
+
+def test_memory_read_probe_reports_a_rate() -> None:
+    from ferrum_server.tools.bench import harness
+
+    rate = harness.measure_memory_read(megabytes=8, passes=2)
+    assert isinstance(rate, float) and 0.1 < rate < 10_000

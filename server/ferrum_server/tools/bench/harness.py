@@ -158,6 +158,24 @@ def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[s
     return {k: round(v, 1) for k, v in best.items()}
 
 
+def measure_memory_read(megabytes: int = 256, passes: int = 3) -> float:
+    """This machine's streaming read rate now, in GB/s: the best of `passes` sums over a
+    float32 buffer far larger than the caches, on torch's threads. Decode attention reads the
+    whole KV cache every step and is bound by this rate, which drifts on a shared machine (42
+    to 82 GB/s within an hour on the development machine's two vCPUs), so each round records
+    it beside the GEMM rate."""
+    import torch
+
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    buffer.sum()  # first touch: page faults are not reads
+    best = 0.0
+    for _ in range(passes):
+        started = time.perf_counter()
+        buffer.sum()
+        best = max(best, buffer.numel() * 4 / (time.perf_counter() - started) / 1e9)
+    return round(best, 1)
+
+
 def _vllm_python(venv: str | None) -> Path | None:
     root = Path(venv or os.environ.get("FERRUM_VLLM_VENV") or DEFAULT_VLLM_VENV)
     python = root / "bin" / "python"
@@ -314,10 +332,12 @@ def run_bench(
         # Rounds run the whole plan in turn, so a slow spell of a shared machine lands on every
         # system alike instead of on whichever ran during it; each row is the median round.
         gemm: dict[str, float] = {}
+        memory: list[float] = []
         rounds: dict[str, list[RunOutput]] = {label: [] for label, _ in plan}
         for round_index in range(repeat):
             for name, rate_gflops in measure_gemm(workload, dtype).items():
                 gemm[name] = max(gemm.get(name, 0.0), rate_gflops)
+            memory.append(measure_memory_read())
             for label, spec in plan:
                 suffix = f" (round {round_index + 1}/{repeat})" if repeat > 1 else ""
                 log.write(f"bench: {workload_name} {dtype} {mode}: {label}{suffix}\n")
@@ -330,6 +350,7 @@ def run_bench(
                 run.system = label
                 rounds[label].append(run)
         section["gemm_gflops"] = gemm
+        section["memory_read_gbs"] = memory  # one per round, measured before it
         # Which GEMM the executor's packed linears run here (its environment is this one's).
         section["packed_gemm_kernel"] = packed_gemm_kernel(dtype)
         runs: dict[str, RunOutput] = {}
@@ -417,7 +438,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append("")
         lines.append(
             f"[{dtype}]  GEMM GFLOP/s: {section['gemm_gflops']} "
-            f"(packed linears run {section.get('packed_gemm_kernel', '?')})"
+            f"(packed linears run {section.get('packed_gemm_kernel', '?')}); "
+            f"memory read GB/s by round: {section.get('memory_read_gbs', [])}"
         )
         lines.append(
             f"{'system':<24}{'out tok/s':>10}{'prefill tok/s':>14}{'TTFT p50/p99 ms':>18}"
