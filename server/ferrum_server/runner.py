@@ -12,12 +12,17 @@ from dataclasses import dataclass
 
 import torch
 from ferrum_kernels.backend import KernelBackend, select_backend
-from ferrum_kernels.sampling import SampleOutput, build_sampling_tensors
+from ferrum_kernels.sampling import (
+    GREEDY_TEMPERATURE_FLOOR,
+    SampleOutput,
+    SamplingTensors,
+    build_sampling_tensors,
+)
 from ferrum_kernels.transfer import ints_to_device, to_device
 
 from ferrum_server.cuda_graphs import DecodeGraphs
 from ferrum_server.device_tokens import DeviceToken, place_device_tokens
-from ferrum_server.domain import ItemKind, OutputPolicy, PenaltyScope, StepItem
+from ferrum_server.domain import ItemKind, OutputPolicy, PenaltyScope, Sampling, StepItem
 from ferrum_server.kv.block_table import padded_block_table
 from ferrum_server.kv.manager import Cache
 from ferrum_server.models import CausalLM
@@ -190,6 +195,11 @@ class ModelRunner:
             return None, token_rows, logits_rows
         selected = logits if len(token_rows) == row else logits[token_rows]
         params = [item.sampling for item, _, _ in row_items]
+        if plain_greedy(params):
+            # Every row takes its argmax with no penalty, mask or top-n: the per-row lists and
+            # the host->device copies of the general builder would all be discarded.
+            greedy = SamplingTensors.greedy(len(params), self.device)
+            return self.kernels.sample(selected, greedy), token_rows, logits_rows
         penalised = any(p.repetition_penalty not in (0.0, 1.0) for p in params)
         masked = any(p.token_mask for p in params)
         tensors = build_sampling_tensors(
@@ -207,6 +217,26 @@ class ModelRunner:
             device=self.device,
         )
         return self.kernels.sample(selected, tensors), token_rows, logits_rows
+
+
+def plain_greedy(params: list[Sampling]) -> bool:
+    """Whether every row's sampling is a plain argmax: greedy (temperature under the floor),
+    no repetition penalty, no token mask, no top-n log-probs. Such rows sample exactly as
+    ``SamplingTensors.greedy`` says (top-k, top-p and seed do not touch a greedy row). Rows
+    converted from one call share one settings object, so each distinct one is checked once."""
+    seen: set[int] = set()
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if (
+            p.temperature >= GREEDY_TEMPERATURE_FLOOR
+            or p.repetition_penalty not in (0.0, 1.0)
+            or p.token_mask
+            or p.num_logprobs
+        ):
+            return False
+    return True
 
 
 def _penalty_context(row_items: list[tuple[StepItem, Cache, int]]) -> list[list[int]]:
