@@ -143,10 +143,16 @@ def test_argmax_logsumexp_matches_torch_with_first_index_ties(dtype: torch.dtype
     logits = (4 * torch.randn(9, 5003)).to(dtype)
     logits[2, 17] = logits[2, 4000] = logits[2].max() + 1  # a tie: the lower id must win
     logits[3, :50] = -1e4  # far below the maximum: exp's argument clamped, adding nothing
+    # The maximum in the row's last, partial vector (5003 = 312 x 16 + 11), at its first
+    # element, and tied within one vector of sixteen.
+    logits[4, 5001] = logits[4].max() + 1
+    logits[5, 0] = logits[5].max() + 1
+    logits[6, 35] = logits[6, 33] = logits[6].max() + 1
     ids, lse, finite = native.load().argmax_logsumexp(logits)
     wide = logits.float()
     assert torch.equal(ids, wide.argmax(dim=-1))
     assert ids[2].item() == 17
+    assert ids[4:7].tolist() == [5001, 0, 33]
     torch.testing.assert_close(lse, torch.logsumexp(wide, dim=-1), atol=1e-5, rtol=1e-6)
     assert bool(finite.all())
 

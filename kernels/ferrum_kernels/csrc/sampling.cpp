@@ -28,6 +28,30 @@ inline bool exponent_all_ones(float v) {
   return (u & 0x7f800000u) == 0x7f800000u;
 }
 
+// The first index of row[0 .. vocab) equal to x, or vocab.
+template <typename T>
+int64_t first_equal(const T* row, int64_t vocab, float x) {
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(x);
+  int64_t i = 0;
+  for (; i + 16 <= vocab; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(ferrum::load16(row + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  if (i < vocab) {
+    const __mmask16 lanes = ferrum::first_lanes(vocab - i);
+    const __mmask16 hit =
+        _mm512_mask_cmp_ps_mask(lanes, ferrum::load16(row + i, lanes), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return vocab;
+#else
+  int64_t i = 0;
+  while (i < vocab && Elem<T>::load(row, i) != x) ++i;
+  return i;
+#endif
+}
+
 template <typename T>
 void argmax_lse_rows(const T* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* ids,
                      float* lse, bool* finite) {
@@ -43,10 +67,10 @@ void argmax_lse_rows(const T* logits, int64_t stride, int64_t rows, int64_t voca
         special |= static_cast<uint32_t>(exponent_all_ones(v));
         mx = std::max(mx, v);
       }
-      // The first index holding the maximum (torch's tie rule); usually early-exits fast since
-      // it is a plain equality scan.
-      int64_t best = 0;
-      while (best < vocab && Elem<T>::load(row, best) != mx) ++best;
+      // The first index holding the maximum (torch's tie rule). Sixteen lanes at a time: one
+      // element at a time this scan took as long as both passes when the maximum sat late in
+      // the row (64 x 32000 float32 rows from L2: 157 us with it first, 407 with it last).
+      int64_t best = first_equal(row, vocab, mx);
       float sum = 0.f;
 #if defined(__AVX512F__)
       // Scores below mx - 88 add under 1e-38 each: clamped there, exp_ps's range.
