@@ -519,7 +519,8 @@ def results_to_pb(results: Seq[ItemResult]) -> pb.BatchResults:
     out.token_logprobs.extend(r.logprobs[0] if r.logprobs else 0.0 for r in results)
     out.num_top_logprobs.extend(len(r.top_ids[0]) if r.top_ids else 0 for r in results)
     for r in results:
-        if r.top_ids:
+        # A token result always holds one (often empty) top-n list: skip the empty ones.
+        if r.top_ids and r.top_ids[0]:
             out.top_token_ids.extend(r.top_ids[0])
             out.top_logprobs.extend(r.top_logprobs[0])
     out.logits.extend(r.logits for r in results)
