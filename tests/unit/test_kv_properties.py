@@ -16,7 +16,7 @@ import pytest
 import torch
 from ferrum_server.capacity import Admitted, CapacityManager, PreemptionMode, SlotRequest
 from ferrum_server.domain import DeferralMode, ItemKind, Step, StepItem
-from ferrum_server.errors import AlreadyExists, InvalidArgument
+from ferrum_server.errors import AlreadyExists, CapacityExhausted, InvalidArgument
 from ferrum_server.kv.manager import KvManager
 from ferrum_server.kv.storage import KvStorage
 from ferrum_server.recorder import Recorder
@@ -247,7 +247,15 @@ class KvMachine(RuleBasedStateMachine):
         cache_id = live[data.draw(st.integers(0, len(live) - 1))]
         seq = self.kv.caches[cache_id]
         new_len = data.draw(st.integers(0, seq.num_tokens))
-        if self.kv.pool.num_available == 0:
+        # Every shared block the cache will rewrite (from new_len to the end of what it keeps,
+        # its admitted context) needs a fresh block; without enough, nothing changes.
+        keep = self.kv.blocks_for(max(new_len, seq.context_tokens))
+        rewritten = seq.block_ids[new_len // BLOCK : keep]
+        if sum(self.kv.pool.ref_count(b) > 1 for b in rewritten) > self.kv.pool.num_available:
+            before = self._snapshot()
+            with pytest.raises(CapacityExhausted):
+                self.kv.truncate(seq, new_len)
+            assert self._snapshot() == before
             return
         _, copies = self.kv.truncate(seq, new_len)
         for source, target in copies:
@@ -358,4 +366,30 @@ def test_truncating_into_a_shared_prefix_copies_on_write() -> None:
     # Truncating to a block boundary replaces the shared block without copying.
     released, copies = kv.truncate(second, 4)
     assert copies == []
+    kv.check()
+
+
+def test_truncating_needs_a_free_block_for_each_shared_block_it_rewrites() -> None:
+    """A cache rolled back over two blocks it shares needs two fresh ones (its admission keeps
+    those positions). With one free block the truncation is refused, RESOURCE_EXHAUSTED, and
+    nothing changes; once a block is free it goes through. (Hypothesis found this: the
+    property test had assumed one free block was always enough.)"""
+    kv = KvManager(8, BLOCK, 2, coordinator_id=1, prefix_caching=True)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    first_tokens = [*prefix, *[0] * 9]  # 17 tokens: 5 blocks
+    first = kv.admit("r1", first_tokens, 0, kv.match_prefix(first_tokens))
+    kv.commit(first, prefix)  # two full blocks, registered for reuse
+    second_tokens = [*prefix, *[0] * 5]  # 13 tokens: the 2 shared blocks and 2 of its own
+    second = kv.admit("r2", second_tokens, 0, kv.match_prefix(second_tokens))
+    assert second.block_ids[:2] == first.block_ids[:2]
+    assert kv.pool.num_available == 1
+    state = (list(first.token_ids), list(first.block_ids), list(first.block_hashes))
+    with pytest.raises(CapacityExhausted):
+        kv.truncate(first, 0)
+    assert (list(first.token_ids), list(first.block_ids), list(first.block_hashes)) == state
+    assert kv.pool.num_available == 1
+    kv.check()
+    kv.release(second.cache_id)  # its two own blocks come free; the shared ones stay cached
+    _, copies = kv.truncate(first, 0)
+    assert copies == [] and first.num_tokens == 0
     kv.check()
