@@ -252,9 +252,17 @@ def test_fast_path_matches_transformers_greedy(tmp_path: Path) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("block", "kv_heads", "head_dim", "heads"),
-    # W1's shape; a masked bfloat16 tail (80) with block 8; one KV head for all (G = 4) with
-    # blocks longer than the 16-token score tile; and no grouping at all.
-    [(16, 2, 64, 6), (8, 2, 80, 8), (32, 1, 128, 4), (16, 4, 32, 4)],
+    # W1's shape (G = 3); a masked bfloat16 tail (80) with block 8; one KV head for all (G = 4)
+    # with blocks longer than the 16-token score tile; no grouping at all; G = 2; and a group
+    # past the bfloat16 K pass's unrolled ones (G = 5: its run-time loop).
+    [
+        (16, 2, 64, 6),
+        (8, 2, 80, 8),
+        (32, 1, 128, 4),
+        (16, 4, 32, 4),
+        (16, 2, 64, 4),
+        (16, 2, 64, 10),
+    ],
 )
 @pytest.mark.parametrize("shared", [False, True])  # items' first blocks shared (a cached prompt)
 # A peaked softmax too: scores hundreds apart, so most exponentials meet the kernel's e^-87 floor.
