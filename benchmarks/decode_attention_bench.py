@@ -3,7 +3,9 @@
 64 items of about CTX tokens (16-token blocks scattered over the pool), 12 query and 4 KV heads
 of 64 dims: one layer of a W1 decode step. Builds the kernel from the working tree ("new") and
 from a git revision ("old", default HEAD), checks they agree, then times both in interleaved
-rounds. Run it alone on a quiet machine.
+rounds. Before each round it measures the machine's memory read rate (the bench tool's probe),
+printed with every round's time: on a shared machine that rate drifts, and so does the kernel.
+Run it alone on a quiet machine.
 
 With ``--layers 12`` each round walks twelve pools, one per layer, as a real step does: about
 420 MB of K/V at W1's shapes, so every layer reads its blocks from memory instead of the L3
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from ferrum_kernels import native
 from ferrum_kernels.native import _FLAGS
+from ferrum_server.tools.bench.harness import measure_memory_read
 from torch.utils.cpp_extension import load_inline
 
 SOURCE = "kernels/ferrum_kernels/csrc/decode_attention.cpp"
@@ -103,9 +106,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         layout += f", the first {shared} shared"
     lines = [f"{args.layers} pool(s), {layout}; max |new - old| {diff:.2e}"]
     times: dict[str, list[float]] = {tag: [] for tag in mods}
+    # The machine's read rate before each round: on a shared machine it drifts (42-90 GB/s
+    # within an hour on the development machine), and the kernel's time moves with it, so
+    # builds compare only within rounds of a similar rate.
+    memory_gbs: list[float] = []
     # Whole passes over the pools, at least CALLS layer calls a round.
     passes = -(-CALLS // args.layers)
     for _ in range(args.rounds):  # interleaved, so a slow spell lands on both
+        memory_gbs.append(measure_memory_read())
         for tag, mod in mods.items():
             started = time.perf_counter()
             for _ in range(passes):
@@ -114,14 +122,17 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
             elapsed = time.perf_counter() - started
             times[tag].append(elapsed / (passes * args.layers) * 1e3)
     kv_bytes = 2 * int(lens.sum()) * KV_HEADS * DIM * pools[0].element_size()
+    lines.append(f"memory read GB/s by round: {memory_gbs}")
     for tag, ms in times.items():
+        by_round = " / ".join(f"{t:.3f}" for t in ms)
         best = min(ms)
         lines.append(
             f"{tag}: ctx {args.ctx} {args.dtype}: best {best:.3f} ms a layer (median "
-            f"{sorted(ms)[len(ms) // 2]:.3f}), K/V read at {kv_bytes / best / 1e6:.1f} GB/s"
+            f"{sorted(ms)[len(ms) // 2]:.3f}), K/V read at {kv_bytes / best / 1e6:.1f} GB/s; "
+            f"by round {by_round}"
         )
     sys.stdout.write("\n".join(lines) + "\n")
-    return {**times, "diff": [diff]}
+    return {**times, "diff": [diff], "memory_gbs": memory_gbs}
 
 
 if __name__ == "__main__":

@@ -25,8 +25,13 @@ def test_smoke_run_walks_every_pool_and_the_builds_agree(
     assert len(times["old"]) == len(times["new"]) == 2
     assert all(ms > 0 for ms in times["old"] + times["new"])
     assert times["diff"][0] < 1e-5  # float32: the same kernel, or two close builds
+    # The machine's read rate before each round, printed with them.
+    assert len(times["memory_gbs"]) == 2 and all(r > 0 for r in times["memory_gbs"])
+    out = capsys.readouterr().out
     layout = "consecutive" if in_order else "shuffled"
-    assert f"3 pool(s), {layout} blocks" in capsys.readouterr().out
+    assert f"3 pool(s), {layout} blocks" in out
+    assert f"memory read GB/s by round: {times['memory_gbs']}" in out
+    assert out.count("by round") == 3  # the rates, and each build's times
 
 
 def test_a_shared_prefix_gives_every_item_the_same_first_blocks(
