@@ -229,8 +229,9 @@ inline __m512 partial_dot(const c10::BFloat16* q, const c10::BFloat16* k) {
 // that share it (rows D apart): out[g * 16] = the 16-lane partial sums of dot(q_g, k), formed
 // exactly as partial_dot forms them. The slice is loaded once for the G heads, and with G a
 // compile-time constant the query rows' loads fold into the dot instructions. partial_dot per
-// head reloaded the slice G times. Over a W1 decode step's pool (64 items, 12 layers) the
-// kernel took 3-7% less time in bfloat16 (docs/benchmarks.md, thirty-fifth session).
+// head reloaded the slice G times. At a W1 decode step's shapes the kernel took 15% less time
+// with the pool in cache, and up to 9% less over memory, where its reads partly hide the
+// difference (docs/benchmarks.md, thirty-fifth session).
 template <int D, int G>
 inline void k_slice_dots(const c10::BFloat16* q, const c10::BFloat16* k, __m512* out) {
   static_assert(D % 32 == 0, "whole 32-element pairs of a bfloat16 slice");

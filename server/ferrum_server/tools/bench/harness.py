@@ -161,9 +161,10 @@ def measure_gemm(workload: Workload, dtype: str, seconds: float = 0.5) -> dict[s
 def measure_memory_read(megabytes: int = 256, passes: int = 3) -> float:
     """This machine's streaming read rate now, in GB/s: the best of `passes` sums over a
     float32 buffer far larger than the caches, on torch's threads. Decode attention reads the
-    whole KV cache every step, and in a slow stretch this rate bounds it; on a shared machine
-    it drifts (42 to 90 GB/s within an hour on the development machine's two vCPUs), so each
-    round records it beside the GEMM rate."""
+    whole KV cache every step, and its time moves with this rate (a plain read of its blocks
+    at this rate is its floor); on a shared machine the rate drifts (42 to 90 GB/s within an
+    hour on the development machine's two vCPUs), so each round records it beside the GEMM
+    rate."""
     import torch
 
     buffer = torch.ones(megabytes * 2**20 // 4)
