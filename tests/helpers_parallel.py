@@ -160,6 +160,7 @@ def _rank_main(
     rank: int, world_size: int, init_file: str, cases: list[tuple[str, str, int]], out_dir: str
 ) -> None:
     import torch.distributed as dist
+    from ferrum_server.cli import exit_without_teardown
     from ferrum_server.parallel import TensorParallel, collective_backend
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
@@ -179,6 +180,12 @@ def _rank_main(
         )
     finally:
         dist.destroy_process_group()
+    # Saved and stopped: end without the interpreter's teardown, as a served rank does. gloo's
+    # threads can still be alive then, and one destroyed at exit aborted the rank after its
+    # results were written (SIGABRT, "terminate called without an active exception") in 2-3 of
+    # 8 runs of this test on the development machine. An exception above still reaches spawn's
+    # handler, which reports it.
+    exit_without_teardown(0)
 
 
 def run_ranks(
