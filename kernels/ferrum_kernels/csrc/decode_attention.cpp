@@ -233,33 +233,20 @@ inline __m512 partial_dot(const c10::BFloat16* q, const c10::BFloat16* k) {
 // with the pool in cache, and up to 9% less over memory, where its reads partly hide the
 // difference (docs/benchmarks.md, thirty-fifth session).
 template <int D, int G>
-inline void k_slice_dots(const c10::BFloat16* q, const c10::BFloat16* k, __m512* out) {
+inline void k_slice_dots(const c10::BFloat16* q, const c10::BFloat16* k, int64_t group,
+                         __m512* out) {
   static_assert(D % 32 == 0, "whole 32-element pairs of a bfloat16 slice");
   constexpr int C = D / 32;
   __m512i kv[C];
   for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_si512(k + 32 * c);
+  const int64_t heads = G > 0 ? G : group;  // G = 0: the group known only at run time
 #pragma GCC unroll 16
-  for (int g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < heads; ++g) {
     __m512 acc = _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c)
       acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c),
                              (__m512bh)kv[c]);
-    out[g * 16] = acc;
-  }
-}
-
-// The same for a group known only at run time.
-template <int D>
-inline void k_slice_dots(const c10::BFloat16* q, const c10::BFloat16* k, int64_t group,
-                         __m512* out) {
-  constexpr int C = D / 32;
-  __m512i kv[C];
-  for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_si512(k + 32 * c);
-  for (int64_t g = 0; g < group; ++g, q += D) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < C; ++c)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + 32 * c), (__m512bh)kv[c]);
     out[g * 16] = acc;
   }
 }
@@ -273,11 +260,8 @@ inline void k_tile_dots(const c10::BFloat16* q, const c10::BFloat16* const* tile
     const c10::BFloat16* kr = tile[j];
     for (int64_t kv = 0; kv < n_kv_heads; ++kv, kr += D) {
       ahead.step();
-      if constexpr (G > 0) {
-        k_slice_dots<D, G>(q + kv * G * D, kr, out + kv * G * 16 + j);
-      } else {
-        k_slice_dots<D>(q + kv * group * D, kr, group, out + kv * group * 16 + j);
-      }
+      const int64_t heads = G > 0 ? G : group;
+      k_slice_dots<D, G>(q + kv * heads * D, kr, group, out + kv * heads * 16 + j);
     }
   }
 }
