@@ -230,8 +230,8 @@ inline __m512 partial_dot(const c10::BFloat16* q, const c10::BFloat16* k) {
 // exactly as partial_dot forms them. The slice is loaded once for the G heads, and with G a
 // compile-time constant the query rows' loads fold into the dot instructions. partial_dot per
 // head reloaded the slice G times. At a W1 decode step's shapes the kernel took 15% less time
-// with the pool in cache, and up to 9% less over memory, where its reads partly hide the
-// difference (docs/benchmarks.md, thirty-fifth session).
+// with the pool in cache and up to 9% less over memory, and served W1 decode steps' forwards 8%
+// less (docs/benchmarks.md, thirty-fifth session).
 template <int D, int G>
 inline void k_slice_dots(const c10::BFloat16* q, const c10::BFloat16* k, int64_t group,
                          __m512* out) {
