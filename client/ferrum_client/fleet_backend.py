@@ -77,6 +77,10 @@ LOSS_CODES = frozenset(
 # How long `open` waits for a first SERVING executor, then for the others' first connection.
 OPEN_TIMEOUT_S = 60.0
 JOIN_GRACE_S = 5.0
+# Bound on giving an admission back to a member deemed lost (_give_back): one that is really gone
+# but does not refuse (a dropped link) must not hold up the next admission for the call's full
+# timeout.
+GIVE_BACK_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -246,6 +250,7 @@ class FleetBackend:
         rejected: Admission | None = None
         for member in self._ranked(tokens):
             incarnation = member.incarnation
+            kind: str | None = None
             try:
                 decision = await member.client.try_admit_prefill(
                     admission_request(
@@ -267,11 +272,16 @@ class FleetBackend:
                 continue
             except ExecutorError as error:
                 if self._failed(member, incarnation, error):
+                    if kind == "admitted":  # admitted, then its stream failed to open
+                        await self._give_back(member, request_id)
                     continue
                 raise
             if kind == "admitted":
                 cache_id = decision.admitted.cache_id
-                if member.incarnation != incarnation:  # lost while opening its stream
+                if member.incarnation != incarnation or member.state is ExecutorState.LOST:
+                    # Lost (a step there failed) while the admission or its stream was on the
+                    # way: the request goes elsewhere, and this admission is given back.
+                    await self._give_back(member, request_id)
                     continue
                 placed = _Placed(member, incarnation, request_id)
                 self._by_request[request_id] = self._by_cache[cache_id] = placed
@@ -335,6 +345,17 @@ class FleetBackend:
             condition = response.wait_for_release.wait_condition
             return Maintenance("wait", _MemberWait(placed.member, placed.incarnation, condition))
         return Maintenance("retry")
+
+    async def _give_back(self, member: Member, request_id: str) -> None:
+        """Cancel an admission this client will not use, on a member it has just deemed lost.
+        That member may well be alive (one call answered UNAVAILABLE, or its stream broke),
+        and its admitted cache would hold its blocks until the cache lease expires (300 s by
+        default). A member that is really gone cannot answer: nothing is held there then."""
+        with contextlib.suppress(ExecutorError, TimeoutError):
+            async with asyncio.timeout(GIVE_BACK_TIMEOUT_S):
+                await member.client.cancel_prefill_admission(
+                    pb.CancelPrefillAdmissionRequest(request_id=request_id)
+                )
 
     async def cancel_admission(self, request_id: str) -> None:
         placed = self._by_request.pop(request_id, None)

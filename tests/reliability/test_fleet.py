@@ -17,8 +17,10 @@ import time
 from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any
 
+import grpc
 import pytest
 from ferrum_client import AsyncExecutorClient
+from ferrum_client.errors import ExecutorError
 from ferrum_client.fleet import ExecutorFleet, ExecutorState
 from ferrum_client.fleet_backend import FleetBackend
 from ferrum_client.scheduler import (
@@ -125,6 +127,36 @@ def test_a_cut_link_mid_step_fails_over_and_the_executor_rejoins(
     assert len(cut_member) == 1 and cut_member[0]["joined"] == 2, metrics
     assert admitted_after > 0, metrics
     assert all(r.executor for r in results)
+
+
+def test_an_admission_on_a_member_lost_meanwhile_is_given_back() -> None:
+    """A member deemed lost while its admission was on the way (a step there answered
+    UNAVAILABLE) may be alive: the fleet places the request elsewhere and cancels that
+    admission, instead of leaving its cache to the lease (300 s by default)."""
+    with serve_in_process(ENGINE) as server:
+
+        async def scenario() -> str:
+            async with ExecutorFleet([server.target]) as fleet:
+                backend = FleetBackend(fleet)
+                await backend.open()
+                member = fleet.get(server.target)
+                admit = member.client.try_admit_prefill
+
+                async def admitted_then_lost(request: Any) -> Any:
+                    decision = await admit(request)
+                    lost = ExecutorError("injected loss", grpc.StatusCode.UNAVAILABLE)
+                    fleet.report_failure(member, member.incarnation, lost)
+                    return decision
+
+                member.client.try_admit_prefill = admitted_then_lost  # type: ignore[method-assign]
+                tokens = prompt(11, 24)
+                admission = await backend.admit("given-back", tokens, len(tokens) + 8, len(tokens))
+                await backend.close()
+                return admission.kind
+
+        # Its only member lost, the request waits for the fleet to change.
+        assert run_scenario(scenario(), 60) == "deferred"
+        assert server.blocks_leaked() == 0  # the admitted cache is gone, its blocks free
 
 
 def test_an_executor_answering_unavailable_mid_step_fails_over_and_rejoins(
