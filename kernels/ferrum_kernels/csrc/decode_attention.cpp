@@ -265,14 +265,6 @@ inline void k_tile_dots(const c10::BFloat16* q, const c10::BFloat16* const* tile
     }
   }
 }
-
-// Whether a tile's dot products take k_tile_dots (bfloat16; float32 keeps partial_dot's loop,
-// which read memory 4% faster there).
-template <typename T, int D>
-constexpr bool kSliceDots = std::is_same<T, c10::BFloat16>::value && D % 32 == 0;
-#else
-template <typename T, int D>
-constexpr bool kSliceDots = false;
 #endif
 
 // Sixteen float32 values of a row starting at p (a bfloat16 row is widened): common.h's, and
@@ -293,6 +285,12 @@ constexpr bool kPairedV = std::is_same<T, c10::BFloat16>::value && D % 32 == 0;
 template <typename T, int D>
 constexpr bool kPairedV = false;
 #endif
+
+// Whether a tile's dot products take k_tile_dots: where V is paired too (bfloat16 in whole
+// 32-element pairs, with vdpbf16ps). float32 keeps partial_dot's loop, which read memory 4%
+// faster there.
+template <typename T, int D>
+constexpr bool kSliceDots = kPairedV<T, D>;
 
 // Where dim d lives in a paired accumulator: per 32 dims, the "low" vector holds dims
 // 8q..8q+3 of each quarter q in lanes 4q..4q+3, the "high" vector dims 8q+4..8q+7.
