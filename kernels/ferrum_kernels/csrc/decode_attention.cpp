@@ -60,9 +60,18 @@ inline void tile_rows(const T** tile, const T* pool, const int64_t* table, int64
 
 // Dot products between two steps of the K pass's RowFetches: stepping before every one costs
 // a sixth of the kernel's arithmetic when the rows are in cache already (a shared prompt's
-// blocks), and four keep each burst to a handful of lines (measured at W1's shapes: every 4th
-// or 8th as fast over memory as every one, 2-10% faster over cached blocks).
+// blocks), and four keep each burst to a handful of lines (measured at W1's shapes on the AVX2
+// development machine: every 4th or 8th as fast over memory as every one, 2-10% faster over
+// cached blocks).
 constexpr int64_t kDotsPerStep = 4;
+// The same for the AVX-512 path's head-by-head K pass (float32). Its tiles are 16 rows, and each
+// fetches 32 rows (this tile's V, the K rows three blocks ahead): 512 lines at W1's shapes
+// (rows of 1 KB), so a step every 4th dot product issued about eleven prefetches at once, and
+// every 2nd about five. On a Zen 5 machine (decode_attention_bench.py shapes, twelve pools
+// from memory at 84-95 GB/s, docs/benchmarks.md) that took 0.748 -> 0.691 ms a layer with
+// blocks in order and 1.023 -> 1.001 shuffled; every dot product, 0.684 and 1.003; cached
+// blocks tied (0.110 ms at 64 tokens). Bit-identical: only the prefetches move.
+constexpr int64_t kDotsPerStep512 = 2;
 
 // Token rows to pull into L2 while a stretch of arithmetic runs, a few lines per step, the
 // steps spread over that arithmetic. Blocks sit anywhere in the pool and the hardware
@@ -491,7 +500,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
           }
 #endif
         } else {
-          ahead.pace((n * heads + kDotsPerStep - 1) / kDotsPerStep);
+          ahead.pace((n * heads + kDotsPerStep512 - 1) / kDotsPerStep512);
           int64_t dots = 0;
           for (int64_t j = 0; j < n; ++j) {
             // KV heads, then their query heads: a division per dot product (hq / group) took
@@ -499,7 +508,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
             const T* kr = tile[j];
             for (int64_t kv = 0, hq = 0; kv < n_kv_heads; ++kv, kr += D) {
               for (int64_t g = 0; g < group; ++g, ++hq, ++dots) {
-                if (dots % kDotsPerStep == 0) ahead.step();
+                if (dots % kDotsPerStep512 == 0) ahead.step();
                 parts[hq * 16 + j] = partial_dot<D>(qrow + hq * D, kr);
               }
             }
