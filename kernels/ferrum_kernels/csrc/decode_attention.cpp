@@ -10,6 +10,7 @@
 #include <omp.h>
 #include <c10/util/BFloat16.h>
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -64,14 +65,33 @@ inline void tile_rows(const T** tile, const T* pool, const int64_t* table, int64
 // development machine: every 4th or 8th as fast over memory as every one, 2-10% faster over
 // cached blocks).
 constexpr int64_t kDotsPerStep = 4;
-// The same for the AVX-512 path's head-by-head K pass (float32). Its tiles are 16 rows, and each
-// fetches 32 rows (this tile's V, the K rows three blocks ahead): 512 lines at W1's shapes
-// (rows of 1 KB), so a step every 4th dot product issued about eleven prefetches at once, and
-// every 2nd about five. On a Zen 5 machine (decode_attention_bench.py shapes, twelve pools
-// from memory at 84-95 GB/s, docs/benchmarks.md) that took 0.748 -> 0.691 ms a layer with
-// blocks in order and 1.023 -> 1.001 shuffled; every dot product, 0.684 and 1.003; cached
-// blocks tied (0.110 ms at 64 tokens). Bit-identical: only the prefetches move.
-constexpr int64_t kDotsPerStep512 = 2;
+// The same for the AVX-512 path's head-by-head K pass (float32), chosen per CPU because what
+// the pacing keeps even is time between steps, and a dot product's time differs. Its tiles are
+// 16 rows, and each fetches 32 rows (this tile's V, the K rows three blocks ahead): 512 lines at
+// W1's shapes (rows of 1 KB), so a step every 4th dot product issued about eleven prefetches at
+// once, and every 2nd about five. On a Zen 5 core (full-width 512-bit arithmetic) every 2nd was
+// faster (decode_attention_bench.py shapes, twelve pools from memory at 84-95 GB/s: 0.748 ->
+// 0.691 ms a layer with blocks in order, 1.023 -> 1.001 shuffled; cached blocks tied); on a
+// Zen 4 core, which runs each 512-bit operation as two 256-bit halves so a dot product takes
+// about twice as long, every 4th was (1.188 against 1.235 in order at 30-46 GB/s, 1.521
+// against 1.562 shuffled). Bit-identical either way: only the prefetches move.
+// AMD family 0x19 with AVX-512 is Zen 4; anything else gets the full-width figure.
+int64_t dots_per_step_512() {
+  static const int64_t value = [] {
+#if defined(__x86_64__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return int64_t{2};
+    const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // AuthenticAMD
+    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return int64_t{2};
+    const unsigned base = (eax >> 8) & 0xF;
+    const unsigned family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+    return family == 0x19 ? int64_t{4} : int64_t{2};
+#else
+    return int64_t{2};
+#endif
+  }();
+  return value;
+}
 
 // Token rows to pull into L2 while a stretch of arithmetic runs, a few lines per step, the
 // steps spread over that arithmetic. Blocks sit anywhere in the pool and the hardware
@@ -473,6 +493,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
     std::vector<__m512> parts(heads * 16);  // [H][16]: each query head's partial sums of a tile
     const int64_t row_bytes = kv_row * static_cast<int64_t>(sizeof(T));
     RowFetches ahead(row_bytes), next_rows(row_bytes);
+    const int64_t per_step = dots_per_step_512();  // the head-by-head K pass's fetch pacing
     int64_t next = 0;
     for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
          item = next) {
@@ -500,15 +521,18 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
           }
 #endif
         } else {
-          ahead.pace((n * heads + kDotsPerStep512 - 1) / kDotsPerStep512);
-          int64_t dots = 0;
+          ahead.pace((n * heads + per_step - 1) / per_step);
+          int64_t until_step = 1;  // a step before the first dot product, then every per_step
           for (int64_t j = 0; j < n; ++j) {
             // KV heads, then their query heads: a division per dot product (hq / group) took
             // longer than the dot product.
             const T* kr = tile[j];
             for (int64_t kv = 0, hq = 0; kv < n_kv_heads; ++kv, kr += D) {
-              for (int64_t g = 0; g < group; ++g, ++hq, ++dots) {
-                if (dots % kDotsPerStep512 == 0) ahead.step();
+              for (int64_t g = 0; g < group; ++g, ++hq) {
+                if (--until_step == 0) {
+                  ahead.step();
+                  until_step = per_step;
+                }
                 parts[hq * 16 + j] = partial_dot<D>(qrow + hq * D, kr);
               }
             }
