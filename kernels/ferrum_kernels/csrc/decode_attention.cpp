@@ -39,9 +39,19 @@ inline void prefetch_rows(const T* pool, int64_t slot, int64_t kv_row, int64_t o
 
 // Blocks ahead of the current token that the K pass prefetches (measured: 3 beat 2, 4 and 6).
 constexpr int64_t kPrefetchBlocks = 3;
-// Tokens of an item's history fetched while the item before it finishes, so a new item does
-// not start on demand misses (the first kPrefetchBlocks blocks of 16).
+// Tokens of an item's history fetched during the V pass of the item before it, so a new item
+// does not start on demand misses. 48 covers the K pass's first kPrefetchBlocks blocks of 16.
+// The AVX-512 path fetches ten blocks: its time over memory is set by how many fetches a core
+// keeps in flight, and the V pass left that idle after 48 rows. On a Zen 4 (twelve pools at
+// W1's decode shapes, decode_attention_bench.py) bfloat16 0.886 -> 0.851 ms a layer with blocks
+// in order, 0.895 -> 0.873 shuffled, 1.397 -> 1.318 at 448 tokens; float32 1.649 -> 1.552 and
+// 1.707 -> 1.664; served w1-long bfloat16's decode forwards 48.4 -> 47.1 ms (four pairs). A Zen 5
+// measured 96 and 160 level with 48 (docs/benchmarks.md). The AVX2 path, unmeasured, keeps 48.
+#if defined(__AVX512F__)
+constexpr int64_t kNextItemTokens = 160;
+#else
 constexpr int64_t kNextItemTokens = 48;
+#endif
 
 // One item's token rows t0 .. t0 + n - 1 of pool (every KV head: a row is contiguous in the
 // pool) into tile. The token's block and offset advance with it: one division per tile, not
@@ -102,7 +112,9 @@ int64_t dots_per_step_512() {
 // than L1: L2 keeps far more misses in flight, which a walk over scattered blocks needs.
 class RowFetches {
  public:
-  static constexpr int64_t kMaxRows = 64;
+  // The most rows queued at once: claim_next's next item, or a K tile's V rows and the rows
+  // ahead (32 at most).
+  static constexpr int64_t kMaxRows = kNextItemTokens > 64 ? kNextItemTokens : 64;
 
   // row_bytes: the bytes of one token row (every KV head).
   explicit RowFetches(int64_t row_bytes) : row_lines_((row_bytes + 63) / 64) {}
