@@ -41,8 +41,9 @@ inline void prefetch_rows(const T* pool, int64_t slot, int64_t kv_row, int64_t o
 constexpr int64_t kPrefetchBlocks = 3;
 // Tokens of an item's history fetched during the V pass of the item before it, so a new item
 // does not start on demand misses. 48 covers the K pass's first kPrefetchBlocks blocks of 16.
-// The AVX-512 path fetches ten blocks: its time over memory is set by how many fetches a core
-// keeps in flight, and the V pass left that idle after 48 rows. On a Zen 4 (twelve pools at
+// The AVX-512 path fetches ten blocks. On a Zen 4 its time over memory did not move with the
+// machine's read rate, so something per core bounds it, most likely the fetches a core keeps
+// in flight, and the V pass left those idle after 48 rows. There (twelve pools at
 // W1's decode shapes, decode_attention_bench.py) bfloat16 0.886 -> 0.851 ms a layer with blocks
 // in order, 0.895 -> 0.873 shuffled, 1.397 -> 1.318 at 448 tokens; float32 1.649 -> 1.552 and
 // 1.707 -> 1.664; served w1-long bfloat16's decode forwards 48.4 -> 47.1 ms (four pairs). A Zen 5
