@@ -72,8 +72,8 @@ inline void tile_rows(const T** tile, const T* pool, const int64_t* table, int64
 
 // Dot products between two steps of the K pass's RowFetches: stepping before every one costs
 // a sixth of the kernel's arithmetic when the rows are in cache already (a shared prompt's
-// blocks), and four keep each burst to a handful of lines (measured at W1's shapes on the AVX2
-// development machine: every 4th or 8th as fast over memory as every one, 2-10% faster over
+// blocks), and four keep each burst to a handful of lines (measured at W1's shapes on a Zen 4,
+// twenty-second session: every 4th or 8th as fast over memory as every one, 2-10% faster over
 // cached blocks).
 constexpr int64_t kDotsPerStep = 4;
 // The same for the AVX-512 path's head-by-head K pass (float32), chosen per CPU because what
@@ -87,9 +87,9 @@ constexpr int64_t kDotsPerStep = 4;
 // about twice as long, every 4th was (1.188 against 1.235 in order at 30-46 GB/s, 1.521
 // against 1.562 shuffled). Bit-identical either way: only the prefetches move.
 // AMD family 0x19 with AVX-512 is Zen 4; anything else gets the full-width figure.
+#if defined(__AVX512F__)
 int64_t dots_per_step_512() {
   static const int64_t value = [] {
-#if defined(__x86_64__)
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return int64_t{2};
     const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // AuthenticAMD
@@ -97,12 +97,10 @@ int64_t dots_per_step_512() {
     const unsigned base = (eax >> 8) & 0xF;
     const unsigned family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
     return family == 0x19 ? int64_t{4} : int64_t{2};
-#else
-    return int64_t{2};
-#endif
   }();
   return value;
 }
+#endif
 
 // Token rows to pull into L2 while a stretch of arithmetic runs, a few lines per step, the
 // steps spread over that arithmetic. Blocks sit anywhere in the pool and the hardware
