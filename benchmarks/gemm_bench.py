@@ -6,7 +6,9 @@ from memory as a real step does; the LM head (32000 x 768) is timed on its own. 
 count (64: a decode step; 512: a prefill step) the two kernels run in interleaved rounds over
 all twelve layers, and each line prints the median and best round in GFLOP/s. Run it alone on a
 quiet machine: a second busy process halves every figure. ``--dtype bfloat16`` compares the
-native bfloat16 GEMM (a CPU with AVX512_BF16) with oneDNN's instead of the float32 ones.
+native bfloat16 GEMM (a CPU with AVX512_BF16) with oneDNN's instead of the float32 ones; on a
+CPU with AMX the native GEMM runs on its tiles, and a third line (``avx512``) times the same
+native packs on the register tiles.
 
     python benchmarks/gemm_bench.py [--rows 64,512] [--rounds 9] [--threads 2] [--layers 12]
         [--dtype float32]
@@ -18,6 +20,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from ferrum_kernels import native
@@ -30,6 +35,19 @@ SHAPES = {  # name -> (N, K) of W1's linears
     "gate_up": (2 * INTERMEDIATE, HIDDEN),
     "down": (HIDDEN, INTERMEDIATE),
 }
+
+
+@contextmanager
+def _tiles_of(module: Any, kernel: str) -> Iterator[None]:
+    """The native bfloat16 GEMM on the register tiles for "avx512" (else as it is)."""
+    if kernel != "avx512":
+        yield
+        return
+    module.set_gemm_amx(False)
+    try:
+        yield
+    finally:
+        module.set_gemm_amx(True)
 
 
 def _round(packs: list[dict[str, PackedWeight]], inputs: dict[int, torch.Tensor]) -> float:
@@ -62,7 +80,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    kernels = ("native", "onednn")
+    kernels: tuple[str, ...] = ("native", "onednn")
+    amx = dtype == torch.bfloat16 and bool(module.gemm_amx_available())
+    if amx:
+        kernels += ("avx512",)
     packs: dict[str, list[dict[str, PackedWeight]]] = {kernel: [] for kernel in kernels}
     for _ in range(args.layers):
         weights = {
@@ -70,13 +91,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             for name, (n, k) in SHAPES.items()
         }
         for kernel in kernels:
+            if kernel == "avx512":  # the native packs, run on the register tiles
+                packs[kernel] = packs["native"]
+                continue
             # A copy each: releasing the plain weight frees its storage.
             layer = {n: PackedWeight(w.clone(), None, kernel=kernel) for n, w in weights.items()}
             for pack in layer.values():
                 pack.release_plain()  # as served: only the packed copy
             packs[kernel].append(layer)
     head_weight = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02).to(dtype)
-    heads = {kernel: PackedWeight(head_weight, None, kernel=kernel) for kernel in kernels}
+    heads = {kernel: PackedWeight(head_weight, None, kernel=kernel) for kernel in kernels[:2]}
+    if amx:
+        heads["avx512"] = heads["native"]
+
     per_token = 2 * sum(n * k for n, k in SHAPES.values()) * args.layers
     out = sys.stdout
     out.write(
@@ -86,18 +113,20 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
         # The two kernels compute the same linear, to float32 (or bfloat16) rounding.
-        pair = [packs[kernel][0]["gate_up"](inputs[HIDDEN]) for kernel in kernels]
+        pair = [packs[kernel][0]["gate_up"](inputs[HIDDEN]) for kernel in kernels[:2]]
         diff = float((pair[0].float() - pair[1].float()).abs().max())
         times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
         head_times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
         for kernel in kernels:  # warm-up: first-call costs stay out of the rounds
-            _round(packs[kernel], inputs)
+            with _tiles_of(module, kernel):
+                _round(packs[kernel], inputs)
         for _ in range(args.rounds):
             for kernel in kernels:
-                times[kernel].append(_round(packs[kernel], inputs))
-                started = time.perf_counter()
-                heads[kernel](inputs[HIDDEN])
-                head_times[kernel].append(time.perf_counter() - started)
+                with _tiles_of(module, kernel):
+                    times[kernel].append(_round(packs[kernel], inputs))
+                    started = time.perf_counter()
+                    heads[kernel](inputs[HIDDEN])
+                    head_times[kernel].append(time.perf_counter() - started)
         flops, head_flops = per_token * rows, 2 * VOCAB * HIDDEN * rows
         for kernel in kernels:
             layers_rate = flops / statistics.median(times[kernel]) / 1e9

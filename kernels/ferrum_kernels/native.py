@@ -61,6 +61,8 @@ _FUNCTIONS = [
     "prefill_attention_vectorized",
     "gemm_isa",
     "gemm_bf16_available",
+    "gemm_amx_available",
+    "set_gemm_amx",
     "pack_gemm_weight",
     "packed_gemm",
     "pack_gemm_weight_halves",

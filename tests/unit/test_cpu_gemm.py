@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -25,6 +26,21 @@ needs_bf16_gemm = pytest.mark.skipif(
     _module is None or not _module.gemm_bf16_available(),
     reason="native bfloat16 GEMM not built (needs AVX512_BF16)",
 )
+needs_amx_gemm = pytest.mark.skipif(
+    _module is None or not _module.gemm_amx_available(),
+    reason="no AMX tiles here (needs a CPU with AMX-BF16 and Linux granting them)",
+)
+
+
+@contextmanager
+def _register_tiles() -> Iterator[None]:
+    """The native bfloat16 GEMM on its register tiles instead of AMX's, for the block."""
+    assert _module is not None
+    _module.set_gemm_amx(False)
+    try:
+        yield
+    finally:
+        _module.set_gemm_amx(True)
 
 
 @pytest.fixture
@@ -169,6 +185,80 @@ def test_native_bf16_gemm_rows_do_not_depend_on_the_batch() -> None:
     # Batches ending in a tile of every fill from 1 to 8 rows, and across a block of rows (64).
     for rows in (slice(0, 1), slice(60, 130), *(slice(9, 9 + n) for n in range(2, 9))):
         assert torch.equal(_module.packed_gemm(x[rows].contiguous(), packed, None, 70), whole[rows])
+
+
+@needs_amx_gemm
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 16, 32),  # one row of one tile, one K step, half a panel
+        (16, 33, 64),  # one whole row tile; a panel of one column past the first
+        (17, 64, 96),  # a second row tile of one row (the zero-padded tail)
+        (31, 40, 768),  # a tail one row short of a block; a decode step's K
+        (32, 96, 64),  # one whole block of two row tiles
+        (70, 200, 2048),  # whole blocks, then a tail of six; K long
+        (300, 48, 1024),  # several groups of blocks (a group of 4 at this K)
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_amx_bf16_gemm_matches_float64_and_the_register_tiles(
+    m: int, n: int, k: int, threads: int
+) -> None:
+    """On AMX tiles (K a multiple of 32): F.linear's product to one bfloat16 rounding, within
+    an ulp of the register tiles (the same exact products summed in float32 in another order),
+    the widened store exactly its float32 copy, and each row's outputs the same in any batch."""
+    assert _module is not None
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    packed = _module.pack_gemm_weight(w)
+    got = _packed_gemm_on(threads, x, packed, b, n)
+    with _register_tiles():
+        registers = _packed_gemm_on(threads, x, packed, b, n)
+    torch.testing.assert_close(
+        got.double(), _float64_linear(x, w, b), atol=1e-5 * k**0.5 * 4, rtol=2**-8
+    )
+    ulp = registers.float().abs() * 2**-7
+    assert bool(((got.float() - registers.float()).abs() <= ulp).all())
+    assert (got == registers).float().mean() > 0.97
+    if k == 2048:  # the two orders do differ somewhere over 14,000 long sums: AMX did run
+        assert not torch.equal(got, registers)
+    assert torch.equal(_module.packed_gemm_widened(x, packed, b, n), got.float())
+    for rows in (slice(0, 1), slice(m // 2, m), slice(m - 1, m)):
+        alone = _module.packed_gemm(x[rows].contiguous(), packed, b, n)
+        assert torch.equal(alone, got[rows])
+
+
+@needs_amx_gemm
+@torch.no_grad()
+def test_the_amx_gemm_applies_a_paired_weights_swiglu_and_can_be_turned_off() -> None:
+    """A paired gate/up pack on AMX tiles: its plain product is the plain pack's bit for bit,
+    its fused SwiGLU silu_and_mul of that product bit for bit, over row tails and a half of 40
+    columns; set_gemm_amx(False) runs the register tiles, and a K that is not a multiple of 32
+    runs them too (the same result with AMX on or off)."""
+    from ferrum_kernels.cpu_fused import silu_and_mul_cpu
+
+    assert _module is not None
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(80, 96, generator=gen).bfloat16()
+    b = torch.randn(80, generator=gen).bfloat16()
+    paired = PackedWeight(w.clone(), b, kernel="native", gate_up=True)
+    plain = PackedWeight(w.clone(), b, kernel="native")
+    for rows in (1, 17, 64, 100):
+        x = torch.randn(rows, 96, generator=gen).bfloat16()
+        want = plain(x)
+        assert torch.equal(paired(x), want)
+        assert torch.equal(paired.swiglu(x), silu_and_mul_cpu(want))
+        with _register_tiles():
+            registers = plain(x)
+        torch.testing.assert_close(registers, want, atol=0, rtol=2**-7)
+    x = torch.randn(40, 80, generator=gen).bfloat16()  # K = 80: the register tiles either way
+    odd = PackedWeight(torch.randn(48, 80, generator=gen).bfloat16(), None, kernel="native")
+    with _register_tiles():
+        registers = odd(x)
+    assert torch.equal(odd(x), registers)
+    assert _module.set_gemm_amx(True) is True  # left on
 
 
 @needs_bf16_gemm

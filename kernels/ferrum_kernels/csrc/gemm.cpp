@@ -32,8 +32,13 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -256,6 +261,8 @@ constexpr bool kBf16Available = true;
 #else
 constexpr bool kBf16Available = false;
 #endif
+// Whether bfloat16 GEMMs take the AMX tiles where they can (set_gemm_amx).
+std::atomic<bool> amx_wanted{true};
 
 #if defined(__AVX512F__)
 // What a tile stores: its outputs in T (bfloat16: each rounded once; kPlain); silu(first half)
@@ -263,6 +270,54 @@ constexpr bool kBf16Available = false;
 // rounded outputs widened back to float32 (kWidened: what `.float()` of kPlain's output holds,
 // written in the same pass; an LM head's logits, which sampling reads as float32).
 enum Store : int { kPlain = 0, kSwiglu = 1, kWidened = 2 };
+
+// One row of a tile: its two 16-column halves' sums v0 and v1 (bias added), stored as S says
+// into c0 and c1 (`offset` elements of the stored type in), the columns in lanes0 and lanes1
+// (plain stores where `whole`). Shared by the register tiles and the AMX tiles.
+template <typename T, Store S>
+inline void store_row(__m512 v0, __m512 v1, void* __restrict c0, void* __restrict c1,
+                      int64_t offset, __mmask16 lanes0, __mmask16 lanes1, bool whole) {
+  if constexpr (S == kPlain) {  // store16 rounds to T (bfloat16) itself, once
+    T* p0 = static_cast<T*>(c0) + offset;
+    T* p1 = static_cast<T*>(c1) + offset;
+    if (whole) {
+      ferrum::store16(p0, v0);
+      ferrum::store16(p1, v1);
+    } else {
+      ferrum::store16(p0, v0, lanes0);
+      ferrum::store16(p1, v1, lanes1);
+    }
+    return;
+  }
+  // The outputs as T holds them (bfloat16: rounded once), in float32.
+  const __m512 o0 = ferrum::round16(v0, static_cast<T*>(nullptr));
+  const __m512 o1 = ferrum::round16(v1, static_cast<T*>(nullptr));
+  if constexpr (S == kSwiglu) {
+    T* p0 = static_cast<T*>(c0) + offset;
+    const __m512 o = ferrum::silu_mul16<T>(o0, o1);
+    if (whole) {
+      ferrum::store16(p0, o);
+    } else {
+      ferrum::store16(p0, o, lanes0);
+    }
+  } else {  // kWidened
+    float* p0 = static_cast<float*>(c0) + offset;
+    float* p1 = static_cast<float*>(c1) + offset;
+    // Whole cache lines bypass the cache: a vocabulary's float32 rows are megabytes (8 MB at
+    // 64 rows of W1), and plain stores would first read in every line they overwrite.
+    const uintptr_t aligned = reinterpret_cast<uintptr_t>(p0) | reinterpret_cast<uintptr_t>(p1);
+    if (whole && (aligned & 63) == 0) {
+      _mm512_stream_ps(p0, o0);
+      _mm512_stream_ps(p1, o1);
+    } else if (whole) {
+      _mm512_storeu_ps(p0, o0);
+      _mm512_storeu_ps(p1, o1);
+    } else {
+      _mm512_mask_storeu_ps(p0, lanes0, o0);
+      _mm512_mask_storeu_ps(p1, lanes1, o1);
+    }
+  }
+}
 
 // One register tile: `R` rows of x (lda apart, k long) times a panel (32 columns; bfloat16 in
 // pairs of K), its two 16-column halves (plus their bias, in float32, when given) stored as `S`
@@ -333,47 +388,8 @@ void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
   // Whole halves get plain stores (masked ones cost more on Zen 4).
   const bool whole = lanes0 == 0xffff && (S == kSwiglu || lanes1 == 0xffff);
   for (int r = 0; r < R; ++r) {
-    const __m512 v0 = _mm512_add_ps(acc[r][0], add0), v1 = _mm512_add_ps(acc[r][1], add1);
-    if constexpr (S == kPlain) {  // store16 rounds to T (bfloat16) itself, once
-      T* p0 = static_cast<T*>(c0) + r * ldc;
-      T* p1 = static_cast<T*>(c1) + r * ldc;
-      if (whole) {
-        ferrum::store16(p0, v0);
-        ferrum::store16(p1, v1);
-      } else {
-        ferrum::store16(p0, v0, lanes0);
-        ferrum::store16(p1, v1, lanes1);
-      }
-      continue;
-    }
-    // The outputs as T holds them (bfloat16: rounded once), in float32.
-    const __m512 o0 = ferrum::round16(v0, static_cast<T*>(nullptr));
-    const __m512 o1 = ferrum::round16(v1, static_cast<T*>(nullptr));
-    if constexpr (S == kSwiglu) {
-      T* p0 = static_cast<T*>(c0) + r * ldc;
-      const __m512 o = ferrum::silu_mul16<T>(o0, o1);
-      if (whole) {
-        ferrum::store16(p0, o);
-      } else {
-        ferrum::store16(p0, o, lanes0);
-      }
-    } else {  // kWidened
-      float* p0 = static_cast<float*>(c0) + r * ldc;
-      float* p1 = static_cast<float*>(c1) + r * ldc;
-      // Whole cache lines bypass the cache: a vocabulary's float32 rows are megabytes (8 MB at
-      // 64 rows of W1), and plain stores would first read in every line they overwrite.
-      const uintptr_t aligned = reinterpret_cast<uintptr_t>(p0) | reinterpret_cast<uintptr_t>(p1);
-      if (whole && (aligned & 63) == 0) {
-        _mm512_stream_ps(p0, o0);
-        _mm512_stream_ps(p1, o1);
-      } else if (whole) {
-        _mm512_storeu_ps(p0, o0);
-        _mm512_storeu_ps(p1, o1);
-      } else {
-        _mm512_mask_storeu_ps(p0, lanes0, o0);
-        _mm512_mask_storeu_ps(p1, lanes1, o1);
-      }
-    }
+    store_row<T, S>(_mm512_add_ps(acc[r][0], add0), _mm512_add_ps(acc[r][1], add1), c0, c1,
+                    r * ldc, lanes0, lanes1, whole);
   }
 }
 
@@ -448,12 +464,185 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
     if (store == kWidened) _mm_sfence();  // this thread's streamed stores, before the join
   });
 }
+
+// The bfloat16 GEMM on AMX tiles, where the CPU has them (Sapphire Rapids and later Xeons): the
+// same packed panels (a panel's step of 32 column pairs is two tile rows of 16 pairs, 64 bytes
+// each, 128 bytes apart), x loaded as tiles in place, each tile multiply-add (TDPBF16PS) summing
+// 16 rows x 16 columns over 32 elements of K in float32. Two 16-row blocks of x times a panel's
+// two halves keep all eight tiles busy: four of sums, two of x, two of the panel. The sums then
+// go through the register tiles' stores (bias, one rounding, SwiGLU or widening). Each output is
+// a float32 sum over K of exact bfloat16 products, as the register tiles', but in the tiles'
+// order, so the two kernels' outputs differ in the last bits; each row's outputs still do not
+// depend on the rows beside it. Only for K a multiple of 32 (a tile row); others, and a CPU or
+// kernel without AMX, keep the register tiles.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+constexpr int64_t kAmxK = 32;     // K per tile multiply: one 64-byte row of an x tile
+constexpr int64_t kAmxRows = 16;  // rows of x per tile
+constexpr int64_t kAmxBlockRows = 2 * kAmxRows;
+
+// Whether Linux lets this process use the tiles: it grants them on request, per process (their
+// 8 KB of state is then saved on every context switch).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// The tiles' shapes, loaded by each thread before it uses them: 0-3 the float32 sums (row
+// block r, half h in tile 2r + h; 16 rows x 16 columns), 4-5 x (16 rows x 32 bfloat16), 6-7 the
+// panel's two halves (16 steps of K x 16 column pairs). All are 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = kAmxRows;
+  }
+  _tile_loadconfig(&config);
+}
+
+// RB blocks of 16 rows of x (lda apart, k a multiple of 32) times one bfloat16 panel, summed
+// into sums ([RB][2][16][16] float32: row block, half, row, column). Meanwhile it fetches
+// `fetch_lines` lines from `fetch` into L2, paced over K, as the register tiles do.
+template <int RB>
+inline void amx_tile(const uint16_t* __restrict a, int64_t lda, int64_t k,
+                     const uint16_t* __restrict b, float* __restrict sums, const char* fetch,
+                     int64_t fetch_lines) {
+  constexpr int64_t kStepBytes = 2 * kCols * sizeof(uint16_t);  // one packed step: 32 pairs
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RB == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t steps = k / kAmxK, x_stride = lda * sizeof(uint16_t);
+  int64_t credit = 0, line = 0;
+  for (int64_t i = 0; i < steps; ++i) {
+    credit += fetch_lines;
+    while (credit >= steps) {
+      credit -= steps;
+      _mm_prefetch(fetch + 64 * line++, _MM_HINT_T1);
+    }
+    const uint16_t* panel = b + i * kAmxK * kCols;  // 16 steps of 32 pairs
+    _tile_loadd(6, panel, kStepBytes);
+    _tile_loadd(7, panel + kCols, kStepBytes);
+    _tile_loadd(4, a + i * kAmxK, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RB == 2) {
+      _tile_loadd(5, a + kAmxRows * lda + i * kAmxK, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t kTile = kAmxRows * 16;
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + kTile, 64);
+  if constexpr (RB == 2) {
+    _tile_stored(2, sums + 2 * kTile, 64);
+    _tile_stored(3, sums + 3 * kTile, 64);
+  }
+}
+
+// out = x @ W^T on the tiles, as gemm() computes it (the same split of panels over threads and
+// of x into blocks that stay in L2), k a multiple of 32. x's rows past its last whole 32-row
+// block come from `tail` ([32, k], zero past M) instead: a tile always loads 16 rows.
+template <Store S>
+void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
+              const float* __restrict bias, void* __restrict out, int64_t m, int64_t n,
+              int64_t k, int64_t half, const uint16_t* __restrict tail) {
+  using T = uint16_t;
+  constexpr bool kSwiglu_ = S == kSwiglu;
+  constexpr int64_t out_bytes = S == kWidened ? sizeof(float) : sizeof(T);
+  constexpr int64_t kTile = kAmxRows * 16;
+  const int64_t panels = panel_count(n, half);
+  const int64_t panel_elems = panel_steps<T>(k) * kPerStep<T> * kCols;
+  const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(T)) / 64;
+  const int64_t blocks = (m + kAmxBlockRows - 1) / kAmxBlockRows;
+  const int64_t whole_blocks = m / kAmxBlockRows;
+  const int64_t group = std::max<int64_t>(
+      1, kBlockBytes / (static_cast<int64_t>(sizeof(T)) * k) / kAmxBlockRows);
+  const int64_t ldc = kSwiglu_ ? half : n;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
+  at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t first, int64_t last) {
+    load_tile_config();  // per thread: the tile registers and their shapes are thread state
+    alignas(64) float sums[4 * kTile];
+    for (int64_t g0 = 0; g0 < blocks; g0 += group) {
+      const int64_t g1 = std::min(blocks, g0 + group);
+      for (int64_t p = first; p < last; ++p) {
+        const T* b = packed + p * panel_elems;
+        int64_t col0 = p * kCols, col1 = col0 + 16;
+        int64_t cols0 = std::min<int64_t>(16, n - col0), cols1 = n - col1;
+        if (half > 0) {
+          col0 = p * 16;
+          col1 = half + col0;
+          cols0 = cols1 = std::min<int64_t>(16, half - col0);
+        }
+        const __mmask16 lanes0 = ferrum::first_lanes(cols0);
+        const __mmask16 lanes1 = cols1 > 0 ? ferrum::first_lanes(cols1) : __mmask16(0);
+        __m512 add0 = _mm512_setzero_ps(), add1 = add0;
+        if (bias != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias + col0);
+        if (bias != nullptr && cols1 > 0) add1 = _mm512_maskz_loadu_ps(lanes1, bias + col1);
+        const bool whole = lanes0 == 0xffff && (kSwiglu_ || lanes1 == 0xffff);
+        const int64_t per_block = p + 1 < last ? (panel_lines + (g1 - g0) - 1) / (g1 - g0) : 0;
+        const char* next = reinterpret_cast<const char*>(b + panel_elems);
+        for (int64_t blk = g0; blk < g1; ++blk) {
+          const int64_t r0 = blk * kAmxBlockRows;
+          const int64_t rows = std::min<int64_t>(kAmxBlockRows, m - r0);
+          const T* a = blk < whole_blocks ? x + r0 * k : tail;
+          const int64_t done = std::min((blk - g0) * per_block, panel_lines);
+          const int64_t fetch_lines = std::min(per_block, panel_lines - done);
+          if (rows > kAmxRows) {
+            amx_tile<2>(a, k, k, b, sums, next + 64 * done, fetch_lines);
+          } else {
+            amx_tile<1>(a, k, k, b, sums, next + 64 * done, fetch_lines);
+          }
+          char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* s = sums + (r / kAmxRows) * 2 * kTile + (r % kAmxRows) * 16;
+            store_row<T, S>(_mm512_add_ps(_mm512_load_ps(s), add0),
+                            _mm512_add_ps(_mm512_load_ps(s + kTile), add1), c + col0 * out_bytes,
+                            kSwiglu_ ? nullptr : c + col1 * out_bytes, r * ldc, lanes0, lanes1,
+                            whole);
+          }
+        }
+      }
+    }
+    _tile_release();  // the tiles' state back to its initial one: nothing left to save
+    if constexpr (S == kWidened) _mm_sfence();
+  });
+}
+#endif
 #endif
 
 }  // namespace ferrum_gemm512
 
 // True where this build has the bfloat16 GEMM (a CPU with AVX512_BF16).
 bool gemm_bf16_available() { return ferrum_gemm512::kBf16Available; }
+
+// True where bfloat16 GEMMs can run on AMX tiles: built for a CPU with AMX-BF16 and granted the
+// tiles by the kernel (Linux 5.16 and later).
+bool gemm_amx_available() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return ferrum_gemm512::amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// Whether bfloat16 GEMMs whose K is a multiple of 32 run on the AMX tiles where
+// gemm_amx_available (the default) or on the register tiles; returns the previous setting. For
+// benchmarks and tests that compare the two; a server leaves it on.
+bool set_gemm_amx(bool on) { return ferrum_gemm512::amx_wanted.exchange(on); }
 
 // True where this build has a float32 GEMM, and whether it is the AVX-512 one (the bfloat16
 // GEMM's panels and tiles, with FMAs; it pairs a gate/up weight for a fused SwiGLU) rather than
@@ -564,6 +753,29 @@ torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
     ferrum_gemm512::gemm(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr,
                          out.data_ptr(), m, n, k, half, store);
   }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if (!is_float && k % ferrum_gemm512::kAmxK == 0 && ferrum_gemm512::amx_wanted.load() &&
+      ferrum_gemm512::amx_permitted()) {
+    const int64_t tail_rows = m % ferrum_gemm512::kAmxBlockRows;
+    torch::Tensor tail;  // the last rows, zero-padded to a whole block of tiles
+    if (tail_rows > 0) {
+      tail = torch::zeros({ferrum_gemm512::kAmxBlockRows, k}, x.options());
+      tail.narrow(0, 0, tail_rows).copy_(x.narrow(0, m - tail_rows, tail_rows));
+    }
+    const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+    const auto* ts = tail.defined() ? reinterpret_cast<const uint16_t*>(tail.data_ptr()) : nullptr;
+    if (store == Store::kSwiglu) {
+      ferrum_gemm512::gemm_amx<Store::kSwiglu>(xs, ws, bias_ptr, out.data_ptr(), m, n, k, half, ts);
+    } else if (store == Store::kWidened) {
+      ferrum_gemm512::gemm_amx<Store::kWidened>(xs, ws, bias_ptr, out.data_ptr(), m, n, k, half,
+                                                ts);
+    } else {
+      ferrum_gemm512::gemm_amx<Store::kPlain>(xs, ws, bias_ptr, out.data_ptr(), m, n, k, half, ts);
+    }
+    return out;
+  }
+#endif
 #if defined(__AVX512BF16__)  // (instantiated only where vdpbf16ps exists; refused above else)
   if (!is_float) {
     ferrum_gemm512::gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
