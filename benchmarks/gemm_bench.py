@@ -43,11 +43,11 @@ def _tiles_of(module: Any, kernel: str) -> Iterator[None]:
     if kernel != "avx512":
         yield
         return
-    module.set_gemm_amx(False)
+    module.set_amx(False)
     try:
         yield
     finally:
-        module.set_gemm_amx(True)
+        module.set_amx(True)
 
 
 def _round(packs: list[dict[str, PackedWeight]], inputs: dict[int, torch.Tensor]) -> float:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     kernels: tuple[str, ...] = ("native", "onednn")
-    amx = dtype == torch.bfloat16 and bool(module.gemm_amx_available())
+    amx = dtype == torch.bfloat16 and bool(module.amx_available())
     if amx:
         kernels += ("avx512",)
     packs: dict[str, list[dict[str, PackedWeight]]] = {kernel: [] for kernel in kernels}

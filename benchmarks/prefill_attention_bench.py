@@ -2,10 +2,12 @@
 
 Times ``cpu_paged_attention`` on single prefill chunks of the W1 model's attention shape
 (12 heads, 4 KV heads, head_dim 64, block size 16) with the native prefill kernel switched off
-(the old path: gather, bmm, softmax, bmm per 64 queries) and on, in float32 and bfloat16.
+(the old path: gather, bmm, softmax, bmm per 64 queries) and on, in float32 and bfloat16. With
+``--against registers`` (a CPU with AMX) the old column is the native kernel on its register
+tiles instead of AMX's (bfloat16).
 
     python benchmarks/prefill_attention_bench.py [--repeats 41] [--threads 2] [--json out.json]
-        [--shapes 512x512,64x400]
+        [--shapes 512x512,64x400] [--against torch|registers]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 from ferrum_kernels import cpu_attention
+from ferrum_kernels import native as native_kernels
 from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
 
@@ -74,13 +77,21 @@ def _time_pair(
     return statistics.median(samples[0]), statistics.median(samples[1])
 
 
-def _run(fn: Callable[[], torch.Tensor], native: bool) -> Callable[[], torch.Tensor]:
+def _run(
+    fn: Callable[[], torch.Tensor], native: bool, amx: bool = True
+) -> Callable[[], torch.Tensor]:
+    module = native_kernels.load()
+
     def call() -> torch.Tensor:
         cpu_attention.NATIVE_PREFILL = native
+        if not amx:
+            module.set_amx(False)
         try:
             return fn()
         finally:
             cpu_attention.NATIVE_PREFILL = True
+            if not amx:
+                module.set_amx(True)
 
     return call
 
@@ -96,11 +107,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument(
+        "--against",
+        choices=("torch", "registers"),
+        default="torch",
+        help="the old column: the torch path, or the native kernel without AMX",
+    )
+    parser.add_argument(
         "--shapes",
         default=",".join(f"{n}x{ctx}" for n, ctx in SHAPES),
         help="chunks as NxCTX (the last N of CTX positions), comma-separated",
     )
     args = parser.parse_args(argv)
+    module = native_kernels.load()
+    if args.against == "registers" and (module is None or not module.amx_available()):
+        sys.exit("--against registers needs AMX tiles (a CPU with AMX-BF16)")
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
     results = []
@@ -111,7 +131,11 @@ def main(argv: list[str] | None = None) -> None:
         dtype = DTYPES[name]
         for n, ctx in shapes:
             fn = _case(n, ctx, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype)
-            old, new = _run(fn, native=False), _run(fn, native=True)
+            if args.against == "registers":
+                old = _run(fn, native=True, amx=False)
+            else:
+                old = _run(fn, native=False)
+            new = _run(fn, native=True)
             err = (old().float() - new().float()).abs().max().item()
             old_ms, new_ms = _time_pair(old, new, args.repeats)
             # Attention FLOPs: QK^T and PV over the causally visible keys of each query row.

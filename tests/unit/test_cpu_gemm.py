@@ -27,7 +27,7 @@ needs_bf16_gemm = pytest.mark.skipif(
     reason="native bfloat16 GEMM not built (needs AVX512_BF16)",
 )
 needs_amx_gemm = pytest.mark.skipif(
-    _module is None or not _module.gemm_amx_available(),
+    _module is None or not _module.amx_available(),
     reason="no AMX tiles here (needs a CPU with AMX-BF16 and Linux granting them)",
 )
 
@@ -36,11 +36,11 @@ needs_amx_gemm = pytest.mark.skipif(
 def _register_tiles() -> Iterator[None]:
     """The native bfloat16 GEMM on its register tiles instead of AMX's, for the block."""
     assert _module is not None
-    _module.set_gemm_amx(False)
+    _module.set_amx(False)
     try:
         yield
     finally:
-        _module.set_gemm_amx(True)
+        _module.set_amx(True)
 
 
 @pytest.fixture
@@ -235,7 +235,7 @@ def test_the_amx_bf16_gemm_matches_float64_and_the_register_tiles(
 def test_the_amx_gemm_applies_a_paired_weights_swiglu_and_can_be_turned_off() -> None:
     """A paired gate/up pack on AMX tiles: its plain product is the plain pack's bit for bit,
     its fused SwiGLU silu_and_mul of that product bit for bit, over row tails and a half of 40
-    columns; set_gemm_amx(False) runs the register tiles, and a K that is not a multiple of 32
+    columns; set_amx(False) runs the register tiles, and a K that is not a multiple of 32
     runs them too (the same result with AMX on or off)."""
     from ferrum_kernels.cpu_fused import silu_and_mul_cpu
 
@@ -258,7 +258,7 @@ def test_the_amx_gemm_applies_a_paired_weights_swiglu_and_can_be_turned_off() ->
     with _register_tiles():
         registers = odd(x)
     assert torch.equal(odd(x), registers)
-    assert _module.set_gemm_amx(True) is True  # left on
+    assert _module.set_amx(True) is True  # left on
 
 
 @needs_bf16_gemm

@@ -350,3 +350,43 @@ def test_windowed_model_with_chunked_prefill_matches_transformers_greedy(tmp_pat
         block_size=16,
     )  # fmt: skip
     assert config.head_dim == 64 and config.sliding_windows == (6, 6)
+
+
+_amx = native.load()
+needs_amx = pytest.mark.skipif(
+    _amx is None or not _amx.amx_available(),
+    reason="no AMX tiles here (needs a CPU with AMX-BF16 and Linux granting them)",
+)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("head_dim", "group", "window"),
+    [(64, 3, 0), (32, 4, 0), (96, 1, 0), (128, 2, 0), (64, 3, 17), (128, 2, 5), (80, 3, 0)],
+)
+def test_amx_tiles_agree_with_the_register_tiles(head_dim: int, group: int, window: int) -> None:
+    """bfloat16 on AMX tiles (head_dim a multiple of 32; 80 keeps the register tiles): the
+    dense answer, and within a bfloat16 ulp or two of the register tiles, whose float32 sums of
+    the same products run in another order; chunks off every 16-row tile, 32-row group and
+    32-key step, with history, over NaN spare blocks (a read past the packed keys would show)."""
+    assert _amx is not None
+    items = [(0, 45), (33, 19), (7, 1), (130, 3), (0, 97), (16, 32)]
+    case = _case(
+        items, group=group, head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
+        seed=head_dim + group, window=window,
+    )  # fmt: skip
+    rows = _chunk_rows(case)
+    out = torch.full(case.query.shape, 7.0, dtype=torch.bfloat16)
+    _call_kernel(case, window, out, _scratch(case, window))
+    _amx.set_amx(False)
+    try:
+        registers = torch.full(case.query.shape, 7.0, dtype=torch.bfloat16)
+        _call_kernel(case, window, registers, _scratch(case, window))
+    finally:
+        _amx.set_amx(True)
+    assert bool((out[~rows] == 7.0).all())
+    torch.testing.assert_close(
+        out[rows].double(), case.reference[rows], **_tolerance(torch.bfloat16)
+    )
+    torch.testing.assert_close(out.float(), registers.float(), atol=2e-3, rtol=2**-7)
+    _run(case)  # the fixture wants one call through cpu_paged_attention

@@ -35,7 +35,7 @@ def test_bfloat16_smoke_run_compares_the_native_bf16_gemm() -> None:
     bench: Any = load_script("ferrum_gemm_bench", _BENCH)
     results = bench.main(["--rows", "9", "--rounds", "1", "--layers", "1", "--dtype", "bfloat16"])
     # On an AMX CPU the native packs are timed on the register tiles too.
-    extra = ["M=9 avx512"] if _module.gemm_amx_available() else []
+    extra = ["M=9 avx512"] if _module.amx_available() else []
     assert sorted(results) == sorted(["M=9 native", "M=9 onednn", *extra])
     # Outputs of about 0.5 in magnitude, each rounded to bfloat16 by both: an ulp or two apart.
     assert results["M=9 native"]["layers_gflops"] > 0 and results["M=9 native"]["diff"] < 0.02

@@ -3,11 +3,17 @@
 // forms for 16 lanes.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define FERRUM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace ferrum {
@@ -137,6 +143,43 @@ inline __m512 silu_mul16(__m512 x, __m512 u) {
   const __m512 act = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                              static_cast<const T*>(nullptr));
   return _mm512_mul_ps(act, u);
+}
+#endif
+
+// Whether the bfloat16 GEMM and prefill attention take AMX tiles where they can (set_amx): on by
+// default; benchmarks and tests turn it off to compare with the register tiles.
+inline std::atomic<bool> amx_wanted{true};
+
+// AMX: eight tile registers of up to 16 rows x 64 bytes, and TDPBF16PS (a tile of float32 sums
+// += a tile of bfloat16 pairs times another). The bfloat16 GEMM and prefill attention use them
+// where the CPU has them (Sapphire Rapids and later Xeons) and Linux grants them.
+#if defined(FERRUM_AMX)
+// Whether Linux lets this process use the tiles: it grants them on request, per process (their
+// 8 KB of state is then saved on every context switch). Asked once.
+inline bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// Loads the shapes of tiles 0-7 (rows, bytes per row) for this thread: the tile registers and
+// their shapes are thread state, so each thread loads them before its first tile instruction
+// (and releases them, _tile_release, after its last).
+inline void load_tile_shapes(const uint8_t (&rows)[8], const uint16_t (&bytes)[8]) {
+  struct alignas(64) Config {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = rows[t];
+    config.bytes_per_row[t] = bytes[t];
+  }
+  _tile_loadconfig(&config);
 }
 #endif
 

@@ -32,15 +32,11 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <tuple>
 #include <type_traits>
 
@@ -261,8 +257,6 @@ constexpr bool kBf16Available = true;
 #else
 constexpr bool kBf16Available = false;
 #endif
-// Whether bfloat16 GEMMs take the AMX tiles where they can (set_gemm_amx).
-std::atomic<bool> amx_wanted{true};
 
 #if defined(__AVX512F__)
 // What a tile stores: its outputs in T (bfloat16: each rounded once; kPlain); silu(first half)
@@ -475,39 +469,18 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
 // order, so the two kernels' outputs differ in the last bits; each row's outputs still do not
 // depend on the rows beside it. Only for K a multiple of 32 (a tile row); others, and a CPU or
 // kernel without AMX, keep the register tiles.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(FERRUM_AMX)
 constexpr int64_t kAmxK = 32;     // K per tile multiply: one 64-byte row of an x tile
 constexpr int64_t kAmxRows = 16;  // rows of x per tile
 constexpr int64_t kAmxBlockRows = 2 * kAmxRows;
 
-// Whether Linux lets this process use the tiles: it grants them on request, per process (their
-// 8 KB of state is then saved on every context switch).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-// The tiles' shapes, loaded by each thread before it uses them: 0-3 the float32 sums (row
-// block r, half h in tile 2r + h; 16 rows x 16 columns), 4-5 x (16 rows x 32 bfloat16), 6-7 the
-// panel's two halves (16 steps of K x 16 column pairs). All are 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
+// The tiles' shapes: 0-3 the float32 sums (row block r, half h in tile 2r + h; 16 rows x 16
+// columns), 4-5 x (16 rows x 32 bfloat16), 6-7 the panel's two halves (16 steps of K x 16
+// column pairs). All are 16 rows of 64 bytes.
 inline void load_tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = kAmxRows;
-  }
-  _tile_loadconfig(&config);
+  constexpr uint8_t kRowsOf[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  constexpr uint16_t kBytesOf[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+  ferrum::load_tile_shapes(kRowsOf, kBytesOf);
 }
 
 // RB blocks of 16 rows of x (lda apart, k a multiple of 32) times one bfloat16 panel, summed
@@ -593,8 +566,9 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
         if (bias != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias + col0);
         if (bias != nullptr && cols1 > 0) add1 = _mm512_maskz_loadu_ps(lanes1, bias + col1);
         const bool whole = lanes0 == 0xffff && (kSwiglu_ || lanes1 == 0xffff);
-        const int64_t per_block = p + 1 < last ? (panel_lines + (g1 - g0) - 1) / (g1 - g0) : 0;
-        const char* next = reinterpret_cast<const char*>(b + panel_elems);
+        static const int64_t kAhead = [] { const char* e = std::getenv("AMX_AHEAD"); return e ? std::atoll(e) : 1; }();
+        const int64_t per_block = p + kAhead < last && kAhead > 0 ? (panel_lines + (g1 - g0) - 1) / (g1 - g0) : 0;
+        const char* next = reinterpret_cast<const char*>(b + kAhead * panel_elems);
         for (int64_t blk = g0; blk < g1; ++blk) {
           const int64_t r0 = blk * kAmxBlockRows;
           const int64_t rows = std::min<int64_t>(kAmxBlockRows, m - r0);
@@ -629,20 +603,20 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
 // True where this build has the bfloat16 GEMM (a CPU with AVX512_BF16).
 bool gemm_bf16_available() { return ferrum_gemm512::kBf16Available; }
 
-// True where bfloat16 GEMMs can run on AMX tiles: built for a CPU with AMX-BF16 and granted the
-// tiles by the kernel (Linux 5.16 and later).
-bool gemm_amx_available() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  return ferrum_gemm512::amx_permitted();
+// True where bfloat16 GEMMs and prefill attention can run on AMX tiles: built for a CPU with
+// AMX-BF16, and granted the tiles by the kernel (Linux 5.16 and later).
+bool amx_available() {
+#if defined(FERRUM_AMX)
+  return ferrum::amx_permitted();
 #else
   return false;
 #endif
 }
 
-// Whether bfloat16 GEMMs whose K is a multiple of 32 run on the AMX tiles where
-// gemm_amx_available (the default) or on the register tiles; returns the previous setting. For
-// benchmarks and tests that compare the two; a server leaves it on.
-bool set_gemm_amx(bool on) { return ferrum_gemm512::amx_wanted.exchange(on); }
+// Whether bfloat16 GEMMs (K a multiple of 32) and prefill attention (head_dim a multiple of 32)
+// run on AMX tiles where amx_available (the default) or on the register tiles; returns the
+// previous setting. For benchmarks and tests that compare the two; a server leaves it on.
+bool set_amx(bool on) { return ferrum::amx_wanted.exchange(on); }
 
 // True where this build has a float32 GEMM, and whether it is the AVX-512 one (the bfloat16
 // GEMM's panels and tiles, with FMAs; it pairs a gate/up weight for a fused SwiGLU) rather than
@@ -753,9 +727,9 @@ torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
     ferrum_gemm512::gemm(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr,
                          out.data_ptr(), m, n, k, half, store);
   }
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  if (!is_float && k % ferrum_gemm512::kAmxK == 0 && ferrum_gemm512::amx_wanted.load() &&
-      ferrum_gemm512::amx_permitted()) {
+#if defined(FERRUM_AMX)
+  if (!is_float && k % ferrum_gemm512::kAmxK == 0 && ferrum::amx_wanted.load() &&
+      ferrum::amx_permitted()) {
     const int64_t tail_rows = m % ferrum_gemm512::kAmxBlockRows;
     torch::Tensor tail;  // the last rows, zero-padded to a whole block of tiles
     if (tail_rows > 0) {

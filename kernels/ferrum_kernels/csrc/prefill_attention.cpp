@@ -587,6 +587,128 @@ void pack_kv(const S* k_pool, const S* v_pool, const int64_t* table, int64_t blo
   }
 }
 
+
+constexpr int kAmxTileRows = 16;  // query rows per AMX tile
+#if defined(FERRUM_AMX)
+// The bfloat16 products on AMX tiles (FERRUM_AMX, head_dim a multiple of 32): the packed keys
+// of a tile are 16 rows (pairs of dimensions) of 16 tokens' pairs, and a pair of packed value
+// tokens [D][2], both already the operand layout of TDPBF16PS, so the scratch is the same. A
+// group's q rows are copied into one strided block (a tile loads rows a fixed stride apart).
+// Scores of 16 rows x 16 keys sum D in float32, as the register blocks do (in another order);
+// probabilities are the same bfloat16 ones; each output is summed over 32 keys a tile (16 for
+// a last half), in float32, and rounded once.
+constexpr int kMaxGroupRows = 32;  // rows scored, softmaxed and summed together on tiles
+
+// Tiles: 0 sixteen rows of 32 bfloat16 (q's dimensions, or probabilities of 32 keys); 1 a key
+// tile's 16 pairs of dimensions, or 16 pairs of value tokens (16 columns); 2 eight pairs of
+// value tokens (a last 16 keys); 3 sixteen rows of 16 probabilities (for those); 4-7 float32
+// sums (16 rows x 16 keys or columns).
+inline void load_attention_tiles() {
+  constexpr uint8_t kRowsOf[8] = {16, 16, 8, 16, 16, 16, 16, 16};
+  constexpr uint16_t kBytesOf[8] = {64, 64, 64, 32, 64, 64, 64, 64};
+  ferrum::load_tile_shapes(kRowsOf, kBytesOf);
+}
+
+// Scores of 16 q rows (q: [16][D], D apart) over `tiles` packed key tiles from k, into s (rows
+// s_stride floats apart), four key tiles at a time.
+inline void amx_scores(const uint16_t* q, int64_t head_dim, const uint16_t* k, int64_t tile_elems,
+                       int64_t tiles, float* s, int64_t s_stride) {
+  const int64_t chunks = head_dim / 32, q_bytes = head_dim * 2, s_bytes = s_stride * 4;
+  constexpr int64_t kChunkElems = 16 * kTile * 2;  // 16 pairs of dimensions of 16 tokens
+  int64_t t = 0;
+  for (; t + 4 <= tiles; t += 4) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const uint16_t* kt = k + t * tile_elems;
+    for (int64_t j = 0; j < chunks; ++j) {
+      _tile_loadd(0, q + 32 * j, q_bytes);
+      _tile_loadd(1, kt + j * kChunkElems, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(1, kt + tile_elems + j * kChunkElems, 64);
+      _tile_dpbf16ps(5, 0, 1);
+      _tile_loadd(1, kt + 2 * tile_elems + j * kChunkElems, 64);
+      _tile_dpbf16ps(6, 0, 1);
+      _tile_loadd(1, kt + 3 * tile_elems + j * kChunkElems, 64);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, s + t * kTile, s_bytes);
+    _tile_stored(5, s + (t + 1) * kTile, s_bytes);
+    _tile_stored(6, s + (t + 2) * kTile, s_bytes);
+    _tile_stored(7, s + (t + 3) * kTile, s_bytes);
+  }
+  for (; t < tiles; ++t) {
+    _tile_zero(4);
+    for (int64_t j = 0; j < chunks; ++j) {
+      _tile_loadd(0, q + 32 * j, q_bytes);
+      _tile_loadd(1, k + t * tile_elems + j * kChunkElems, 64);
+      _tile_dpbf16ps(4, 0, 1);
+    }
+    _tile_stored(4, s + t * kTile, s_bytes);
+  }
+}
+
+// o[16][D] (float32, D apart) = 16 rows of probabilities (p, p_stride apart) over `keys` keys
+// (a multiple of 16) times the packed value pairs from v, four 16-column tiles at a time.
+inline void amx_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, int64_t head_dim,
+                       int64_t keys, float* o) {
+  const int64_t p_bytes = p_stride * 2, v_bytes = head_dim * 4, pair_elems = head_dim * 2;
+  const int64_t whole = keys / 32 * 32;
+  for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4) {
+    const int nc = static_cast<int>(std::min<int64_t>(4, head_dim / 16 - c0));
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const uint16_t* vc = v + c0 * 32;  // column tile c's 16 columns: 32 elements a pair row
+    for (int64_t key = 0; key < whole; key += 32) {
+      const uint16_t* vk = vc + (key / 2) * pair_elems;
+      _tile_loadd(0, p + key, p_bytes);
+      _tile_loadd(1, vk, v_bytes);
+      _tile_dpbf16ps(4, 0, 1);
+      if (nc > 1) {
+        _tile_loadd(1, vk + 32, v_bytes);
+        _tile_dpbf16ps(5, 0, 1);
+      }
+      if (nc > 2) {
+        _tile_loadd(1, vk + 64, v_bytes);
+        _tile_dpbf16ps(6, 0, 1);
+      }
+      if (nc > 3) {
+        _tile_loadd(1, vk + 96, v_bytes);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+    }
+    if (whole < keys) {  // a last 16 keys: eight pairs
+      const uint16_t* vk = vc + (whole / 2) * pair_elems;
+      _tile_loadd(3, p + whole, p_bytes);
+      _tile_loadd(2, vk, v_bytes);
+      _tile_dpbf16ps(4, 3, 2);
+      if (nc > 1) {
+        _tile_loadd(2, vk + 32, v_bytes);
+        _tile_dpbf16ps(5, 3, 2);
+      }
+      if (nc > 2) {
+        _tile_loadd(2, vk + 64, v_bytes);
+        _tile_dpbf16ps(6, 3, 2);
+      }
+      if (nc > 3) {
+        _tile_loadd(2, vk + 96, v_bytes);
+        _tile_dpbf16ps(7, 3, 2);
+      }
+    }
+    float* oc = o + c0 * 16;
+    _tile_stored(4, oc, v_bytes);
+    if (nc > 1) _tile_stored(5, oc + 16, v_bytes);
+    if (nc > 2) _tile_stored(6, oc + 32, v_bytes);
+    if (nc > 3) _tile_stored(7, oc + 48, v_bytes);
+  }
+}
+#else
+constexpr int kMaxGroupRows = kGroupRows;
+#endif
+
 struct Unit {
   int64_t chunk, head, q0, q1, cost;
 };
@@ -664,18 +786,32 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
   std::atomic<int64_t> next{0};
   const int64_t n_units = static_cast<int64_t>(units.size());
   const int threads = at::get_num_threads();
+  constexpr bool widen = !std::is_same<S, T>::value;
+#if defined(FERRUM_AMX)
+  constexpr bool kBf16 = std::is_same<T, uint16_t>::value && !widen;
+  const bool amx = kBf16 && head_dim % 32 == 0 && ferrum::amx_wanted.load() &&
+                   ferrum::amx_permitted();
+#else
+  constexpr bool amx = false;
+#endif
+  const int group_rows = amx ? kMaxGroupRows : kGroupRows;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(kGroupRows * span);
-    std::vector<T> probs(kGroupRows * span);
-    float inv[kGroupRows];
-    const T* qrows[kGroupRows];
-    T* orows[kGroupRows];
-    constexpr bool widen = !std::is_same<S, T>::value;
+    std::vector<float> scores(kMaxGroupRows * span);
+    std::vector<T> probs(kMaxGroupRows * span);
+    float inv[kMaxGroupRows];
+    const T* qrows[kMaxGroupRows];
+    T* orows[kMaxGroupRows];
     // Widened q rows and float32 output rows of a group, when S is not T.
-    std::vector<T> qwide(widen ? kGroupRows * head_dim : 0), owide(qwide.size());
-    S* out_rows[kGroupRows];
+    std::vector<T> qwide(widen ? kMaxGroupRows * head_dim : 0), owide(qwide.size());
+    S* out_rows[kMaxGroupRows];
     // Row r sees packed keys [lo[r], hi[r]).
-    int64_t lo[kGroupRows], hi[kGroupRows];
+    int64_t lo[kMaxGroupRows], hi[kMaxGroupRows];
+    // AMX: the group's q rows as one block (zero past its rows), a tile's float32 outputs.
+    std::vector<T> q_block(amx ? kMaxGroupRows * head_dim : 0);
+    std::vector<float> o_tile(amx ? kTile * head_dim : 0);
+#if defined(FERRUM_AMX)
+    if (amx) load_attention_tiles();
+#endif
     for (int64_t i = next++; i < n_units; i = next++) {
       const Unit& unit = units[i];
       const int64_t c = unit.chunk, h = unit.head;
@@ -684,8 +820,8 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
       const T* kp = scratch + base[c] + h * pad[c] * head_dim * 2;
       const T* vp = kp + pad[c] * head_dim;
       const int64_t rows = (unit.q1 - unit.q0) * group;  // row r: position q0 + r / G, head r % G
-      for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
-        const int nr = static_cast<int>(std::min<int64_t>(kGroupRows, rows - r0));
+      for (int64_t r0 = 0; r0 < rows; r0 += group_rows) {
+        const int nr = static_cast<int>(std::min<int64_t>(group_rows, rows - r0));
         for (int r = 0; r < nr; ++r) {
           const int64_t pos = unit.q0 + (r0 + r) / group, head = h * group + (r0 + r) % group;
           const S* q_row = q + (start + pos) * q_stride + head * head_dim;
@@ -707,15 +843,39 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
         // the latest; each block goes from the tile holding the first to the last. Scores and
         // probabilities of the group are indexed from g0, its first row's first tile.
         const int64_t g0 = lo[0] / kTile * kTile;
-        for (int b = 0; b < nr; b += kQkRows) {
-          const int m = std::min(kQkRows, nr - b);
+        // AMX's blocks are 16 rows (a tile), the register blocks' kQkRows.
+        const int qk_rows = amx ? kAmxTileRows : kQkRows;
+        if (amx) {  // q rows into one block: tiles load rows a fixed stride apart
+          const int padded = (nr + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows;
+          for (int r = 0; r < padded; ++r) {
+            T* dst = q_block.data() + r * head_dim;
+            if (r < nr) {
+              std::memcpy(dst, qrows[r], head_dim * sizeof(T));
+            } else {
+              std::memset(dst, 0, head_dim * sizeof(T));
+            }
+          }
+        }
+        for (int b = 0; b < nr; b += qk_rows) {
+          const int m = std::min(qk_rows, nr - b);
           const int64_t t0 = lo[b] / kTile, t1 = (hi[b + m - 1] + kTile - 1) / kTile;
+          float* s = scores.data() + b * span + t0 * kTile - g0;
+#if defined(FERRUM_AMX)
+          if constexpr (kBf16) {
+            if (amx) {  // (rows past nr get scores too: the buffers hold kMaxGroupRows)
+              amx_scores(q_block.data() + b * head_dim, head_dim, kp + t0 * tile_elems,
+                         tile_elems, t1 - t0, s, span);
+              continue;
+            }
+          }
+#endif
           by_rows<T, QK, kQkRows>(m, qrows + b, kp + t0 * tile_elems, tile_elems, head_dim / w,
-                                  t1 - t0, scores.data() + b * span + t0 * kTile - g0, span);
+                                  t1 - t0, s, span);
         }
         // Probabilities up to a whole word past what the PV blocks read (zeros where a row
-        // cannot see): they consume them a word (w keys) at a time.
-        const int64_t end = (hi[nr - 1] - g0 + w - 1) / w * w;
+        // cannot see): they consume them a word (w keys) at a time; AMX's, 16 keys at a time.
+        const int64_t multiple = amx ? kTile : w;
+        const int64_t end = (hi[nr - 1] - g0 + multiple - 1) / multiple * multiple;
         for (int r = 0; r < nr; ++r) {
           const int64_t a = lo[r] - g0;  // keys before a row's window: zero probabilities
           T* p = probs.data() + r * span;
@@ -723,6 +883,27 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
           inv[r] = softmax_row<T>(scores.data() + r * span + a, p + a, hi[r] - g0 - a, end - a,
                                   scale);
         }
+#if defined(FERRUM_AMX)
+        if constexpr (kBf16) {
+          if (amx) {
+            for (int b = 0; b < nr; b += kAmxTileRows) {
+              const int m = std::min(kAmxTileRows, nr - b);
+              // From the tile holding the block's first visible key to its last row's end.
+              const int64_t k0 = (lo[b] - g0) / kTile * kTile;
+              const int64_t k1 = (hi[b + m - 1] - g0 + kTile - 1) / kTile * kTile;
+              amx_values(probs.data() + b * span + k0, span, vp + (g0 + k0) * head_dim,
+                         head_dim, k1 - k0, o_tile.data());
+              for (int r = 0; r < m; ++r) {
+                const __m512 scale_r = _mm512_set1_ps(inv[b + r]);
+                const float* o = o_tile.data() + r * head_dim;
+                for (int64_t d = 0; d < head_dim; d += kTile)
+                  store16(orows[b + r] + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), scale_r));
+              }
+            }
+            continue;
+          }
+        }
+#endif
         for (int b = 0; b < nr; b += kPvRows) {
           const int m = std::min(kPvRows, nr - b);
           const int64_t w0 = (lo[b] - g0) / w, w1 = (hi[b + m - 1] - g0 + w - 1) / w;
@@ -736,6 +917,9 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
               out_rows[r][d] = ferrum::float_to_bf16(orows[r][d]);
       }
     }
+#if defined(FERRUM_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 
