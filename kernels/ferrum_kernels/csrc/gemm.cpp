@@ -36,7 +36,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 #include <tuple>
 #include <type_traits>
 
@@ -473,6 +472,13 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
 constexpr int64_t kAmxK = 32;     // K per tile multiply: one 64-byte row of an x tile
 constexpr int64_t kAmxRows = 16;  // rows of x per tile
 constexpr int64_t kAmxBlockRows = 2 * kAmxRows;
+// Bytes of x per group of blocks that every panel of a thread passes over. The AMX tiles read
+// a weight faster than the register tiles, so the same weight read once per 256 KB of x (as
+// kBlockBytes) left more of a prefill step waiting on it: on a 2-vCPU Xeon with AMX (2 MB of L2
+// a core), twelve layers of W1's linears ran 1,435-1,525 GFLOP/s at 512 rows with 256 KB
+// groups, 1,602-1,688 with 1 MB, 1,486-1,621 with 2 MB (1,595-1,659, 1,653-1,722 and 1,486-1,550
+// at 1,024 rows).
+constexpr int64_t kAmxGroupBytes = 1024 * 1024;
 
 // The tiles' shapes: 0-3 the float32 sums (row block r, half h in tile 2r + h; 16 rows x 16
 // columns), 4-5 x (16 rows x 32 bfloat16), 6-7 the panel's two halves (16 steps of K x 16
@@ -526,8 +532,8 @@ inline void amx_tile(const uint16_t* __restrict a, int64_t lda, int64_t k,
   }
 }
 
-// out = x @ W^T on the tiles, as gemm() computes it (the same split of panels over threads and
-// of x into blocks that stay in L2), k a multiple of 32. x's rows past its last whole 32-row
+// out = x @ W^T on the tiles, as gemm() computes it (the same split of panels over threads; x
+// in groups of kAmxGroupBytes that stay in L2), k a multiple of 32. x's rows past its last whole 32-row
 // block come from `tail` ([32, k], zero past M) instead: a tile always loads 16 rows.
 template <Store S>
 void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
@@ -543,7 +549,7 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
   const int64_t blocks = (m + kAmxBlockRows - 1) / kAmxBlockRows;
   const int64_t whole_blocks = m / kAmxBlockRows;
   const int64_t group = std::max<int64_t>(
-      1, kBlockBytes / (static_cast<int64_t>(sizeof(T)) * k) / kAmxBlockRows);
+      1, kAmxGroupBytes / (static_cast<int64_t>(sizeof(T)) * k) / kAmxBlockRows);
   const int64_t ldc = kSwiglu_ ? half : n;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t first, int64_t last) {
@@ -566,9 +572,9 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
         if (bias != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias + col0);
         if (bias != nullptr && cols1 > 0) add1 = _mm512_maskz_loadu_ps(lanes1, bias + col1);
         const bool whole = lanes0 == 0xffff && (kSwiglu_ || lanes1 == 0xffff);
-        static const int64_t kAhead = [] { const char* e = std::getenv("AMX_AHEAD"); return e ? std::atoll(e) : 1; }();
-        const int64_t per_block = p + kAhead < last && kAhead > 0 ? (panel_lines + (g1 - g0) - 1) / (g1 - g0) : 0;
-        const char* next = reinterpret_cast<const char*>(b + kAhead * panel_elems);
+        // The next panel of this thread, fetched over this group's blocks (none after the last).
+        const int64_t per_block = p + 1 < last ? (panel_lines + (g1 - g0) - 1) / (g1 - g0) : 0;
+        const char* next = reinterpret_cast<const char*>(b + panel_elems);
         for (int64_t blk = g0; blk < g1; ++blk) {
           const int64_t r0 = blk * kAmxBlockRows;
           const int64_t rows = std::min<int64_t>(kAmxBlockRows, m - r0);
