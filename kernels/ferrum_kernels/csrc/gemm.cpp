@@ -489,13 +489,40 @@ inline void load_tile_config() {
   ferrum::load_tile_shapes(kRowsOf, kBytesOf);
 }
 
+// One block's stores (its rows' sums, bias added, stored as S says), left pending while the
+// next block's tiles multiply: amx_tile stores a few rows a step, so the AVX-512 work of the
+// stores (a SwiGLU's exp and division most of all) runs beside the tile unit instead of between
+// two blocks' multiplies.
+template <Store S>
+struct PendingRows {
+  static constexpr int64_t kTile = kAmxRows * 16;
+  const float* sums = nullptr;  // [2][2][16][16]: row block, half, row, column
+  char* c0 = nullptr;           // the block's first row, first column of each half
+  char* c1 = nullptr;
+  int64_t ldc = 0, rows = 0, done = 0;
+  __mmask16 lanes0 = 0, lanes1 = 0;
+  __m512 add0, add1;
+  bool whole = false;
+
+  inline void store_until(int64_t until) {
+    for (; done < until; ++done) {
+      const float* s = sums + (done / kAmxRows) * 2 * kTile + (done % kAmxRows) * 16;
+      store_row<uint16_t, S>(_mm512_add_ps(_mm512_load_ps(s), add0),
+                             _mm512_add_ps(_mm512_load_ps(s + kTile), add1), c0, c1, done * ldc,
+                             lanes0, lanes1, whole);
+    }
+  }
+  inline void finish() { store_until(rows); }
+};
+
 // RB blocks of 16 rows of x (lda apart, k a multiple of 32) times one bfloat16 panel, summed
 // into sums ([RB][2][16][16] float32: row block, half, row, column). Meanwhile it fetches
-// `fetch_lines` lines from `fetch` into L2, paced over K, as the register tiles do.
-template <int RB>
+// `fetch_lines` lines from `fetch` into L2, paced over K, as the register tiles do, and
+// finishes the previous block's stores (`pending`, from another sums buffer), paced likewise.
+template <int RB, Store S>
 inline void amx_tile(const uint16_t* __restrict a, int64_t lda, int64_t k,
                      const uint16_t* __restrict b, float* __restrict sums, const char* fetch,
-                     int64_t fetch_lines) {
+                     int64_t fetch_lines, PendingRows<S>& pending) {
   constexpr int64_t kStepBytes = 2 * kCols * sizeof(uint16_t);  // one packed step: 32 pairs
   _tile_zero(0);
   _tile_zero(1);
@@ -504,7 +531,7 @@ inline void amx_tile(const uint16_t* __restrict a, int64_t lda, int64_t k,
     _tile_zero(3);
   }
   const int64_t steps = k / kAmxK, x_stride = lda * sizeof(uint16_t);
-  int64_t credit = 0, line = 0;
+  int64_t credit = 0, line = 0, rows_credit = 0;
   for (int64_t i = 0; i < steps; ++i) {
     credit += fetch_lines;
     while (credit >= steps) {
@@ -522,7 +549,10 @@ inline void amx_tile(const uint16_t* __restrict a, int64_t lda, int64_t k,
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    rows_credit += pending.rows;  // the pending rows spread evenly over the steps
+    pending.store_until(rows_credit / steps);
   }
+  pending.finish();
   constexpr int64_t kTile = kAmxRows * 16;
   _tile_stored(0, sums, 64);
   _tile_stored(1, sums + kTile, 64);
@@ -533,8 +563,9 @@ inline void amx_tile(const uint16_t* __restrict a, int64_t lda, int64_t k,
 }
 
 // out = x @ W^T on the tiles, as gemm() computes it (the same split of panels over threads; x
-// in groups of kAmxGroupBytes that stay in L2), k a multiple of 32. x's rows past its last whole 32-row
-// block come from `tail` ([32, k], zero past M) instead: a tile always loads 16 rows.
+// in groups of kAmxGroupBytes that stay in L2), k a multiple of 32. x's rows past its last
+// whole 32-row block come from `tail` ([32, k], zero past M) instead: a tile always loads 16
+// rows.
 template <Store S>
 void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
               const float* __restrict bias, void* __restrict out, int64_t m, int64_t n,
@@ -554,7 +585,10 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t first, int64_t last) {
     load_tile_config();  // per thread: the tile registers and their shapes are thread state
-    alignas(64) float sums[4 * kTile];
+    // A block's sums and the previous block's (one array: GCC 12 fails on a 2-D one here).
+    alignas(64) float sums[8 * kTile];
+    int64_t flip = 0;
+    PendingRows<S> pending;
     for (int64_t g0 = 0; g0 < blocks; g0 += group) {
       const int64_t g1 = std::min(blocks, g0 + group);
       for (int64_t p = first; p < last; ++p) {
@@ -582,21 +616,27 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
           const int64_t done = std::min((blk - g0) * per_block, panel_lines);
           const int64_t fetch_lines = std::min(per_block, panel_lines - done);
           if (rows > kAmxRows) {
-            amx_tile<2>(a, k, k, b, sums, next + 64 * done, fetch_lines);
+            amx_tile<2, S>(a, k, k, b, (sums + flip * 4 * kTile), next + 64 * done, fetch_lines, pending);
           } else {
-            amx_tile<1>(a, k, k, b, sums, next + 64 * done, fetch_lines);
+            amx_tile<1, S>(a, k, k, b, (sums + flip * 4 * kTile), next + 64 * done, fetch_lines, pending);
           }
           char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* s = sums + (r / kAmxRows) * 2 * kTile + (r % kAmxRows) * 16;
-            store_row<T, S>(_mm512_add_ps(_mm512_load_ps(s), add0),
-                            _mm512_add_ps(_mm512_load_ps(s + kTile), add1), c + col0 * out_bytes,
-                            kSwiglu_ ? nullptr : c + col1 * out_bytes, r * ldc, lanes0, lanes1,
-                            whole);
-          }
+          pending.sums = (sums + flip * 4 * kTile);
+          pending.c0 = c + col0 * out_bytes;
+          pending.c1 = kSwiglu_ ? nullptr : c + col1 * out_bytes;
+          pending.ldc = ldc;
+          pending.rows = rows;
+          pending.done = 0;
+          pending.lanes0 = lanes0;
+          pending.lanes1 = lanes1;
+          pending.add0 = add0;
+          pending.add1 = add1;
+          pending.whole = whole;
+          flip ^= 1;
         }
       }
     }
+    pending.finish();
     _tile_release();  // the tiles' state back to its initial one: nothing left to save
     if constexpr (S == kWidened) _mm_sfence();
   });
