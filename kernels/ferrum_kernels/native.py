@@ -4,9 +4,12 @@ Built with ``torch.utils.cpp_extension.load_inline`` for the CPU it runs on (``-
 a C++ compiler and ninja must be present. The build (about a minute) is cached by torch per source
 digest, CPU flags, venv and ninja, so later processes load it in milliseconds. When it cannot be
 built, or ``FERRUM_CPU_NATIVE=0``, ``load()`` returns None and every caller keeps its torch path.
+On a CPU with AMX the bfloat16 GEMM and prefill attention run on its tiles; ``FERRUM_CPU_AMX=0``
+keeps them on the AVX-512 register tiles (docs/cpu-kernels.md).
 
 The outcome is logged once through stdlib logging (the server renders it as a JSON line): event
-``native_kernels`` with ``state=loaded`` and the seconds the load took, or a warning
+``native_kernels`` with ``state=loaded``, the seconds the load took and ``amx`` (``on``, ``off``
+or ``unavailable``), or a warning
 ``native_kernels_unavailable`` with the reason (no compiler on PATH, no ninja, or the build's last
 lines). Nothing is written to stderr directly, and a missing compiler is found before torch is
 asked to build, so torch's own compiler warnings do not appear either.
@@ -175,9 +178,25 @@ def load() -> Any:
         else:
             _LOG.info(
                 "native_kernels",
-                extra={"state": "loaded", "load_s": round(time.monotonic() - started, 2)},
+                extra={
+                    "state": "loaded",
+                    "load_s": round(time.monotonic() - started, 2),
+                    "amx": _amx_setting(_module),
+                },
             )
     return _module
+
+
+def _amx_setting(module: Any) -> str:
+    """Applies FERRUM_CPU_AMX to a freshly loaded module: "on" (the bfloat16 GEMM and prefill
+    attention run on AMX tiles), "off" (FERRUM_CPU_AMX=0: the register tiles instead) or
+    "unavailable" (no AMX in this CPU or build, or Linux refused the tiles)."""
+    if not module.amx_available():
+        return "unavailable"
+    if os.environ.get("FERRUM_CPU_AMX", "1").strip() == "0":
+        module.set_amx(False)
+        return "off"
+    return "on"
 
 
 def available() -> bool:
