@@ -10,23 +10,35 @@ native bfloat16 GEMM (a CPU with AVX512_BF16) with oneDNN's instead of the float
 CPU with AMX the native GEMM runs on its tiles, and a third line (``avx512``) times the same
 native packs on the register tiles.
 
+``--old REV`` instead times the native GEMM as it is in the working tree ("new") against
+``gemm.cpp`` (and ``common.h``) at git revision REV ("old"), built alone into a second module,
+in the same process: the four linears (the gate/up paired, its SwiGLU fused) of each layer, and
+the LM head of the first 64 rows (widened to float32 in bfloat16). Each line prints both
+builds' median and best rounds, and the largest difference between their gate/up outputs.
+Where the two sources are the same, the package's own build serves as both.
+
     python benchmarks/gemm_bench.py [--rows 64,512] [--rounds 9] [--threads 2] [--layers 12]
-        [--dtype float32]
+        [--dtype float32] [--old REV]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from ferrum_kernels import native
 from ferrum_kernels.cpu_linear import PackedWeight, mkldnn_linear_available
+from ferrum_kernels.native import _FLAGS
+from torch.utils.cpp_extension import load_inline
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 768, 2048, 12, 4, 64, 32000
 SHAPES = {  # name -> (N, K) of W1's linears
@@ -35,6 +47,110 @@ SHAPES = {  # name -> (N, K) of W1's linears
     "gate_up": (2 * INTERMEDIATE, HIDDEN),
     "down": (HIDDEN, INTERMEDIATE),
 }
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = "kernels/ferrum_kernels/csrc/"
+_GEMM_FUNCTIONS = [
+    "pack_gemm_weight",
+    "packed_gemm",
+    "pack_gemm_weight_halves",
+    "packed_gemm_halves",
+    "packed_gemm_widened",
+]
+
+
+def _at_revision(rev: str, name: str) -> str:
+    return subprocess.run(
+        ["git", "show", f"{rev}:{CSRC}{name}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+
+
+def _revision_module(rev: str) -> Any:
+    """The native GEMM as `rev` had it: its gemm.cpp after its common.h, built alone; the
+    package's module where both files are as in the working tree."""
+    gemm, header = _at_revision(rev, "gemm.cpp"), _at_revision(rev, "common.h")
+    here = ROOT / CSRC
+    if gemm == (here / "gemm.cpp").read_text() and header == (here / "common.h").read_text():
+        return native.load()
+    source = header.replace("#pragma once", "") + gemm.replace('#include "common.h"', "")
+    digest = hashlib.sha1(source.encode()).hexdigest()[:10]
+    return load_inline(
+        name=f"ferrum_gemm_bench_old_{digest}",
+        cpp_sources=source,
+        functions=_GEMM_FUNCTIONS,
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+    )
+
+
+def _against_revision(
+    args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generator
+) -> dict[str, dict[str, float]]:
+    builds = {"old": _revision_module(args.old), "new": native.load()}
+    packs: dict[str, list[dict[str, torch.Tensor]]] = {tag: [] for tag in builds}
+    for _ in range(args.layers):
+        weights = {
+            name: (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+            for name, (n, k) in SHAPES.items()
+        }
+        for tag, module in builds.items():
+            packs[tag].append(
+                {
+                    name: module.pack_gemm_weight_halves(w)
+                    if name == "gate_up"
+                    else module.pack_gemm_weight(w)
+                    for name, w in weights.items()
+                }
+            )
+    head_weight = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02).to(dtype)
+    heads = {tag: module.pack_gemm_weight(head_weight) for tag, module in builds.items()}
+
+    def step(tag: str, inputs: dict[int, torch.Tensor]) -> float:
+        module, started = builds[tag], time.perf_counter()
+        for layer in packs[tag]:
+            module.packed_gemm(inputs[HIDDEN], layer["qkv"], None, SHAPES["qkv"][0])
+            module.packed_gemm(inputs[HIDDEN], layer["o"], None, HIDDEN)
+            module.packed_gemm_halves(
+                inputs[HIDDEN], layer["gate_up"], None, 2 * INTERMEDIATE, True
+            )
+            module.packed_gemm(inputs[INTERMEDIATE], layer["down"], None, HIDDEN)
+        rows = inputs[HIDDEN][:64].contiguous()
+        if dtype == torch.bfloat16:
+            module.packed_gemm_widened(rows, heads[tag], None, VOCAB)
+        else:
+            module.packed_gemm(rows, heads[tag], None, VOCAB)
+        return time.perf_counter() - started
+
+    per_token = 2 * sum(n * k for n, k in SHAPES.values()) * args.layers
+    out = sys.stdout
+    out.write(f"threads {torch.get_num_threads()}, {args.layers} layers, {args.dtype}, ")
+    out.write(f"working tree against {args.old}\n")
+    results: dict[str, dict[str, float]] = {}
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
+        fused = [
+            builds[tag].packed_gemm_halves(
+                inputs[HIDDEN], packs[tag][0]["gate_up"], None, 2 * INTERMEDIATE, True
+            )
+            for tag in builds
+        ]
+        diff = float((fused[0].float() - fused[1].float()).abs().max())
+        times: dict[str, list[float]] = {tag: [] for tag in builds}
+        for tag in builds:  # warm-up
+            step(tag, inputs)
+        for i in range(args.rounds):  # alternating which build goes first
+            for tag in ("old", "new") if i % 2 == 0 else ("new", "old"):
+                times[tag].append(step(tag, inputs))
+        flops = per_token * rows + 2 * VOCAB * HIDDEN * min(rows, 64)
+        line = [f"M={rows:4d}"]
+        for tag in builds:
+            median = flops / statistics.median(times[tag]) / 1e9
+            best = flops / min(times[tag]) / 1e9
+            line.append(f"{tag} {median:7.1f} GFLOP/s median ({best:7.1f} best)")
+            results[f"M={rows} {tag}"] = {"gflops": median, "best_gflops": best, "diff": diff}
+        out.write(", ".join(line) + f", max |new - old| {diff:.2e}\n")
+    return results
 
 
 @contextmanager
@@ -67,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--threads", type=int, default=0, help="0 = torch's default")
     parser.add_argument("--layers", type=int, default=12, help="fewer for a smoke run")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--old", help="a git revision: its native GEMM against the working tree's")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     module = native.load()
@@ -80,6 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
+    if args.old:
+        if dtype == torch.float32 and not module.gemm_isa()[1]:
+            sys.exit("--old times the AVX-512 GEMM (a paired gate/up); this CPU has AVX2 only")
+        return _against_revision(args, dtype, gen)
     kernels: tuple[str, ...] = ("native", "onednn")
     amx = dtype == torch.bfloat16 and bool(module.amx_available())
     if amx:

@@ -39,3 +39,19 @@ def test_bfloat16_smoke_run_compares_the_native_bf16_gemm() -> None:
     assert sorted(results) == sorted(["M=9 native", "M=9 onednn", *extra])
     # Outputs of about 0.5 in magnitude, each rounded to bfloat16 by both: an ulp or two apart.
     assert results["M=9 native"]["layers_gflops"] > 0 and results["M=9 native"]["diff"] < 0.02
+
+
+@pytest.mark.skipif(
+    _module is None or not _module.gemm_bf16_available(), reason="needs AVX512_BF16"
+)
+def test_old_revision_smoke_run_times_both_builds() -> None:
+    """--old HEAD: the working tree's GEMM against the last commit's (the package's own build
+    for both where they are the same, as in CI), every row of both timed, outputs compared."""
+    bench: Any = load_script("ferrum_gemm_bench", _BENCH)
+    results = bench.main(
+        ["--rows", "40", "--rounds", "2", "--layers", "1", "--dtype", "bfloat16", "--old", "HEAD"]
+    )
+    assert sorted(results) == ["M=40 new", "M=40 old"]
+    for row in results.values():
+        assert row["gflops"] > 0 and row["best_gflops"] >= row["gflops"]
+        assert row["diff"] < 0.02  # the same kernel, or one an ulp or two apart
