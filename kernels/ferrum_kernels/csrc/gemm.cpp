@@ -391,6 +391,24 @@ void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
   }
 }
 
+// Panel p's two 16-column halves: their first output columns, and the lanes of each that are
+// real columns (none of the second half past a plain weight's N). half = 0: the plain layout;
+// half = N / 2: the paired one.
+struct PanelColumns {
+  int64_t col0, col1;
+  __mmask16 lanes0, lanes1;
+};
+inline PanelColumns panel_columns(int64_t p, int64_t n, int64_t half) {
+  if (half > 0) {
+    const int64_t col0 = p * 16;
+    const __mmask16 lanes = ferrum::first_lanes(std::min<int64_t>(16, half - col0));
+    return {col0, half + col0, lanes, lanes};
+  }
+  const int64_t col0 = p * kCols, col1 = col0 + 16;
+  return {col0, col1, ferrum::first_lanes(std::min<int64_t>(16, n - col0)),
+          n > col1 ? ferrum::first_lanes(n - col1) : __mmask16(0)};
+}
+
 template <typename T>
 using Tile = void (*)(const T*, int64_t, int64_t, const T*, void*, void*, int64_t, __mmask16,
                       __mmask16, const float*, const float*, const char*, int64_t);
@@ -434,18 +452,9 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
       const int64_t t1 = std::min(tiles, t0 + block_tiles);
       for (int64_t p = first; p < last; ++p) {
         const T* b = packed + p * panel_elems;
-        // The panel's two halves: their first output columns and how many of each are real.
-        int64_t col0 = p * kCols, col1 = col0 + 16;
-        int64_t cols0 = std::min<int64_t>(16, n - col0), cols1 = n - col1;
-        if (half > 0) {
-          col0 = p * 16;
-          col1 = half + col0;
-          cols0 = cols1 = std::min<int64_t>(16, half - col0);
-        }
-        const __mmask16 lanes0 = ferrum::first_lanes(cols0);
-        const __mmask16 lanes1 = cols1 > 0 ? ferrum::first_lanes(cols1) : __mmask16(0);
+        const auto [col0, col1, lanes0, lanes1] = panel_columns(p, n, half);
         const float* bias0 = bias != nullptr ? bias + col0 : nullptr;
-        const float* bias1 = bias != nullptr && cols1 > 0 ? bias + col1 : nullptr;
+        const float* bias1 = bias != nullptr && lanes1 != 0 ? bias + col1 : nullptr;
         // The next panel of this thread, fetched over this block's tiles (none after the last).
         const int64_t per_tile = p + 1 < last ? (panel_lines + (t1 - t0) - 1) / (t1 - t0) : 0;
         const char* next = reinterpret_cast<const char*>(b + panel_elems);
@@ -600,18 +609,10 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
       const int64_t g1 = std::min(blocks, g0 + group);
       for (int64_t p = first; p < last; ++p) {
         const T* b = packed + p * panel_elems;
-        int64_t col0 = p * kCols, col1 = col0 + 16;
-        int64_t cols0 = std::min<int64_t>(16, n - col0), cols1 = n - col1;
-        if (half > 0) {
-          col0 = p * 16;
-          col1 = half + col0;
-          cols0 = cols1 = std::min<int64_t>(16, half - col0);
-        }
-        const __mmask16 lanes0 = ferrum::first_lanes(cols0);
-        const __mmask16 lanes1 = cols1 > 0 ? ferrum::first_lanes(cols1) : __mmask16(0);
+        const auto [col0, col1, lanes0, lanes1] = panel_columns(p, n, half);
         __m512 add0 = _mm512_setzero_ps(), add1 = add0;
         if (bias != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias + col0);
-        if (bias != nullptr && cols1 > 0) add1 = _mm512_maskz_loadu_ps(lanes1, bias + col1);
+        if (bias != nullptr && lanes1 != 0) add1 = _mm512_maskz_loadu_ps(lanes1, bias + col1);
         const bool whole = lanes0 == 0xffff && (kSwiglu_ || lanes1 == 0xffff);
         // The next panel of this thread, fetched over this group's blocks (none after the last).
         const int64_t per_block = p + 1 < last ? (panel_lines + (g1 - g0) - 1) / (g1 - g0) : 0;

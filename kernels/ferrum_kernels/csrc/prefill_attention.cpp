@@ -666,6 +666,8 @@ inline void amx_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, i
     _tile_zero(6);
     _tile_zero(7);
     const uint16_t* vc = v + c0 * 32;  // column tile c's 16 columns: 32 elements a pair row
+    // The whole steps (tiles 0 and 1) and a last half step (tiles 3 and 2) are spelled out: GCC's
+    // tile intrinsics take their tile numbers as literal tokens, not as template arguments.
     for (int64_t key = 0; key < whole; key += 32) {
       const uint16_t* vk = vc + (key / 2) * pair_elems;
       _tile_loadd(0, p + key, p_bytes);
