@@ -490,7 +490,7 @@ constexpr int64_t kAmxBlockRows = 2 * kAmxRows;
 // a weight faster than the register tiles, so the same weight read once per 256 KB of x (as
 // kBlockBytes) left more of a prefill step waiting on it: on a 2-vCPU Xeon with AMX (2 MB of L2
 // a core), twelve layers of W1's linears ran 1,435-1,525 GFLOP/s at 512 rows with 256 KB
-// groups, 1,602-1,688 with 1 MB, 1,486-1,621 with 2 MB (1,595-1,659, 1,653-1,722 and 1,486-1,550
+// groups, 1,602-1,688 with 1 MB, 1,486-1,621 with 2 MB (1,586-1,659, 1,653-1,722 and 1,486-1,550
 // at 1,024 rows).
 constexpr int64_t kAmxGroupBytes = 1024 * 1024;
 
