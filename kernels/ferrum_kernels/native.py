@@ -176,14 +176,9 @@ def load() -> Any:
             _failed = True
             _module = None
         else:
-            _LOG.info(
-                "native_kernels",
-                extra={
-                    "state": "loaded",
-                    "load_s": round(time.monotonic() - started, 2),
-                    "amx": _amx_setting(_module),
-                },
-            )
+            load_s = round(time.monotonic() - started, 2)
+            amx = _amx_setting(_module)
+            _LOG.info("native_kernels", extra={"state": "loaded", "load_s": load_s, "amx": amx})
     return _module
 
 

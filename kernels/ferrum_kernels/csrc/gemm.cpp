@@ -486,6 +486,7 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
 constexpr int64_t kAmxK = 32;     // K per tile multiply: one 64-byte row of an x tile
 constexpr int64_t kAmxRows = 16;  // rows of x per tile
 constexpr int64_t kAmxBlockRows = 2 * kAmxRows;
+constexpr int64_t kAmxTileFloats = kAmxRows * 16;  // one tile of float32 sums, 16 x 16
 // Bytes of x per group of blocks that every panel of a thread passes over. The AMX tiles read
 // a weight faster than the register tiles, so the same weight read once per 256 KB of x (as
 // kBlockBytes) left more of a prefill step waiting on it: on a 2-vCPU Xeon with AMX (2 MB of L2
@@ -511,7 +512,6 @@ inline void load_tile_config() {
 // 1,841-1,896 at 1,024, 781-792 -> 801-837 at 64 (where the weight's memory reads dominate).
 template <Store S>
 struct PendingRows {
-  static constexpr int64_t kTile = kAmxRows * 16;
   const float* sums = nullptr;  // [2][2][16][16]: row block, half, row, column
   char* c0 = nullptr;           // the block's first row, first column of each half
   char* c1 = nullptr;
@@ -522,10 +522,10 @@ struct PendingRows {
 
   inline void store_until(int64_t until) {
     for (; done < until; ++done) {
-      const float* s = sums + (done / kAmxRows) * 2 * kTile + (done % kAmxRows) * 16;
+      const float* s = sums + (done / kAmxRows) * 2 * kAmxTileFloats + (done % kAmxRows) * 16;
       store_row<uint16_t, S>(_mm512_add_ps(_mm512_load_ps(s), add0),
-                             _mm512_add_ps(_mm512_load_ps(s + kTile), add1), c0, c1, done * ldc,
-                             lanes0, lanes1, whole);
+                             _mm512_add_ps(_mm512_load_ps(s + kAmxTileFloats), add1), c0, c1,
+                             done * ldc, lanes0, lanes1, whole);
     }
   }
   inline void finish() { store_until(rows); }
@@ -569,12 +569,11 @@ inline void amx_tile(const uint16_t* __restrict a, int64_t lda, int64_t k,
     pending.store_until(rows_credit / steps);
   }
   pending.finish();
-  constexpr int64_t kTile = kAmxRows * 16;
   _tile_stored(0, sums, 64);
-  _tile_stored(1, sums + kTile, 64);
+  _tile_stored(1, sums + kAmxTileFloats, 64);
   if constexpr (RB == 2) {
-    _tile_stored(2, sums + 2 * kTile, 64);
-    _tile_stored(3, sums + 3 * kTile, 64);
+    _tile_stored(2, sums + 2 * kAmxTileFloats, 64);
+    _tile_stored(3, sums + 3 * kAmxTileFloats, 64);
   }
 }
 
@@ -589,7 +588,6 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
   using T = uint16_t;
   constexpr bool kSwiglu_ = S == kSwiglu;
   constexpr int64_t out_bytes = S == kWidened ? sizeof(float) : sizeof(T);
-  constexpr int64_t kTile = kAmxRows * 16;
   const int64_t panels = panel_count(n, half);
   const int64_t panel_elems = panel_steps<T>(k) * kPerStep<T> * kCols;
   const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(T)) / 64;
@@ -602,7 +600,7 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t first, int64_t last) {
     load_tile_config();  // per thread: the tile registers and their shapes are thread state
     // A block's sums and the previous block's (one array: GCC 12 fails on a 2-D one here).
-    alignas(64) float sums[8 * kTile];
+    alignas(64) float sums[8 * kAmxTileFloats];
     int64_t flip = 0;
     PendingRows<S> pending;
     for (int64_t g0 = 0; g0 < blocks; g0 += group) {
@@ -623,23 +621,18 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
           const T* a = blk < whole_blocks ? x + r0 * k : tail;
           const int64_t done = std::min((blk - g0) * per_block, panel_lines);
           const int64_t fetch_lines = std::min(per_block, panel_lines - done);
+          float* block_sums = sums + flip * 4 * kAmxTileFloats;
+          const char* fetch = next + 64 * done;
           if (rows > kAmxRows) {
-            amx_tile<2, S>(a, k, k, b, (sums + flip * 4 * kTile), next + 64 * done, fetch_lines, pending);
+            amx_tile<2, S>(a, k, k, b, block_sums, fetch, fetch_lines, pending);
           } else {
-            amx_tile<1, S>(a, k, k, b, (sums + flip * 4 * kTile), next + 64 * done, fetch_lines, pending);
+            amx_tile<1, S>(a, k, k, b, block_sums, fetch, fetch_lines, pending);
           }
+          // This block's stores wait for the next block's multiplies (or the end).
           char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
-          pending.sums = (sums + flip * 4 * kTile);
-          pending.c0 = c + col0 * out_bytes;
-          pending.c1 = kSwiglu_ ? nullptr : c + col1 * out_bytes;
-          pending.ldc = ldc;
-          pending.rows = rows;
-          pending.done = 0;
-          pending.lanes0 = lanes0;
-          pending.lanes1 = lanes1;
-          pending.add0 = add0;
-          pending.add1 = add1;
-          pending.whole = whole;
+          char* c1 = kSwiglu_ ? nullptr : c + col1 * out_bytes;
+          pending = {block_sums, c + col0 * out_bytes, c1, ldc, rows, /*done=*/0, lanes0, lanes1,
+                     add0, add1, whole};
           flip ^= 1;
         }
       }

@@ -591,7 +591,6 @@ void pack_kv(const S* k_pool, const S* v_pool, const int64_t* table, int64_t blo
   }
 }
 
-
 constexpr int kAmxTileRows = 16;  // query rows per AMX tile
 #if defined(FERRUM_AMX)
 // The bfloat16 products on AMX tiles (FERRUM_AMX, head_dim a multiple of 32): the packed keys
@@ -666,44 +665,32 @@ inline void amx_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, i
     _tile_zero(6);
     _tile_zero(7);
     const uint16_t* vc = v + c0 * 32;  // column tile c's 16 columns: 32 elements a pair row
-    // The whole steps (tiles 0 and 1) and a last half step (tiles 3 and 2) are spelled out: GCC's
-    // tile intrinsics take their tile numbers as literal tokens, not as template arguments.
-    for (int64_t key = 0; key < whole; key += 32) {
-      const uint16_t* vk = vc + (key / 2) * pair_elems;
-      _tile_loadd(0, p + key, p_bytes);
-      _tile_loadd(1, vk, v_bytes);
-      _tile_dpbf16ps(4, 0, 1);
-      if (nc > 1) {
-        _tile_loadd(1, vk + 32, v_bytes);
-        _tile_dpbf16ps(5, 0, 1);
-      }
-      if (nc > 2) {
-        _tile_loadd(1, vk + 64, v_bytes);
-        _tile_dpbf16ps(6, 0, 1);
-      }
-      if (nc > 3) {
-        _tile_loadd(1, vk + 96, v_bytes);
-        _tile_dpbf16ps(7, 0, 1);
-      }
-    }
-    if (whole < keys) {  // a last 16 keys: eight pairs
-      const uint16_t* vk = vc + (whole / 2) * pair_elems;
-      _tile_loadd(3, p + whole, p_bytes);
-      _tile_loadd(2, vk, v_bytes);
-      _tile_dpbf16ps(4, 3, 2);
-      if (nc > 1) {
-        _tile_loadd(2, vk + 32, v_bytes);
-        _tile_dpbf16ps(5, 3, 2);
-      }
-      if (nc > 2) {
-        _tile_loadd(2, vk + 64, v_bytes);
-        _tile_dpbf16ps(6, 3, 2);
-      }
-      if (nc > 3) {
-        _tile_loadd(2, vk + 96, v_bytes);
-        _tile_dpbf16ps(7, 3, 2);
-      }
-    }
+    // Probabilities in tile P times the value pairs at vk, column tile by column tile, through
+    // tile V. A macro: GCC's tile intrinsics take tile numbers as literal tokens, so a function
+    // or template cannot pass them on.
+#define FERRUM_AMX_VALUES_STEP(P, V, probs, vk)      \
+  do {                                               \
+    _tile_loadd(P, probs, p_bytes);                  \
+    _tile_loadd(V, vk, v_bytes);                     \
+    _tile_dpbf16ps(4, P, V);                         \
+    if (nc > 1) {                                    \
+      _tile_loadd(V, (vk) + 32, v_bytes);            \
+      _tile_dpbf16ps(5, P, V);                       \
+    }                                                \
+    if (nc > 2) {                                    \
+      _tile_loadd(V, (vk) + 64, v_bytes);            \
+      _tile_dpbf16ps(6, P, V);                       \
+    }                                                \
+    if (nc > 3) {                                    \
+      _tile_loadd(V, (vk) + 96, v_bytes);            \
+      _tile_dpbf16ps(7, P, V);                       \
+    }                                                \
+  } while (0)
+    for (int64_t key = 0; key < whole; key += 32)  // 32 keys: tiles 0 and 1 (16 pairs)
+      FERRUM_AMX_VALUES_STEP(0, 1, p + key, vc + (key / 2) * pair_elems);
+    if (whole < keys)  // a last 16 keys: tiles 3 and 2 (eight pairs)
+      FERRUM_AMX_VALUES_STEP(3, 2, p + whole, vc + (whole / 2) * pair_elems);
+#undef FERRUM_AMX_VALUES_STEP
     float* oc = o + c0 * 16;
     _tile_stored(4, oc, v_bytes);
     if (nc > 1) _tile_stored(5, oc + 16, v_bytes);
