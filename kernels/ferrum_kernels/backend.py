@@ -45,6 +45,9 @@ functions whatever was selected:
         projection)
     float32_logits(head, x [N,H]) -> head(x).float() [N,V] (a method: ``float32_linear``'s one
         GEMM where it applies, else the head's output widened)
+    greedy_logits(head, x [N,H]) -> (argmax [N] int64, its log-probability [N] float32) of
+        float32_logits(head, x), or None (a method: ``greedy_linear``'s GEMM folding them as it
+        stores, where it applies; None elsewhere, and the caller samples the logits)
     output_columns(proj, x [T,K], start) -> proj(x)[:, start:] (a method: ``trailing_columns``'
         GEMM over those columns' weights where it applies, a bare ``nn.Linear`` over its
         weight's rows from ``start``, else the whole projection sliced)
@@ -107,6 +110,7 @@ from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and
 from ferrum_kernels.cpu_linear import (
     float32_linear,
     fused_gate_up_silu,
+    greedy_linear,
     prepack_linears,
     trailing_columns,
 )
@@ -183,6 +187,7 @@ SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
 # (gate_up_proj, x) -> silu(gate) * up, or None where the fused form does not apply.
 FusedGateUpSiluFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
 Float32LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
+GreedyLinearFn = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
 TrailingColumnsFn = Callable[[nn.Module, torch.Tensor, int], torch.Tensor | None]
 FusedMoeFn = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 SampleFn = Callable[[torch.Tensor, SamplingTensors], SampleOutput]
@@ -227,6 +232,9 @@ class KernelBackend:
     fused_gate_up_silu: FusedGateUpSiluFn | None = None
     # A linear whose output is widened to float32 as the GEMM stores it, or None where not.
     float32_linear: Float32LinearFn | None = None
+    # An LM head's greedy choice and its log-probability per row, folded by its GEMM without
+    # writing the logits, or None where not.
+    greedy_linear: GreedyLinearFn | None = None
     # A linear's last output columns from their weights alone, or None where it cannot.
     trailing_columns: TrailingColumnsFn | None = None
     # A dense layer's decode-only step in one function, or None where there is none.
@@ -249,6 +257,15 @@ class KernelBackend:
                 return widened
         logits: torch.Tensor = head(x)
         return logits.float()
+
+    def greedy_logits(
+        self, head: nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's argmax token of ``float32_logits(head, x)`` [N] int64 and its
+        log-probability [N] float32 (what ``sample`` gives a plain greedy row), where the
+        backend's ``greedy_linear`` folds them from the head's GEMM; else None, and the caller
+        samples the logits."""
+        return None if self.greedy_linear is None else self.greedy_linear(head, x)
 
     def output_columns(self, proj: nn.Module, x: torch.Tensor, start: int) -> torch.Tensor:
         """``proj(x)[:, start:]`` [T, N - start], computing the other columns only where no
@@ -347,6 +364,7 @@ def cpu_backend() -> KernelBackend:
         fused_moe=fused_moe_cpu,
         fused_gate_up_silu=fused_gate_up_silu,
         float32_linear=float32_linear,
+        greedy_linear=greedy_linear,
         trailing_columns=trailing_columns,
         decode_layer=functools.partial(NativeDecodeLayer.build, attention=attention),
     )

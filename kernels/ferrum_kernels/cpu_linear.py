@@ -57,6 +57,7 @@ __all__ = [
     "PackedLinear",
     "fused_gate_up_silu",
     "gemm_kernel",
+    "greedy_linear",
     "mkldnn_linear_available",
     "pack_dtype",
     "packed_bytes",
@@ -151,8 +152,9 @@ def _native_gemm_built(compute_dtype: torch.dtype) -> bool:
 
 def _native_gemm_pairs(compute_dtype: torch.dtype) -> bool:
     """Whether the native GEMM of `compute_dtype` is the AVX-512 one, which packs a gate/up
-    weight paired and fuses its SwiGLU: bfloat16 always (it needs AVX512_BF16), float32 on an
-    AVX-512 CPU (the AVX2 kernel does not)."""
+    weight paired and fuses its SwiGLU (and folds an LM head's greedy choice: ``greedy``):
+    bfloat16 always (it needs AVX512_BF16), float32 on an AVX-512 CPU (the AVX2 kernel does
+    not)."""
     module = native.load()
     if module is None:
         return False
@@ -280,6 +282,34 @@ class PackedWeight:
         if not self.widens(x):
             raise ValueError("widened needs a plain bfloat16 weight on the native GEMM")
         return self._native(x, "widened")
+
+    def folds_greedy(self, x: torch.Tensor) -> bool:
+        """Whether ``greedy(x)`` runs: a plain (not paired) weight with K > 0 on the AVX-512
+        native GEMM (bfloat16, or float32 on an AVX-512 CPU) and x [N, K] in its dtype."""
+        return (
+            self.kernel == "native"
+            and not self.paired
+            and self.in_features > 0
+            and x.dim() == 2
+            and x.dtype == self.compute_dtype
+            and _native_gemm_pairs(self.compute_dtype)
+        )
+
+    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x [N, K] -> (argmax [N] int64, its log-probability [N] float32) of the float32 logits
+        this weight gives x (``widened(x)`` in bfloat16, ``self(x)`` in float32), folded by the
+        GEMM as it stores them: the [N, V] logits are never written. The argmax is theirs
+        exactly; the log-probability agrees with ``sampling.sample``'s to float32 rounding.
+        None where a row's logits hold a NaN or an infinity: the caller then samples the
+        logits, whose semantics define such rows. Only where ``folds_greedy(x)``."""
+        if not self.folds_greedy(x):
+            raise ValueError("greedy needs a plain weight on the AVX-512 native GEMM, x [N, K]")
+        bias = None if self.bias is None else self.bias.detach().to(self.compute_dtype)
+        module = native.load()
+        ids, logprobs, finite = module.packed_gemm_greedy(
+            x.contiguous(), self.packed(), bias, self.out_features
+        )
+        return (ids, logprobs) if bool(finite.all()) else None
 
     def _native(
         self, x: torch.Tensor, store: Literal["plain", "swiglu", "widened"], start: int = 0
@@ -418,12 +448,26 @@ def float32_linear(head: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """``head(x).float()`` [..., N] in one GEMM (``PackedWeight.widened``) when head is a packed
     linear or a packed tied head whose native GEMM widens x; else None, and the caller widens
     ``head(x)`` itself. For LM heads: their logits are sampled in float32."""
+    pack = _head_pack(head, x)
+    return pack.widened(x) if pack is not None and pack.widens(x) else None
+
+
+def greedy_linear(head: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's argmax token of ``head(x).float()`` and its log-probability, folded by the
+    head's GEMM (``PackedWeight.greedy``) when head is a packed linear or a packed tied head
+    whose native GEMM folds them for x; else None, and the caller samples the logits (as it
+    does where a row's logits hold a NaN or an infinity)."""
+    pack = _head_pack(head, x)
+    return pack.greedy(x) if pack is not None and pack.folds_greedy(x) else None
+
+
+def _head_pack(head: nn.Module, x: torch.Tensor) -> PackedWeight | None:
+    """The packed copy an LM head's forward would run for x: a tied head's (on a CPU input) or
+    a packed linear's (``_serving_pack``); else None."""
     if isinstance(head, TiedLinear):
         tied = head.packed
-        pack = tied if isinstance(tied, PackedWeight) and x.device.type == "cpu" else None
-    else:
-        pack = _serving_pack(head, x)
-    return pack.widened(x) if pack is not None and pack.widens(x) else None
+        return tied if isinstance(tied, PackedWeight) and x.device.type == "cpu" else None
+    return _serving_pack(head, x)
 
 
 def _serving_pack(proj: nn.Module, x: torch.Tensor) -> PackedWeight | None:

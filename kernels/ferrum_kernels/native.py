@@ -71,6 +71,7 @@ _FUNCTIONS = [
     "pack_gemm_weight_halves",
     "packed_gemm_halves",
     "packed_gemm_widened",
+    "packed_gemm_greedy",
     "store_kv_",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]

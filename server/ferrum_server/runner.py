@@ -86,10 +86,17 @@ class ModelRunner:
             place_device_tokens(plan.token_ids, rows)
         if self.followers is not None:
             self.followers.forward(plan)  # the other ranks run the same forward on their shard
-        logits = self.run_plan(plan)  # [R, vocab] float32
-        if logits is None:
+        hidden = self._output_hidden(plan)  # [R, hidden]
+        if hidden is None:
             elapsed = time.perf_counter_ns() - started
             return ForwardOutput(None, [], {}, elapsed, 0, collective_ns=self.model.tp.clock.take())
+        if _greedy_only(items):
+            # Every output row takes its plain argmax: where the LM head's GEMM folds the choice
+            # as it stores, the [R, vocab] logits are never written (None: sample them).
+            greedy = self.model.greedy_tokens(hidden)
+            if greedy is not None:
+                return self._greedy_output(*greedy, started)
+        logits = self.model.compute_logits(hidden)  # [R, vocab] float32
         forwarded = time.perf_counter_ns()
         sampled, token_rows, logits_rows = self._select(items, caches, logits)
         finished = time.perf_counter_ns()
@@ -105,12 +112,40 @@ class ModelRunner:
     def run_plan(self, plan: ForwardPlan) -> torch.Tensor | None:
         """The forward itself, as every rank runs it: the logits [R, vocab] (float32) of the
         plan's output rows, or None when it has none."""
+        hidden = self._output_hidden(plan)
+        return None if hidden is None else self.model.compute_logits(hidden)
+
+    def _output_hidden(self, plan: ForwardPlan) -> torch.Tensor | None:
+        """The forward up to the LM head: the final hidden states [R, hidden] of the plan's
+        output rows, or None when it has none."""
         input_ids, positions, meta = plan.inputs(self.block_size)
         # The model finishes only the output rows (its last layer past the KV write): [R, hidden]
         hidden = self.model(input_ids, positions, self.kv_cache, meta, plan.outputs(meta))
-        if not plan.output_rows.numel():
-            return None
-        return self.model.compute_logits(hidden)
+        return hidden if plan.output_rows.numel() else None
+
+    def _greedy_output(
+        self, token_ids: torch.Tensor, logprobs: torch.Tensor, started: int
+    ) -> ForwardOutput:
+        """The step's output from the LM head's folded greedy choice: every output row a token
+        row, in order, as ``_select`` lays them out; no top-n (plain greedy rows ask none)."""
+        forwarded = time.perf_counter_ns()
+        rows = int(token_ids.shape[0])
+        none = torch.empty(rows, 0, dtype=torch.int64, device=token_ids.device)
+        sampled = SampleOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            top_ids=none,
+            top_logprobs=none.to(torch.float32),
+        )
+        finished = time.perf_counter_ns()
+        return ForwardOutput(
+            sampled,
+            list(range(rows)),
+            {},
+            forwarded - started,
+            finished - forwarded,
+            collective_ns=self.model.tp.clock.take(),
+        )
 
     def _plan(self, items: list[StepItem], caches: list[Cache]) -> ForwardPlan:
         """The step flattened into one token dimension, with the rows whose logits it needs."""
@@ -217,6 +252,13 @@ class ModelRunner:
             device=self.device,
         )
         return self.kernels.sample(selected, tensors), token_rows, logits_rows
+
+
+def _greedy_only(items: list[StepItem]) -> bool:
+    """Whether every output row of the step is a token row taking its plain argmax (no row
+    asks for its logits, ``plain_greedy`` holds for the rest): then no row needs the logits."""
+    params = [item.sampling for item in items if item.num_outputs]
+    return all(p.policy != OutputPolicy.LOGITS for p in params) and plain_greedy(params)
 
 
 def plain_greedy(params: list[Sampling]) -> bool:

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -51,6 +52,26 @@ struct Elem<uint16_t> {
   static inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
   static inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
   static inline float round(float v) { return bf16_to_float(float_to_bf16(v)); }
+};
+
+// A logits row's greedy choice (argmax) and log-normaliser (logsumexp), folded 32 columns at a
+// time in column order: the AVX-512 GEMM's kGreedy store folds an LM head's outputs as its
+// tiles store them, without writing the logits, and argmax_logsumexp folds a row of written
+// logits the same way, so a row gets the same bits either way. The columns are folded in
+// segments of kGreedySegmentColumns (the GEMM's threads take whole segments), then the
+// segments combined in order (combine_greedy).
+constexpr int64_t kGreedySegmentColumns = 1024;
+
+// One segment's fold so far: its largest value, the first column holding it (argmax's tie
+// rule: columns arrive in increasing order), and the sums of exp(value - max) over its columns
+// (one per lane, column % 16; added up by combine_greedy), rescaled whenever the maximum grows.
+// special: a NaN or an infinity was among them (the row's results are then meaningless:
+// argmax_logsumexp's callers recompute it). column < 0: none yet.
+struct GreedyRow {
+  alignas(64) float sums[16] = {};
+  float max = 0.f;
+  int64_t column = -1;
+  bool special = false;
 };
 
 #if defined(__AVX512F__)
@@ -122,6 +143,11 @@ inline __m512 exp_ps(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
+// exp(t) for one float, t clamped to at least -88 (exp_ps's range).
+inline float expf_clamped(float t) {
+  return _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(t < -88.f ? -88.f : t)));
+}
+
 // The first n lanes (all 16 from n = 16 on).
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
@@ -143,6 +169,74 @@ inline __m512 silu_mul16(__m512 x, __m512 u) {
   const __m512 act = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                              static_cast<const T*>(nullptr));
   return _mm512_mul_ps(act, u);
+}
+
+// Folds 32 values of a row into g: o0 for columns col0 .. col0 + 15 (in lanes0), o1 for the
+// next 16 (in lanes1). Only a chunk holding a new maximum (a few of a row's thousand, in any
+// order) pays for the horizontal maximum and the first index. The exponentials are clamped at
+// exp(-88), as silu_mul16's.
+__attribute__((always_inline)) inline void fold_greedy(GreedyRow& g, __m512 o0, __m512 o1, __mmask16 lanes0, __mmask16 lanes1,
+                        int64_t col0) {
+  constexpr int kNanOrInf = 0x99;  // vfpclassps: QNaN | +inf | -inf | SNaN
+  if ((_mm512_mask_fpclass_ps_mask(lanes0, o0, kNanOrInf) |
+       _mm512_mask_fpclass_ps_mask(lanes1, o1, kNanOrInf)) != 0)
+    g.special = true;
+  const __m512 lowest = _mm512_set1_ps(-3.402823466e38f);
+  const __m512 a = _mm512_mask_blend_ps(lanes0, lowest, o0);
+  const __m512 b = _mm512_mask_blend_ps(lanes1, lowest, o1);
+  const __m512 both = _mm512_max_ps(a, b);
+  __m512 sums = _mm512_load_ps(g.sums);
+  if (g.column < 0 || _mm512_cmp_ps_mask(both, _mm512_set1_ps(g.max), _CMP_GT_OQ) != 0) {
+    const float top = _mm512_reduce_max_ps(both);
+    const __m512 t = _mm512_set1_ps(top);
+    const __mmask16 in0 = _mm512_mask_cmp_ps_mask(lanes0, a, t, _CMP_EQ_OQ);
+    const __mmask16 in1 = _mm512_mask_cmp_ps_mask(lanes1, b, t, _CMP_EQ_OQ);
+    // The sums so far, to the new maximum (none before the first chunk).
+    if (g.column >= 0) sums = _mm512_mul_ps(sums, _mm512_set1_ps(expf_clamped(g.max - top)));
+    // (Neither only where a NaN hid the maximum: the row is special then.)
+    g.column = in0 != 0 ? col0 + __builtin_ctz(in0)
+                        : col0 + 16 + (in1 != 0 ? __builtin_ctz(in1) : 0);
+    g.max = top;
+  }
+  const __m512 m = _mm512_set1_ps(g.max), low = _mm512_set1_ps(-88.f);
+  sums = _mm512_mask_add_ps(sums, lanes0, sums, exp_ps(_mm512_max_ps(_mm512_sub_ps(o0, m), low)));
+  // Summed in this order in both callers: -ffast-math could otherwise regroup the two adds
+  // differently where this is inlined.
+  asm("" : "+v"(sums));
+  sums = _mm512_mask_add_ps(sums, lanes1, sums, exp_ps(_mm512_max_ps(_mm512_sub_ps(o1, m), low)));
+  _mm512_store_ps(g.sums, sums);
+}
+
+// A row's result from its segments' folds (count of them, `stride` GreedyRows apart) in
+// column order: the first column holding the row's maximum (the earliest segment keeps a tie),
+// that maximum, the log-normaliser max + log(sum of exp(value - max)), and whether every value
+// was finite (and there was one). One compiled copy (noinline) for both callers.
+struct GreedyChoice {
+  int64_t column;
+  float max;
+  float lse;
+  bool finite;
+};
+__attribute__((noinline)) inline GreedyChoice combine_greedy(const GreedyRow* segments,
+                                                             int64_t count, int64_t stride) {
+  GreedyChoice c{-1, 0.f, 0.f, true};
+  for (int64_t s = 0; s < count; ++s) {
+    const GreedyRow& g = segments[s * stride];
+    c.finite &= !g.special;
+    if (g.column >= 0 && (c.column < 0 || g.max > c.max)) {
+      c.max = g.max;
+      c.column = g.column;
+    }
+  }
+  float sum = 0.f;
+  for (int64_t s = 0; s < count; ++s) {
+    const GreedyRow& g = segments[s * stride];
+    const float segment = _mm512_reduce_add_ps(_mm512_load_ps(g.sums));
+    if (g.column >= 0) sum += segment * expf_clamped(g.max - c.max);
+  }
+  c.lse = c.max + std::log(sum);
+  c.finite &= c.column >= 0;
+  return c;
 }
 #endif
 

@@ -39,10 +39,12 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
 
@@ -262,19 +264,55 @@ constexpr bool kBf16Available = true;
 constexpr bool kBf16Available = false;
 #endif
 
+// Where kGreedy folds an LM head's rows: each row's ferrum::GreedyRow per segment of
+// ferrum::kGreedySegmentColumns columns (32 panels), [segments][m]. Threads take runs of whole
+// segments, so each GreedyRow has one writer.
+struct GreedySegments {
+  ferrum::GreedyRow* rows;
+  int64_t m;
+  static constexpr int64_t kPanels = ferrum::kGreedySegmentColumns / kCols;
+
+  ferrum::GreedyRow* of_panel(int64_t p) const { return rows + (p / kPanels) * m; }
+  static int64_t count(int64_t panels) { return (panels + kPanels - 1) / kPanels; }
+};
+
+// Runs body(first, last) over the panels [0, panels), split among the threads in runs of
+// `grain` panels or (greedy) of whole fold segments.
+template <typename Body>
+inline void for_panel_runs(int64_t panels, int64_t grain, bool greedy, const Body& body) {
+  if (!greedy) {
+    at::parallel_for(0, panels, grain, body);
+    return;
+  }
+  at::parallel_for(0, GreedySegments::count(panels), 1, [&](int64_t s0, int64_t s1) {
+    body(s0 * GreedySegments::kPanels, std::min(panels, s1 * GreedySegments::kPanels));
+  });
+}
+
 #if defined(__AVX512F__)
 // What a tile stores: its outputs in T (bfloat16: each rounded once; kPlain); silu(first half)
 // * second half of those, exactly as silu_and_mul computes it (kSwiglu); or, bfloat16 only, the
 // rounded outputs widened back to float32 (kWidened: what `.float()` of kPlain's output holds,
-// written in the same pass; an LM head's logits, which sampling reads as float32).
-enum Store : int { kPlain = 0, kSwiglu = 1, kWidened = 2 };
+// written in the same pass; an LM head's logits, which sampling reads as float32). kGreedy
+// (a plain pack) writes no output: each row's outputs as kWidened (bfloat16) or kPlain
+// (float32) would hold them are folded into the row's greedy choice (GreedySegments).
+enum Store : int { kPlain = 0, kSwiglu = 1, kWidened = 2, kGreedy = 3 };
 
 // One row of a tile: its two 16-column halves' sums v0 and v1 (bias added), stored as S says
 // into c0 and c1 (`offset` elements of the stored type in), the columns in lanes0 and lanes1
-// (plain stores where `whole`). Shared by the register tiles and the AMX tiles.
+// (plain stores where `whole`). Shared by the register tiles and the AMX tiles. kGreedy: c0 is
+// the tile's first row's ferrum::GreedyRow (`offset` rows on is this row's), col0 v0's first
+// column.
 template <typename T, Store S>
 inline void store_row(__m512 v0, __m512 v1, void* __restrict c0, void* __restrict c1,
-                      int64_t offset, __mmask16 lanes0, __mmask16 lanes1, bool whole) {
+                      int64_t offset, __mmask16 lanes0, __mmask16 lanes1, bool whole,
+                      int64_t col0) {
+  if constexpr (S == kGreedy) {
+    ferrum::fold_greedy(static_cast<ferrum::GreedyRow*>(c0)[offset],
+                        ferrum::round16(v0, static_cast<T*>(nullptr)),
+                        ferrum::round16(v1, static_cast<T*>(nullptr)), lanes0, lanes1, col0);
+    return;
+  }
   if constexpr (S == kPlain) {  // store16 rounds to T (bfloat16) itself, once
     T* p0 = static_cast<T*>(c0) + offset;
     T* p1 = static_cast<T*>(c1) + offset;
@@ -328,7 +366,7 @@ template <typename T, int R, Store S>
 void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
           void* __restrict c0, void* __restrict c1, int64_t ldc, __mmask16 lanes0,
           __mmask16 lanes1, const float* __restrict bias0, const float* __restrict bias1,
-          const char* fetch, int64_t fetch_lines) {
+          const char* fetch, int64_t fetch_lines, int64_t col0) {
   constexpr bool kFloat = std::is_same<T, float>::value;
   static_assert(!(kFloat && S == kWidened), "float32 outputs are already float32");
   __m512 acc[R][2];
@@ -387,7 +425,7 @@ void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
   const bool whole = lanes0 == 0xffff && (S == kSwiglu || lanes1 == 0xffff);
   for (int r = 0; r < R; ++r) {
     store_row<T, S>(_mm512_add_ps(acc[r][0], add0), _mm512_add_ps(acc[r][1], add1), c0, c1,
-                    r * ldc, lanes0, lanes1, whole);
+                    r * ldc, lanes0, lanes1, whole, col0);
   }
 }
 
@@ -411,7 +449,7 @@ inline PanelColumns panel_columns(int64_t p, int64_t n, int64_t half) {
 
 template <typename T>
 using Tile = void (*)(const T*, int64_t, int64_t, const T*, void*, void*, int64_t, __mmask16,
-                      __mmask16, const float*, const float*, const char*, int64_t);
+                      __mmask16, const float*, const float*, const char*, int64_t, int64_t);
 // By row count (a tile of M's last rows has only those rows' accumulators), for each Store.
 template <typename T, Store S>
 constexpr Tile<T> kTilesOf[kRows + 1] = {
@@ -421,6 +459,7 @@ constexpr Tile<T> kTilesOf[kRows + 1] = {
 template <typename T>
 const Tile<T>* tiles_for(Store store) {
   if (store == kSwiglu) return kTilesOf<T, kSwiglu>;
+  if (store == kGreedy) return kTilesOf<T, kGreedy>;
   if constexpr (!std::is_same<T, float>::value) {
     if (store == kWidened) return kTilesOf<T, kWidened>;
   }
@@ -435,7 +474,8 @@ const Tile<T>* tiles_for(Store store) {
 // * second (kSwiglu, paired only), or [M, N] float32 (kWidened, bfloat16 only).
 template <typename T>
 void gemm(const T* __restrict x, const T* __restrict packed, const float* __restrict bias,
-          void* __restrict out, int64_t m, int64_t n, int64_t k, int64_t half, Store store) {
+          void* __restrict out, int64_t m, int64_t n, int64_t k, int64_t half, Store store,
+          const GreedySegments* greedy = nullptr) {
   const bool swiglu = store == kSwiglu;
   const int64_t out_bytes = store == kWidened ? sizeof(float) : sizeof(T);
   const int64_t panels = panel_count(n, half);
@@ -447,7 +487,8 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
   const int64_t ldc = swiglu ? half : n;
   const Tile<T>* by_rows = tiles_for<T>(store);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
-  at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t first, int64_t last) {
+  const int64_t grain = (panels + threads - 1) / threads;
+  for_panel_runs(panels, grain, greedy != nullptr, [&](int64_t first, int64_t last) {
     for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {
       const int64_t t1 = std::min(tiles, t0 + block_tiles);
       for (int64_t p = first; p < last; ++p) {
@@ -461,10 +502,16 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, m - r0);
           const int64_t done = std::min((t - t0) * per_tile, panel_lines);
+          const int64_t fetch_lines = std::min(per_tile, panel_lines - done);
+          if (greedy != nullptr) {  // kGreedy: the rows' GreedyRows, one apart
+            by_rows[rows](x + r0 * k, k, k, b, greedy->of_panel(p) + r0, nullptr, 1, lanes0,
+                          lanes1, bias0, bias1, next + 64 * done, fetch_lines, col0);
+            continue;
+          }
           char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
           by_rows[rows](x + r0 * k, k, k, b, c + col0 * out_bytes,
                         swiglu ? nullptr : c + col1 * out_bytes, ldc, lanes0, lanes1, bias0,
-                        bias1, next + 64 * done, std::min(per_tile, panel_lines - done));
+                        bias1, next + 64 * done, fetch_lines, col0);
         }
       }
     }
@@ -519,13 +566,14 @@ struct PendingRows {
   __mmask16 lanes0 = 0, lanes1 = 0;
   __m512 add0, add1;
   bool whole = false;
+  int64_t col0 = 0;  // (kGreedy's column numbers)
 
   inline void store_until(int64_t until) {
     for (; done < until; ++done) {
       const float* s = sums + (done / kAmxRows) * 2 * kAmxTileFloats + (done % kAmxRows) * 16;
       store_row<uint16_t, S>(_mm512_add_ps(_mm512_load_ps(s), add0),
                              _mm512_add_ps(_mm512_load_ps(s + kAmxTileFloats), add1), c0, c1,
-                             done * ldc, lanes0, lanes1, whole);
+                             done * ldc, lanes0, lanes1, whole, col0);
     }
   }
   inline void finish() { store_until(rows); }
@@ -584,7 +632,8 @@ inline void amx_tile(const uint16_t* __restrict a, int64_t lda, int64_t k,
 template <Store S>
 void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
               const float* __restrict bias, void* __restrict out, int64_t m, int64_t n,
-              int64_t k, int64_t half, const uint16_t* __restrict tail) {
+              int64_t k, int64_t half, const uint16_t* __restrict tail,
+              const GreedySegments* greedy = nullptr) {
   using T = uint16_t;
   constexpr bool kSwiglu_ = S == kSwiglu;
   constexpr int64_t out_bytes = S == kWidened ? sizeof(float) : sizeof(T);
@@ -597,7 +646,8 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
       1, kAmxGroupBytes / (static_cast<int64_t>(sizeof(T)) * k) / kAmxBlockRows);
   const int64_t ldc = kSwiglu_ ? half : n;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
-  at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t first, int64_t last) {
+  const int64_t grain = (panels + threads - 1) / threads;
+  for_panel_runs(panels, grain, S == kGreedy, [&](int64_t first, int64_t last) {
     load_tile_config();  // per thread: the tile registers and their shapes are thread state
     // A block's sums and the previous block's (one array: GCC 12 fails on a 2-D one here).
     alignas(64) float sums[8 * kAmxTileFloats];
@@ -629,10 +679,15 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
             amx_tile<1, S>(a, k, k, b, block_sums, fetch, fetch_lines, pending);
           }
           // This block's stores wait for the next block's multiplies (or the end).
-          char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
-          char* c1 = kSwiglu_ ? nullptr : c + col1 * out_bytes;
-          pending = {block_sums, c + col0 * out_bytes, c1, ldc, rows, /*done=*/0, lanes0, lanes1,
-                     add0, add1, whole};
+          if constexpr (S == kGreedy) {  // the rows' GreedyRows, one apart
+            pending = {block_sums, reinterpret_cast<char*>(greedy->of_panel(p) + r0), nullptr, 1,
+                       rows, /*done=*/0, lanes0, lanes1, add0, add1, whole, col0};
+          } else {
+            char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
+            char* c1 = kSwiglu_ ? nullptr : c + col1 * out_bytes;
+            pending = {block_sums, c + col0 * out_bytes, c1, ldc, rows, /*done=*/0, lanes0, lanes1,
+                       add0, add1, whole, col0};
+          }
           flip ^= 1;
         }
       }
@@ -727,7 +782,8 @@ torch::Tensor pack_wide(const torch::Tensor& w, int64_t half) {
 // float32 holding the bfloat16-rounded outputs.
 torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
                         const c10::optional<torch::Tensor>& bias, int64_t n, bool paired,
-                        bool swiglu, bool widened = false) {
+                        bool swiglu, bool widened = false,
+                        const ferrum_gemm512::GreedySegments* greedy = nullptr) {
   using ferrum_gemm512::kCols;
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kBFloat16 ||
                                x.scalar_type() == torch::kFloat),
@@ -763,16 +819,24 @@ torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
     auto rounded = (b.defined() ? zero + b : zero).to(x.scalar_type());
     return widened ? rounded.to(torch::kFloat) : rounded;
   }
-  auto out = torch::empty({m, swiglu ? half : n},
-                          widened ? x.options().dtype(torch::kFloat) : x.options());
+  TORCH_CHECK(greedy == nullptr || (!paired && k > 0), "a greedy head is a plain pack, K > 0");
+  // kGreedy writes no output, only the GreedyRows.
+  auto out = greedy != nullptr ? torch::Tensor()
+                               : torch::empty({m, swiglu ? half : n},
+                                              widened ? x.options().dtype(torch::kFloat)
+                                                      : x.options());
   if (m == 0) return out;
+  void* out_ptr = greedy != nullptr ? nullptr : out.data_ptr();
 #if defined(__AVX512F__)
   using ferrum_gemm512::Store;
-  const Store store = swiglu ? Store::kSwiglu : widened ? Store::kWidened : Store::kPlain;
+  const Store store = greedy != nullptr ? Store::kGreedy
+                      : swiglu          ? Store::kSwiglu
+                      : widened         ? Store::kWidened
+                                        : Store::kPlain;
   const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
   if (is_float) {
-    ferrum_gemm512::gemm(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr,
-                         out.data_ptr(), m, n, k, half, store);
+    ferrum_gemm512::gemm(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, out_ptr, m, n,
+                         k, half, store, greedy);
   }
 #if defined(FERRUM_AMX)
   if (!is_float && k % ferrum_gemm512::kAmxK == 0 && ferrum::amx_wanted.load() &&
@@ -787,12 +851,14 @@ torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
     const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
     const auto* ts = tail.defined() ? reinterpret_cast<const uint16_t*>(tail.data_ptr()) : nullptr;
     if (store == Store::kSwiglu) {
-      ferrum_gemm512::gemm_amx<Store::kSwiglu>(xs, ws, bias_ptr, out.data_ptr(), m, n, k, half, ts);
+      ferrum_gemm512::gemm_amx<Store::kSwiglu>(xs, ws, bias_ptr, out_ptr, m, n, k, half, ts);
     } else if (store == Store::kWidened) {
-      ferrum_gemm512::gemm_amx<Store::kWidened>(xs, ws, bias_ptr, out.data_ptr(), m, n, k, half,
-                                                ts);
+      ferrum_gemm512::gemm_amx<Store::kWidened>(xs, ws, bias_ptr, out_ptr, m, n, k, half, ts);
+    } else if (store == Store::kGreedy) {
+      ferrum_gemm512::gemm_amx<Store::kGreedy>(xs, ws, bias_ptr, out_ptr, m, n, k, half, ts,
+                                               greedy);
     } else {
-      ferrum_gemm512::gemm_amx<Store::kPlain>(xs, ws, bias_ptr, out.data_ptr(), m, n, k, half, ts);
+      ferrum_gemm512::gemm_amx<Store::kPlain>(xs, ws, bias_ptr, out_ptr, m, n, k, half, ts);
     }
     return out;
   }
@@ -800,8 +866,8 @@ torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
 #if defined(__AVX512BF16__)  // (instantiated only where vdpbf16ps exists; refused above else)
   if (!is_float) {
     ferrum_gemm512::gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
-                         reinterpret_cast<const uint16_t*>(packed.data_ptr()), bias_ptr,
-                         out.data_ptr(), m, n, k, half, store);
+                         reinterpret_cast<const uint16_t*>(packed.data_ptr()), bias_ptr, out_ptr,
+                         m, n, k, half, store, greedy);
   }
 #endif
 #endif
@@ -872,6 +938,46 @@ torch::Tensor packed_gemm_widened(torch::Tensor x, torch::Tensor packed,
                                   c10::optional<torch::Tensor> bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
   return gemm_wide(x, packed, bias, n, false, false, true);
+}
+
+// x [M, K] float32 or bfloat16 times a plain pack_gemm_weight weight of its dtype on the AVX-512
+// GEMM (bias [N] or None), n = N -> (argmax [M] int64, its log-probability [M] float32, finite
+// [M] bool) of the float32 logits that packed_gemm_widened (bfloat16) or packed_gemm (float32)
+// returns, folded as the tiles store them (kGreedy): no [M, N] logits are written or read back
+// (8 MB of a W1 decode step's LM head). The argmax is theirs exactly (the first column holding
+// the row's maximum); the log-probability, -log(sum(exp(logit - max))), agrees with
+// argmax_logsumexp's to float32 rounding (an online sum, in another order). finite is False
+// where the row's logits hold a NaN or an infinity: its other two results are then meaningless,
+// and the caller samples that row's logits instead.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> packed_gemm_greedy(
+    torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(wide_gemm(x.scalar_type()),
+              "packed_gemm_greedy needs the AVX-512 GEMM of x's dtype (float32 or bfloat16)");
+  TORCH_CHECK(x.size(1) > 0, "packed_gemm_greedy needs K > 0");
+  const int64_t m = x.size(0);
+  const int64_t panels = ferrum_gemm512::panel_count(n, 0);
+  const int64_t segments = ferrum_gemm512::GreedySegments::count(panels);
+  std::vector<ferrum::GreedyRow> rows(static_cast<size_t>(segments * m));
+  const ferrum_gemm512::GreedySegments greedy{rows.data(), m};
+  gemm_wide(x, packed, bias, n, false, false, false, &greedy);
+  auto ids = torch::empty({m}, x.options().dtype(torch::kLong));
+  auto logprobs = torch::empty({m}, x.options().dtype(torch::kFloat));
+  auto finite = torch::empty({m}, x.options().dtype(torch::kBool));
+  int64_t* id = ids.data_ptr<int64_t>();
+  float* logprob = logprobs.data_ptr<float>();
+  bool* ok = finite.data_ptr<bool>();
+  for (int64_t r = 0; r < m; ++r) {
+    const ferrum::GreedyChoice c = ferrum::combine_greedy(rows.data() + r, segments, m);
+    id[r] = c.column;
+    // As sample() computes it from argmax_logsumexp: the chosen logit less the log-normaliser,
+    // in float32 (kept from being simplified to -log(sum)).
+    float lse = c.lse;
+    asm("" : "+v"(lse));
+    logprob[r] = c.max - lse;
+    ok[r] = c.finite;
+  }
+  return {ids, logprobs, finite};
 }
 
 // x [M, K] float32 or bfloat16 times its dtype's pack_gemm_weight (bias [N] or None), n = N ->

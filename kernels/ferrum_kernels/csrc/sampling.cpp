@@ -1,12 +1,11 @@
-// Greedy choice and log-normaliser of each logits row in two cache-resident passes, for the CPU
-// path. torch runs argmax, then logsumexp as amax, subtract (a fresh [N, V] tensor), exp, sum and
-// log: five passes and a temporary at vocabulary width. Here a row (128 KB at V = 32000) is read
-// once for the maximum and its first index, then once more, still in L2, for the sum of
-// exponentials.
+// Greedy choice and log-normaliser of each logits row, for the CPU path. torch runs argmax, then
+// logsumexp as amax, subtract (a fresh [N, V] tensor), exp, sum and log: five passes and a
+// temporary at vocabulary width. Here a row (128 KB at V = 32000) is read once on an AVX-512 CPU
+// (folded as the GEMM folds an LM head's outputs, common.h's fold_greedy), twice elsewhere.
 //
 // -ffast-math lets the compiler assume no NaN or infinity, so a row holding one is detected with
-// integer bit tests instead and reported through `finite`; the caller recomputes those rows with
-// torch, which defines the answer for them (argmax picks the first NaN, logsumexp propagates it).
+// bit tests instead and reported through `finite`; the caller recomputes those rows with torch,
+// which defines the answer for them (argmax picks the first NaN, logsumexp propagates it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,11 +14,56 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 #include "common.h"
 
 namespace {
 
+#if defined(__AVX512F__)
+// Rows folded together: each fold's exponentials are a long chain of dependent arithmetic, and
+// one row's chunks, each waiting on the sums before it, left the core idle between them.
+constexpr int64_t kRowsTogether = 4;
+
+// Each row folded 32 columns at a time (ferrum::fold_greedy), as the AVX-512 GEMM's kGreedy
+// store folds an LM head's outputs: a row's argmax and log-normaliser are the same bits whether
+// its step sampled written logits (here) or let the head's GEMM fold them. One pass over the
+// row: its maximum, first index and sum of exponentials together, rescaling the sums whenever
+// the maximum grows. kRowsTogether rows at a time, chunk by chunk (each row's arithmetic is
+// its own, in the same order).
+template <typename T>
+void argmax_lse_rows(const T* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* ids,
+                     float* lse, bool* finite) {
+  const int64_t segments =
+      (vocab + ferrum::kGreedySegmentColumns - 1) / ferrum::kGreedySegmentColumns;
+  const int64_t groups = (rows + kRowsTogether - 1) / kRowsTogether;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<ferrum::GreedyRow> folds(static_cast<size_t>(kRowsTogether * segments));
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t r0 = group * kRowsTogether;
+      const int64_t n = std::min(kRowsTogether, rows - r0);
+      std::fill(folds.begin(), folds.end(), ferrum::GreedyRow{});
+      for (int64_t c = 0; c < vocab; c += 32) {
+        const __mmask16 lanes0 = ferrum::first_lanes(vocab - c);
+        const __mmask16 lanes1 = vocab > c + 16 ? ferrum::first_lanes(vocab - c - 16) : 0;
+        ferrum::GreedyRow* fold = folds.data() + (c / ferrum::kGreedySegmentColumns);
+        for (int64_t i = 0; i < n; ++i) {
+          const T* row = logits + (r0 + i) * stride + c;
+          ferrum::fold_greedy(fold[i * segments], ferrum::load16(row, lanes0),
+                              ferrum::load16(row + 16, lanes1), lanes0, lanes1, c);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const ferrum::GreedyChoice choice =
+            ferrum::combine_greedy(folds.data() + i * segments, segments, 1);
+        ids[r0 + i] = choice.column;
+        lse[r0 + i] = choice.lse;
+        finite[r0 + i] = choice.finite;
+      }
+    }
+  });
+}
+#else
 using ferrum::Elem;
 
 inline bool exponent_all_ones(float v) {
@@ -28,30 +72,8 @@ inline bool exponent_all_ones(float v) {
   return (u & 0x7f800000u) == 0x7f800000u;
 }
 
-// The first index of row[0 .. vocab) equal to x, or vocab.
-template <typename T>
-int64_t first_equal(const T* row, int64_t vocab, float x) {
-#if defined(__AVX512F__)
-  const __m512 target = _mm512_set1_ps(x);
-  int64_t i = 0;
-  for (; i + 16 <= vocab; i += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(ferrum::load16(row + i), target, _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(hit);
-  }
-  if (i < vocab) {
-    const __mmask16 lanes = ferrum::first_lanes(vocab - i);
-    const __mmask16 hit =
-        _mm512_mask_cmp_ps_mask(lanes, ferrum::load16(row + i, lanes), target, _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(hit);
-  }
-  return vocab;
-#else
-  int64_t i = 0;
-  while (i < vocab && Elem<T>::load(row, i) != x) ++i;
-  return i;
-#endif
-}
-
+// Two passes over a row, the second while it sits in cache: its maximum (and whether it holds a
+// NaN or an infinity), then the sum of exponentials.
 template <typename T>
 void argmax_lse_rows(const T* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* ids,
                      float* lse, bool* finite) {
@@ -67,40 +89,18 @@ void argmax_lse_rows(const T* logits, int64_t stride, int64_t rows, int64_t voca
         special |= static_cast<uint32_t>(exponent_all_ones(v));
         mx = std::max(mx, v);
       }
-      // The first index holding the maximum (torch's tie rule). Sixteen lanes at a time: one
-      // element at a time this scan took as long as both passes when the maximum sat late in
-      // the row (64 x 32000 float32 rows from L2: 157 us with it first, 407 with it last).
-      int64_t best = first_equal(row, vocab, mx);
+      int64_t best = 0;  // the first index holding it
+      while (best < vocab && Elem<T>::load(row, best) != mx) ++best;
       float sum = 0.f;
-#if defined(__AVX512F__)
-      // Scores below mx - 88 add under 1e-38 each: clamped there, exp_ps's range.
-      const __m512 top = _mm512_set1_ps(mx), low = _mm512_set1_ps(-88.f);
-      __m512 acc = _mm512_setzero_ps();
-      // This pass is bound by exp's arithmetic, the first by memory (an LM head streams its
-      // logits past the cache): fetching the next row into L2 meanwhile overlaps the two.
-      const char* next = r + 1 < end ? reinterpret_cast<const char*>(row + stride) : nullptr;
-      int64_t i = 0;
-      for (; i + 16 <= vocab; i += 16) {
-        if (next != nullptr) _mm_prefetch(next + i * sizeof(T), _MM_HINT_T1);
-        acc = _mm512_add_ps(
-            acc, ferrum::exp_ps(_mm512_max_ps(_mm512_sub_ps(ferrum::load16(row + i), top), low)));
-      }
-      if (i < vocab) {
-        const __mmask16 lanes = ferrum::first_lanes(vocab - i);
-        const __m512 t = _mm512_sub_ps(ferrum::load16(row + i, lanes), top);
-        acc = _mm512_mask_add_ps(acc, lanes, acc, ferrum::exp_ps(_mm512_max_ps(t, low)));
-      }
-      sum = _mm512_reduce_add_ps(acc);
-#else
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < vocab; ++i) sum += std::exp(Elem<T>::load(row, i) - mx);
-#endif
       ids[r] = best;
       lse[r] = mx + std::log(sum);
       finite[r] = special == 0 && best < vocab;
     }
   });
 }
+#endif
 
 }  // namespace
 

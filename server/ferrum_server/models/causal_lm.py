@@ -61,6 +61,13 @@ class CausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32 logits."""
         raise NotImplementedError
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """[N, hidden] -> each row's argmax token of ``compute_logits(hidden)`` [N] int64 and
+        its log-probability [N] float32, without the logits, where the backend folds them from
+        the LM head's GEMM; None (the default) where it does not, and the caller samples
+        ``compute_logits(hidden)``."""
+        return None
+
     def load_hf_weights(self, get_tensor: Callable[[str], torch.Tensor]) -> None:
         """Fill every parameter from HF-named tensors (names/shapes validated by the caller)."""
         raise NotImplementedError

@@ -231,5 +231,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
         logits = soft_cap(head(hidden), self.spec.final_logit_softcap)
         return logits.float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As Llama's, but not over soft-capped logits: their log-normaliser is not the head's
+        (the caller then samples ``compute_logits``)."""
+        if self.spec.final_logit_softcap:
+            return None
+        return super().greedy_tokens(hidden)
+
     def weight_map(self) -> list[WeightEntry]:
         return gemma_weight_map(self.config)

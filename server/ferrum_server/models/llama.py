@@ -547,6 +547,15 @@ class LlamaForCausalLM(CausalLM):
         assert head is not None  # exactly one of the two exists
         return self._backend.float32_logits(head, hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``compute_logits``' argmax and log-probability per row, folded by the LM head's GEMM
+        where the backend can (one rank: a split head's logits are gathered first)."""
+        if self.tp.is_parallel:
+            return None
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        assert head is not None  # exactly one of the two exists
+        return self._backend.greedy_logits(head, hidden)
+
     def weight_map(self) -> list[WeightEntry]:
         """Our parameter names with the HF tensors behind each (see ``weight_map``)."""
         return weight_map(self.config)
