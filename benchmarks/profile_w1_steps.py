@@ -9,13 +9,19 @@ The native kernels and the packed GEMMs are not torch ops, so torch.profiler can
 With ``--kernels`` the steps are timed per call of each native kernel and of each packed linear
 (by its N x K) instead, and whatever no call claims (torch ops, Python) is printed as the rest.
 
+``--fold-ab`` instead times decode steps with the LM head folding the greedy choice (the
+default for plain greedy steps) against the same steps sampling written logits (the model's
+``greedy_tokens`` answering None), in alternate pairs of steps, and prints each one's median.
+
     python benchmarks/profile_w1_steps.py [--dtype float32] [--reps 3] [--top 12] [--kernels]
+        [--fold-ab]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -29,6 +35,7 @@ from ferrum_kernels import cpu_linear, native
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import ItemKind, Step, StepItem
 from ferrum_server.engine import Engine
+from ferrum_server.models.llama import LlamaForCausalLM
 from ferrum_server.tools.bench.runners import minor_faults
 from ferrum_server.tools.bench.workloads import WORKLOADS, ensure_model
 from torch.profiler import ProfilerActivity, profile
@@ -50,6 +57,7 @@ class KernelClock:
         self._linear = cpu_linear.PackedWeight.__call__
         self._swiglu = cpu_linear.PackedWeight.swiglu
         self._widened = cpu_linear.PackedWeight.widened
+        self._greedy = cpu_linear.PackedWeight.greedy
 
     def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -79,15 +87,16 @@ class KernelClock:
         packed.__call__ = self._timed_method(self._linear, "")  # type: ignore[method-assign]
         packed.swiglu = self._timed_method(self._swiglu, " + SwiGLU")  # type: ignore[method-assign]
         packed.widened = self._timed_method(self._widened, " -> float32")  # type: ignore[method-assign]
+        packed.greedy = self._timed_method(self._greedy, " -> greedy")  # type: ignore[method-assign]
 
     def _timed_method(
-        self, method: Callable[..., torch.Tensor], suffix: str
-    ) -> Callable[[cpu_linear.PackedWeight, torch.Tensor], torch.Tensor]:
+        self, method: Callable[..., Any], suffix: str
+    ) -> Callable[[cpu_linear.PackedWeight, torch.Tensor], Any]:
         """A PackedWeight method timed under "linear N x K" plus `suffix`."""
 
-        def call(pack: cpu_linear.PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        def call(pack: cpu_linear.PackedWeight, x: torch.Tensor) -> Any:
             name = f"linear {pack.out_features} x {pack.in_features}{suffix}"
-            return self.timed(name, method)(pack, x)  # type: ignore[no-any-return]
+            return self.timed(name, method)(pack, x)
 
         return call
 
@@ -96,6 +105,7 @@ class KernelClock:
         cpu_linear.PackedWeight.__call__ = self._linear  # type: ignore[method-assign]
         cpu_linear.PackedWeight.swiglu = self._swiglu  # type: ignore[method-assign]
         cpu_linear.PackedWeight.widened = self._widened  # type: ignore[method-assign]
+        cpu_linear.PackedWeight.greedy = self._greedy  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -143,6 +153,11 @@ def _profile(label: str, fn: Callable[[], None], reps: int, top: int) -> None:
     sys.stdout.write("\n".join(lines) + "\n")
 
 
+def _no_fold(model: LlamaForCausalLM, hidden: torch.Tensor) -> None:
+    """greedy_tokens declining: the runner samples the logits instead."""
+    del model, hidden
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32")
@@ -150,6 +165,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument(
         "--kernels", action="store_true", help="time each native kernel and packed linear"
+    )
+    parser.add_argument(
+        "--fold-ab",
+        action="store_true",
+        help="decode steps with the LM head folding the greedy choice against sampling logits",
     )
     args = parser.parse_args()
     clock = KernelClock() if args.kernels else None
@@ -190,8 +210,35 @@ def main() -> None:
             last[i] = result.token_ids[0]
             position[i] += 1
 
+    def fold_ab() -> None:
+        # Pairs of decode steps each way, alternating, so drift in the machine's speed falls on
+        # both alike.
+        fold = LlamaForCausalLM.greedy_tokens
+        times: dict[str, list[float]] = {"folded": [], "logits": []}
+        try:
+            for pair in range(2 * args.reps):
+                way = "folded" if pair % 2 == 0 else "logits"
+                LlamaForCausalLM.greedy_tokens = fold if way == "folded" else _no_fold  # type: ignore[method-assign]
+                for _ in range(2):
+                    started = time.perf_counter()
+                    decode()
+                    times[way].append((time.perf_counter() - started) * 1e3)
+        finally:
+            LlamaForCausalLM.greedy_tokens = fold  # type: ignore[method-assign]
+        for way, ms in times.items():
+            sys.stdout.write(
+                f"== decode step, {PROMPTS} decodes, greedy choice {way}: "
+                f"{statistics.median(ms):.2f} ms median of {len(ms)}\n"
+            )
+
     def steps() -> None:
         engine.warmup(64)
+        if args.fold_ab:
+            while len(caches) < PROMPTS:
+                prefill()
+            decode()  # the first decode step of the shape may allocate
+            fold_ab()
+            return
         if clock is not None:
             clock.install()
         measure("prefill step, 2 x 256 tokens from position 0", prefill, args.reps, args.top)

@@ -13,7 +13,9 @@ wrapping the engine's own functions:
 - ``validate``, ``reserve``: ``validate_step`` and ``CapacityManager.reserve_step``;
 - ``plan``: ``ModelRunner._plan`` (the flat token, position and block-table tensors);
 - ``model``: the forward itself, less the plan (on a GPU, a replayed CUDA graph);
-- ``select``: ``ModelRunner._select`` (sampling tensors and the sampling kernel);
+- ``select``: ``ModelRunner._select`` (sampling tensors and the sampling kernel), or
+  ``ModelRunner._greedy_output`` where the LM head folded a plain greedy step's choice (its
+  GEMM is then part of ``model``);
 - ``commit``: ``Engine._commit_inputs`` and ``Engine._fill_results`` (KV commits, results,
   continuation tokens);
 - ``record``: metrics and gauges (``Recorder.step``, ``Engine.publish_gauges``);
@@ -97,6 +99,7 @@ class PhaseClock:
         engine.capacity.reserve_step = self.wrap("reserve", engine.capacity.reserve_step)  # type: ignore[method-assign]
         runner._plan = self.wrap("plan", runner._plan)  # type: ignore[method-assign]
         runner._select = self.wrap("select", runner._select)  # type: ignore[method-assign]
+        runner._greedy_output = self.wrap("select", runner._greedy_output)  # type: ignore[method-assign]
         engine._commit_inputs = self.wrap("commit", engine._commit_inputs)  # type: ignore[method-assign]
         engine._fill_results = self.wrap("commit", engine._fill_results)  # type: ignore[method-assign]
         recorder.step = self.wrap("record", recorder.step)  # type: ignore[method-assign]
@@ -108,6 +111,7 @@ class PhaseClock:
                 (engine.capacity, "reserve_step"),
                 (runner, "_plan"),
                 (runner, "_select"),
+                (runner, "_greedy_output"),
                 (engine, "_commit_inputs"),
                 (engine, "_fill_results"),
                 (recorder, "step"),

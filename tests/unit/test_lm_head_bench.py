@@ -1,4 +1,4 @@
-"""A seconds-long smoke run of the LM head benchmark (as CI runs it): both paths, checked
+"""A seconds-long smoke run of the LM head benchmark (as CI runs it): its three paths, checked
 against each other by the benchmark itself."""
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ def _bf16_gemm() -> bool:
 
 
 @pytest.mark.skipif(not _bf16_gemm(), reason="no native bfloat16 GEMM on this CPU")
-def test_smoke_run_times_both_paths() -> None:
+def test_smoke_run_times_every_path() -> None:
     bench: Any = load_script("ferrum_lm_head_bench", _BENCH)
     results = bench.main(["--rows", "5", "--vocab", "333", "--hidden", "40", "--rounds", "2"])
-    assert sorted(results) == ["copy", "widened"]
+    assert sorted(results) == ["copy", "folded", "widened"]
     assert sorted(results["copy"]) == ["argmax_logsumexp", "float", "gemm", "total"]
     assert sorted(results["widened"]) == ["argmax_logsumexp", "gemm", "total"]
+    assert sorted(results["folded"]) == ["gemm_greedy", "total"]
     assert all(ms > 0 for row in results.values() for ms in row.values())
 
 

@@ -63,3 +63,22 @@ def test_clock_times_the_widened_head_gemm_then_restores_it() -> None:
     assert torch.equal(out, pack(x).float())
     assert clock.calls == {"linear 40 x 16 -> float32": 1}
     assert cpu_linear.PackedWeight.widened is widened
+
+
+def test_clock_times_the_heads_folded_greedy_choice_then_restores_it() -> None:
+    module = native.load()
+    if module is None or not module.gemm_bf16_available():
+        pytest.skip("no native bfloat16 GEMM on this CPU")
+    pack = cpu_linear.PackedWeight(torch.randn(40, 16).bfloat16(), None, kernel="native")
+    script: Any = load_script("ferrum_profile_w1_steps", _SCRIPT)
+    clock = script.KernelClock()
+    greedy = cpu_linear.PackedWeight.greedy
+    clock.install()
+    try:
+        x = torch.randn(3, 16).bfloat16()
+        folded = pack.greedy(x)
+    finally:
+        clock.remove()
+    assert folded is not None and torch.equal(folded[0], pack.widened(x).argmax(dim=-1))
+    assert clock.calls == {"linear 40 x 16 -> greedy": 1}
+    assert cpu_linear.PackedWeight.greedy is greedy
