@@ -29,6 +29,7 @@ from ferrum_server.domain import (
 )
 from ferrum_server.engine import Engine
 from ferrum_server.models.llama import LlamaForCausalLM
+from helpers_models import save_gemma
 from torch import nn
 
 _module = native.load()
@@ -322,3 +323,28 @@ def test_the_runner_folds_plain_greedy_steps_alone_with_the_same_answers(dtype: 
         assert computed == 3  # each decode step (the prefill's rows are all greedy)
         for i in (0, 1, 3):
             assert mixed[i] == folded[i]
+
+
+@needs_avx512_float32_gemm
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@torch.no_grad()
+def test_soft_capped_logits_are_sampled_not_folded(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Gemma 2 caps its final logits (their log-normaliser is not the head's): its model
+    declines the fold; Gemma 3 (no final cap) folds, with sample()'s answer."""
+    folder = tmp_path_factory.mktemp(family)
+    save_gemma(folder, family, 256)
+    engine = Engine(EngineConfig(model=str(folder), kv_cache_bytes=2 * 1024**2))
+    try:
+        model = engine.model
+        hidden = torch.randn(3, 64)
+        folded = engine.call_sync(model.greedy_tokens, hidden)
+        if family == "gemma2":
+            assert folded is None
+        else:
+            assert folded is not None
+            want = _sampled(engine.call_sync(model.compute_logits, hidden))
+            assert torch.equal(folded[0], want[0]) and torch.equal(folded[1], want[1])
+    finally:
+        engine.shutdown()
