@@ -1,8 +1,10 @@
-"""Driving an Engine directly (no server): batched greedy generation for engine-level tests."""
+"""Driving an Engine directly (no server): batched generation for engine-level tests."""
 
 from __future__ import annotations
 
-from ferrum_server.domain import ItemKind, Step, StepItem
+import time
+
+from ferrum_server.domain import ItemKind, ItemStatus, OutputPolicy, Sampling, Step, StepItem
 from ferrum_server.engine import Engine
 
 
@@ -31,3 +33,40 @@ def greedy_decode(engine: Engine, prompts: list[list[int]], steps: int) -> list[
     for cache in caches:
         engine.release(cache)
     return tokens
+
+
+def decode_with(
+    engine: Engine, prompts: list[list[int]], settings: list[Sampling], steps: int
+) -> list[tuple[list[int], list[float]]]:
+    """Prefill every prompt in one step (greedy), then `steps` decode steps of them all, item i
+    sampled as settings[i], on the engine's thread; returns each item's decoded tokens and
+    log-probs (none for an item whose policy is LOGITS: it is fed token 7 each step)."""
+    out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
+
+    def run() -> None:
+        items = [
+            StepItem(ItemKind.PREFILL_CHUNK, f"r{i}", "", p, 0, len(p))
+            for i, p in enumerate(prompts)
+        ]
+        results = engine.execute(Step(items), time.perf_counter_ns()).results
+        caches = [r.cache_id for r in results]
+        tokens = [r.token_ids[0] for r in results]
+        for step in range(steps):
+            items = [
+                StepItem(ItemKind.DECODE, f"r{i}", caches[i], [tokens[i]], len(p) + step,
+                         sampling=settings[i])
+                for i, p in enumerate(prompts)
+            ]  # fmt: skip
+            results = engine.execute(Step(items), time.perf_counter_ns()).results
+            for i, result in enumerate(results):
+                if settings[i].policy == OutputPolicy.LOGITS:
+                    assert result.status == ItemStatus.LOGITS
+                    tokens[i] = 7
+                    continue
+                assert result.status == ItemStatus.TOKEN
+                tokens[i] = result.token_ids[0]
+                out[i][0].append(result.token_ids[0])
+                out[i][1].append(result.logprobs[0])
+
+    engine.call_sync(run)
+    return out

@@ -6,7 +6,6 @@ every output row is a plain argmax, and only for those."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,15 +19,12 @@ from ferrum_kernels.sampling import SamplingTensors, sample
 from ferrum_server.config import EngineConfig
 from ferrum_server.domain import (
     GREEDY,
-    ItemKind,
-    ItemStatus,
     OutputPolicy,
     Sampling,
-    Step,
-    StepItem,
 )
 from ferrum_server.engine import Engine
 from ferrum_server.models.llama import LlamaForCausalLM
+from helpers_engine import decode_with
 from helpers_models import save_gemma
 from torch import nn
 
@@ -255,12 +251,11 @@ def _run_steps(
     dtype: str, settings: list[Sampling]
 ) -> tuple[list[tuple[list[int], list[float]]], int]:
     """Four prompts prefilled on a fresh tiny engine, then three decode steps with the given
-    sampling per item: each item's tokens and log-probs over the decode steps, and how many
-    times the model computed logits (compute_logits) in all."""
+    sampling per item (``decode_with``), and how many times the model computed logits
+    (compute_logits) in all."""
     engine = Engine(EngineConfig(model="tiny", dtype=dtype, kv_cache_bytes=16 * 1024**2))
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 200) for _ in range(5 + 3 * i)] for i in range(4)]
-    out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
     computed = 0
     compute_logits = LlamaForCausalLM.compute_logits
 
@@ -269,35 +264,10 @@ def _run_steps(
         computed += 1
         return compute_logits(model, hidden)
 
-    def run() -> None:
-        items = [
-            StepItem(ItemKind.PREFILL_CHUNK, f"r{i}", "", p, 0, len(p))
-            for i, p in enumerate(prompts)
-        ]
-        results = engine.execute(Step(items), time.perf_counter_ns()).results
-        caches = [r.cache_id for r in results]
-        tokens = [r.token_ids[0] for r in results]
-        for step in range(3):
-            items = [
-                StepItem(ItemKind.DECODE, f"r{i}", caches[i], [tokens[i]], len(p) + step,
-                         sampling=settings[i])
-                for i, p in enumerate(prompts)
-            ]  # fmt: skip
-            results = engine.execute(Step(items), time.perf_counter_ns()).results
-            for i, result in enumerate(results):
-                if settings[i].policy == OutputPolicy.LOGITS:
-                    assert result.status == ItemStatus.LOGITS
-                    tokens[i] = 7  # any next token
-                    continue
-                assert result.status == ItemStatus.TOKEN
-                tokens[i] = result.token_ids[0]
-                out[i][0].append(result.token_ids[0])
-                out[i][1].append(result.logprobs[0])
-
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(LlamaForCausalLM, "compute_logits", counted)
-            engine.call_sync(run)
+            out = decode_with(engine, prompts, settings, 3)
     finally:
         engine.shutdown()
     return out, computed

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -15,9 +14,10 @@ from ferrum_kernels.sampling import (
     sample,
 )
 from ferrum_server.config import EngineConfig
-from ferrum_server.domain import GREEDY, ItemKind, ItemStatus, Sampling, Step, StepItem
+from ferrum_server.domain import GREEDY, Sampling
 from ferrum_server.engine import Engine
 from ferrum_server.runner import plain_greedy
+from helpers_engine import decode_with
 
 
 @pytest.mark.parametrize(
@@ -74,34 +74,10 @@ def _decode_results(settings: list[Sampling]) -> list[tuple[list[int], list[floa
     engine = Engine(EngineConfig(model="tiny", kv_cache_bytes=16 * 1024**2))
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 200) for _ in range(5 + 3 * i)] for i in range(4)]
-    out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
-
-    def run() -> None:
-        items = [
-            StepItem(ItemKind.PREFILL_CHUNK, f"r{i}", "", p, 0, len(p))
-            for i, p in enumerate(prompts)
-        ]
-        results = engine.execute(Step(items), time.perf_counter_ns()).results
-        caches = [r.cache_id for r in results]
-        tokens = [r.token_ids[0] for r in results]
-        for step in range(3):
-            items = [
-                StepItem(ItemKind.DECODE, f"r{i}", caches[i], [tokens[i]], len(p) + step,
-                         sampling=settings[i])
-                for i, p in enumerate(prompts)
-            ]  # fmt: skip
-            results = engine.execute(Step(items), time.perf_counter_ns()).results
-            for i, result in enumerate(results):
-                assert result.status == ItemStatus.TOKEN
-                tokens[i] = result.token_ids[0]
-                out[i][0].append(result.token_ids[0])
-                out[i][1].append(result.logprobs[0])
-
     try:
-        engine.call_sync(run)
+        return decode_with(engine, prompts, settings, 3)
     finally:
         engine.shutdown()
-    return out
 
 
 def test_a_plain_greedy_step_answers_as_the_general_path() -> None:
