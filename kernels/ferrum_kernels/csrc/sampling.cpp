@@ -23,7 +23,7 @@ namespace {
 #if defined(__AVX512F__)
 // Rows folded together: each fold's exponentials are a long chain of dependent arithmetic, and
 // one row's chunks, each waiting on the sums before it, left the core idle between them.
-constexpr int64_t kRowsTogether = 4;
+constexpr int64_t kRowsTogether = 8;
 
 // Each row folded 32 columns at a time (ferrum::fold_greedy), as the AVX-512 GEMM's kGreedy
 // store folds an LM head's outputs: a row's argmax and log-normaliser are the same bits whether
