@@ -26,17 +26,10 @@ from ferrum_server.engine import Engine
 from ferrum_server.models.llama import LlamaForCausalLM
 from helpers_engine import decode_with
 from helpers_models import save_gemma
+from helpers_native import needs_avx512_float32_gemm
 from torch import nn
 
 _module = native.load()
-needs_avx512_float32_gemm = pytest.mark.skipif(
-    _module is None or not _module.gemm_isa()[1],
-    reason="native AVX-512 float32 GEMM not built (needs AVX-512F)",
-)
-needs_bf16_gemm = pytest.mark.skipif(
-    _module is None or not _module.gemm_bf16_available(),
-    reason="native bfloat16 GEMM not built (needs AVX512_BF16)",
-)
 _AMX = _module is not None and bool(_module.amx_available())
 
 

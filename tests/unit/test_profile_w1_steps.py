@@ -45,40 +45,27 @@ def test_clock_times_kernels_and_linears_then_restores_them() -> None:
     assert "12 minor page faults" in report
 
 
-def test_clock_times_the_widened_head_gemm_then_restores_it() -> None:
-    module = native.load()
-    if module is None or not module.gemm_bf16_available():
-        pytest.skip("no native bfloat16 GEMM on this CPU")
-    weight = torch.randn(40, 16).bfloat16()
-    pack = cpu_linear.PackedWeight(weight, None, kernel="native")
-    script: Any = load_script("ferrum_profile_w1_steps", _SCRIPT)
-    clock = script.KernelClock()
-    widened = cpu_linear.PackedWeight.widened
-    clock.install()
-    try:
-        x = torch.randn(3, 16).bfloat16()
-        out = pack.widened(x)
-    finally:
-        clock.remove()
-    assert torch.equal(out, pack(x).float())
-    assert clock.calls == {"linear 40 x 16 -> float32": 1}
-    assert cpu_linear.PackedWeight.widened is widened
-
-
-def test_clock_times_the_heads_folded_greedy_choice_then_restores_it() -> None:
+@pytest.mark.parametrize(("method", "suffix"), [("widened", "float32"), ("greedy", "greedy")])
+def test_clock_times_a_heads_gemm_then_restores_it(method: str, suffix: str) -> None:
+    """The LM head's widened GEMM and its folded greedy choice are clocked under their own
+    names, and put back after."""
     module = native.load()
     if module is None or not module.gemm_bf16_available():
         pytest.skip("no native bfloat16 GEMM on this CPU")
     pack = cpu_linear.PackedWeight(torch.randn(40, 16).bfloat16(), None, kernel="native")
     script: Any = load_script("ferrum_profile_w1_steps", _SCRIPT)
     clock = script.KernelClock()
-    greedy = cpu_linear.PackedWeight.greedy
+    original = getattr(cpu_linear.PackedWeight, method)
+    x = torch.randn(3, 16).bfloat16()
     clock.install()
     try:
-        x = torch.randn(3, 16).bfloat16()
-        folded = pack.greedy(x)
+        out = getattr(pack, method)(x)
     finally:
         clock.remove()
-    assert folded is not None and torch.equal(folded[0], pack.widened(x).argmax(dim=-1))
-    assert clock.calls == {"linear 40 x 16 -> greedy": 1}
-    assert cpu_linear.PackedWeight.greedy is greedy
+    logits = pack(x).float()
+    if method == "widened":
+        assert torch.equal(out, logits)
+    else:
+        assert out is not None and torch.equal(out[0], logits.argmax(dim=-1))
+    assert clock.calls == {f"linear 40 x 16 -> {suffix}": 1}
+    assert getattr(cpu_linear.PackedWeight, method) is original
