@@ -47,12 +47,16 @@ class KernelClock:
     """Wall time and calls per native kernel and per packed linear shape, taken by wrapping
     ``native.load()``'s functions, ``PackedWeight.__call__``, ``PackedWeight.swiglu`` (the
     gate/up GEMM with its SwiGLU: "+ SwiGLU") and ``PackedWeight.widened`` (an LM head's GEMM
-    storing float32: "-> float32"); ``install``, and ``remove`` puts them back. The
-    native GEMM's own entry points are left unwrapped: their time is the linears'."""
+    storing float32: "-> float32"); ``install``, and ``remove`` puts them back. The native
+    GEMM's entry points that a layer may call directly (``packed_gemm``, and
+    ``packed_gemm_halves``: the native decode layer's linears) are timed under the same names
+    ("linear N x K", "+ SwiGLU") when no clocked PackedWeight method is calling them, so a
+    decode step's GEMMs are not left in the rest and a linear is never counted twice."""
 
     def __init__(self) -> None:
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.calls: defaultdict[str, int] = defaultdict(int)
+        self._depth = 0  # clocked calls in progress (a linear's GEMM is not counted again)
         self._load = native.load
         self._linear = cpu_linear.PackedWeight.__call__
         self._swiglu = cpu_linear.PackedWeight.swiglu
@@ -62,11 +66,27 @@ class KernelClock:
     def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
+            self._depth += 1
             try:
                 return fn(*args, **kwargs)
             finally:
+                self._depth -= 1
                 self.seconds[name] += time.perf_counter() - started
                 self.calls[name] += 1
+
+        return call
+
+    def _timed_gemm(self, fn: Callable[..., Any], halves: bool) -> Callable[..., Any]:
+        """A native GEMM entry point (x, packed, bias, n[, swiglu]) timed as "linear N x K"
+        (plus " + SwiGLU" for a fused gate/up) unless a clocked call is already timing it."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            x, n = args[0], args[3]
+            swiglu = halves and len(args) > 4 and bool(args[4])
+            name = f"linear {n} x {x.shape[-1]}" + (" + SwiGLU" if swiglu else "")
+            return self.timed(name, fn)(*args, **kwargs)
 
         return call
 
@@ -82,6 +102,9 @@ class KernelClock:
                     if not name.startswith("_") and callable(getattr(module, name))
                 }
             )
+            for name, halves in (("packed_gemm", False), ("packed_gemm_halves", True)):
+                if hasattr(module, name):
+                    setattr(wrapped, name, self._timed_gemm(getattr(module, name), halves))
             native.load = lambda: wrapped
         packed = cpu_linear.PackedWeight
         packed.__call__ = self._timed_method(self._linear, "")  # type: ignore[method-assign]

@@ -69,3 +69,28 @@ def test_clock_times_a_heads_gemm_then_restores_it(method: str, suffix: str) -> 
         assert out is not None and torch.equal(out[0], logits.argmax(dim=-1))
     assert clock.calls == {f"linear 40 x 16 -> {suffix}": 1}
     assert getattr(cpu_linear.PackedWeight, method) is original
+
+
+def test_clock_times_a_layers_direct_gemm_calls_once() -> None:
+    """A GEMM entry point a layer calls directly (the native decode layer's linears) is timed
+    as its linear, and a packed linear's own call of it is not counted a second time."""
+    module = native.load()
+    if module is None:
+        pytest.skip("no C++ toolchain for the native kernels")
+    weight = torch.randn(24, 8)
+    pack = packed_linear(weight)
+    if pack is None or pack.kernel != "native":
+        pytest.skip("no native packed linears on this CPU")
+    script: Any = load_script("ferrum_profile_w1_steps", _SCRIPT)
+    clock = script.KernelClock()
+    gemm = module.packed_gemm
+    x = torch.randn(3, 8)
+    clock.install()
+    try:
+        direct = native.load().packed_gemm(x, pack.packed(), None, 24)
+        pack(x)
+    finally:
+        clock.remove()
+    torch.testing.assert_close(direct, x @ weight.T, atol=1e-5, rtol=0)
+    assert clock.calls == {"linear 24 x 8": 2}
+    assert native.load().packed_gemm is gemm
