@@ -72,6 +72,11 @@ plus, optionally:
   CPU backend's ``cpu_decode_layer.NativeDecodeLayer``: its native kernels without the Python
   between them). The model asks for one per dense layer once its weights are prepared; a
   function that answers None for a step leaves it to the generic path.
+* ``decode_layers(layers' DecodeLayerFns) -> DecodeLayersFn | None``: every layer of a
+  decode-only step in one function, for a model whose layers all have a ``decode_layer`` (the
+  CPU backend's ``cpu_decode_layer.NativeDecodeLayers``: the layers' kernels in one native
+  call, bit for bit the layers' own results). A function that answers None for a step leaves
+  the layers to run one by one.
 
 Third-party attention (FlashInfer, flash-attn) plugs in through ``register_attention_provider``:
 a factory that, given the device, returns an attention callable with the signature above (KV
@@ -89,7 +94,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -105,7 +110,7 @@ from ferrum_kernels.attention import (
     write_kv,
 )
 from ferrum_kernels.cpu_attention import CpuAttention, write_kv_cpu
-from ferrum_kernels.cpu_decode_layer import DenseLayerParts, NativeDecodeLayer
+from ferrum_kernels.cpu_decode_layer import DenseLayerParts, NativeDecodeLayer, NativeDecodeLayers
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
 from ferrum_kernels.cpu_linear import (
     float32_linear,
@@ -124,6 +129,8 @@ __all__ = [
     "DecodeAttentionFactory",
     "DecodeLayerFactory",
     "DecodeLayerFn",
+    "DecodeLayersFactory",
+    "DecodeLayersFn",
     "DenseLayerParts",
     "FusedMoeFn",
     "KernelBackend",
@@ -208,6 +215,15 @@ DecodeLayerFn = Callable[
 ]
 # The backend's DecodeLayerFn for a dense layer made of `DenseLayerParts`, or None.
 DecodeLayerFactory = Callable[[DenseLayerParts], DecodeLayerFn | None]
+# Every layer of a decode-only step in one function: (embeddings, cos, sin, kv_cache [L, ...],
+# meta) -> (last output, residual), or None where it does not serve the step.
+DecodeLayersFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata],
+    tuple[torch.Tensor, torch.Tensor] | None,
+]
+# The backend's DecodeLayersFn over a model's layers' DecodeLayerFns (None for a layer without
+# one), or None.
+DecodeLayersFactory = Callable[[Sequence[DecodeLayerFn | None]], DecodeLayersFn | None]
 AttentionProvider = Callable[[torch.device], AttentionFn | None]
 # (batch, num_heads, num_kv_heads) -> graph-safe attend(query, kv_layer, scale); called outside
 # graph capture (it may allocate and copy), the returned callable is what gets captured.
@@ -239,6 +255,8 @@ class KernelBackend:
     trailing_columns: TrailingColumnsFn | None = None
     # A dense layer's decode-only step in one function, or None where there is none.
     decode_layer: DecodeLayerFactory | None = None
+    # Every layer's decode-only step in one function, or None where there is none.
+    decode_layers: DecodeLayersFactory | None = None
 
     def gate_up_silu(self, gate_up_proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [T, I] of gate_up_proj(x) [T, 2I] (rows: gate, then up)."""
@@ -367,6 +385,7 @@ def cpu_backend() -> KernelBackend:
         greedy_linear=greedy_linear,
         trailing_columns=trailing_columns,
         decode_layer=functools.partial(NativeDecodeLayer.build, attention=attention),
+        decode_layers=NativeDecodeLayers.build,
     )
 
 
@@ -474,4 +493,10 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> KernelBa
         raise RuntimeError(f"attention provider {prefer!r} cannot serve {device}")
     base = _triton_backend() if _triton_usable(device) else torch_backend()
     # decode_layer off: the provider's attention serves every layer and step.
-    return replace(base, name=f"{base.name}+{prefer}", attention=attention, decode_layer=None)
+    return replace(
+        base,
+        name=f"{base.name}+{prefer}",
+        attention=attention,
+        decode_layer=None,
+        decode_layers=None,
+    )

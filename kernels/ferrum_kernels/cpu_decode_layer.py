@@ -17,6 +17,7 @@ without q/k norms or a soft cap, one rank. The model says which of its layers ar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +25,11 @@ from torch import nn
 
 from ferrum_kernels import native
 from ferrum_kernels.attention import AttentionMetadata
-from ferrum_kernels.cpu_attention import CpuAttention
+from ferrum_kernels.cpu_attention import CpuAttention, CpuAttentionPlan
 from ferrum_kernels.cpu_decode import SUPPORTED_HEAD_DIMS
 from ferrum_kernels.cpu_linear import PackedLinear, PackedWeight
 
-__all__ = ["DenseLayerParts", "NativeDecodeLayer"]
+__all__ = ["DenseLayerParts", "NativeDecodeLayer", "NativeDecodeLayers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +103,16 @@ class NativeDecodeLayer:
             return None
         return cls(parts, attention, (qkv, o, gate_up, down), dtype)
 
-    def __call__(
+    def plan(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
-        residual: torch.Tensor | None,  # [T, hidden], None for the first layer
-        cos: torch.Tensor,  # [T, D/2]
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        kv_layer: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> CpuAttentionPlan | None:
+        """The step's attention plan where this layer serves the step (``__call__``'s operands),
+        else None."""
         dtype = self._dtype
         # The step: decodes only, one query row each, in this layer's dtype on the CPU, with
         # no gradient (the generic linears fall back to F.linear under one).
@@ -128,6 +130,32 @@ class NativeDecodeLayer:
             return None
         plan = self._attention.plan(meta, kv_layer.shape[2])
         if plan.chunks or not plan.decodes_are_rows or plan.num_tokens != hidden.shape[0]:
+            return None
+        return plan
+
+    def weights(self) -> list[torch.Tensor]:
+        """The layer's norm weights and packed projections, in ``decode_layers``' order."""
+        parts = self._parts
+        return [
+            parts.input_norm_weight,
+            parts.post_norm_weight,
+            self._qkv.packed(),
+            self._o.packed(),
+            self._gate_up.packed(),
+            self._down.packed(),
+        ]
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        residual: torch.Tensor | None,  # [T, hidden], None for the first layer
+        cos: torch.Tensor,  # [T, D/2]
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        plan = self.plan(hidden, residual, cos, kv_layer, meta)
+        if plan is None:
             return None
         module = native.load()
         parts = self._parts
@@ -169,3 +197,82 @@ class NativeDecodeLayer:
         gate_up, down = self._gate_up, self._down
         act = module.packed_gemm_halves(x, gate_up.packed(), None, gate_up.out_features, True)
         return module.packed_gemm(act, down.packed(), None, down.out_features), residual
+
+
+class NativeDecodeLayers:
+    """``(hidden, cos, sin, kv_cache, meta) -> (output, residual) | None``: every layer of a
+    decode-only step in one native call (``decode_layers``, csrc/decode_layers.cpp), for a
+    model whose layers all have a ``NativeDecodeLayer`` of one shape. The same kernels run in
+    the same order on the same operands as the layers' own calls, so the results are bit for
+    bit theirs; what saves time is the Python between the kernels (about 2 ms of a W1 bfloat16
+    decode step of 64 items, docs/cpu-kernels.md). None where the first layer would not serve
+    the step: the layers then run one by one."""
+
+    __slots__ = ("_eps", "_layers", "_widths")
+
+    def __init__(self, layers: list[NativeDecodeLayer]) -> None:
+        self._layers = layers
+        self._eps: list[float] = []
+        self._widths: list[int] = []
+        for layer in layers:
+            parts = layer._parts
+            self._eps += [parts.input_norm_eps, parts.post_norm_eps]
+            self._widths += [
+                layer._qkv.out_features,
+                layer._o.out_features,
+                layer._gate_up.out_features,
+                layer._down.out_features,
+            ]
+
+    @classmethod
+    def build(cls, layers: Sequence[object]) -> NativeDecodeLayers | None:
+        """The model's one-call decode step, or None unless every layer is a
+        `NativeDecodeLayer` and all share dtype, heads, head size and attention scale."""
+        natives = [layer for layer in layers if isinstance(layer, NativeDecodeLayer)]
+        if not natives or len(natives) != len(layers):
+            return None
+        first = natives[0]
+
+        def shape(layer: NativeDecodeLayer) -> tuple[object, ...]:
+            p = layer._parts
+            return (layer._dtype, p.num_heads, p.num_kv_heads, p.head_dim, p.scale)
+
+        if any(shape(layer) != shape(first) for layer in natives):
+            return None
+        return cls(natives)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: the embeddings
+        cos: torch.Tensor,  # [T, D/2]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        first = self._layers[0]
+        if kv_cache.dim() != 6 or kv_cache.shape[0] != len(self._layers):
+            return None
+        plan = first.plan(hidden, None, cos, kv_cache[0], meta)
+        if plan is None or not kv_cache.is_contiguous():
+            return None
+        parts = first._parts
+        weights = [w for layer in self._layers for w in layer.weights()]
+        out: tuple[torch.Tensor, torch.Tensor] = native.load().decode_layers(
+            hidden,
+            None,
+            cos.contiguous(),
+            sin.contiguous(),
+            kv_cache,
+            weights,
+            self._eps,
+            self._widths,
+            parts.num_heads,
+            parts.num_kv_heads,
+            parts.head_dim,
+            parts.scale,
+            meta.slot_mapping,
+            plan.decode_tables,
+            plan.decode_lens,
+            plan.decode_rows,
+        )
+        return out

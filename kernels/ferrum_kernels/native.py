@@ -51,6 +51,7 @@ _SOURCES = (
     "prefill_attention.cpp",
     "gemm.cpp",
     "kv_store.cpp",
+    "decode_layers.cpp",
 )
 _FUNCTIONS = [
     "decode_attention",
@@ -73,6 +74,7 @@ _FUNCTIONS = [
     "packed_gemm_widened",
     "packed_gemm_greedy",
     "store_kv_",
+    "decode_layers",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]
 

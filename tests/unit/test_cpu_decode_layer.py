@@ -1,5 +1,6 @@
-"""The CPU backend's whole-layer decode step (``cpu_decode_layer.NativeDecodeLayer``): bit for bit
-the generic path's logits and KV, on the steps it serves; the generic path on every other step
+"""The CPU backend's whole-layer decode step (``cpu_decode_layer.NativeDecodeLayer``) and every
+layer's in one call (``NativeDecodeLayers``): bit for bit the generic path's logits and KV, on
+the steps they serve; the generic path on every other step
 and for every layer it does not serve; and greedy tokens as transformers picks them."""
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def test_decode_steps_match_the_generic_path_bit_for_bit(
 ) -> None:
     assert native.load() is not None, "the native kernels must build here"
     model, config = _model(tmp_path, dtype)
+    model.decode_layers = None  # each layer's own step (the one-call step: the next test)
     layers = _layers(model)
     fast = [layer.decode_layer for layer in layers]
     assert all(fn is not None for fn in fast)
@@ -95,9 +97,51 @@ def test_decode_steps_match_the_generic_path_bit_for_bit(
         tokens = [int(logits[-1].argmax()) for logits in got[:3]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_every_layer_in_one_call_matches_the_layers_calls_bit_for_bit(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """NativeDecodeLayers (the model's decode_layers): the logits and KV of the layers' own
+    calls, bit for bit, on every decode-only step; a step with a prefill chunk runs the layers
+    one by one."""
+    assert native.load() is not None, "the native kernels must build here"
+    model, config = _model(tmp_path, dtype)
+    assert model.decode_layers is not None
+    spy = _Spy(model.decode_layers)
+    model.decode_layers = spy
+    runner = PagedRunner(model, config, num_blocks=64, block_size=16, shuffle=True)
+    rng = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 300, (n,), generator=rng).tolist() for n in (9, 17, 33)]
+    runner.step(list(enumerate(prompts)))
+    assert not any(spy.served)
+    tokens = [5, 6, 7]
+    for step in range(4):
+        decodes = [(i, [t]) for i, t in enumerate(tokens)]
+        if step == 3:  # a prefill chunk beside the decodes: the layers one by one
+            decodes.append((3, [1, 2, 3]))
+        before = runner.snapshot()
+        served = len(spy.served)
+        got = runner.step(decodes)
+        kv_got = runner.kv_cache.clone()
+        if step < 3:
+            assert spy.served[served:] == [True]
+        else:  # asked and declined (every row is an output row here), or not asked
+            assert not any(spy.served[served:])
+        runner.restore(before)
+        model.decode_layers = None
+        want = runner.step(decodes)
+        model.decode_layers = spy
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        assert torch.equal(kv_got, runner.kv_cache)
+        tokens = [int(logits[-1].argmax()) for logits in got[:3]]
+
+
 def test_layers_it_cannot_serve_run_the_generic_path(tmp_path: Path) -> None:
     biased, _ = _model(tmp_path / "bias", torch.float32, attention_bias=True)
     assert all(layer.decode_layer is None for layer in _layers(biased))
+    assert biased.decode_layers is None  # no layer of it has one
     narrow, _ = _model(tmp_path / "narrow", torch.float32, hidden_size=64)  # head_dim 16
     assert all(layer.decode_layer is None for layer in _layers(narrow))
     plain, _ = _model(tmp_path / "plain", torch.float32)

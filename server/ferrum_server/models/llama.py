@@ -20,7 +20,13 @@ from typing import ClassVar
 
 import torch
 from ferrum_kernels.attention import AttentionMetadata, OutputRows
-from ferrum_kernels.backend import DecodeLayerFn, DenseLayerParts, KernelBackend, torch_backend
+from ferrum_kernels.backend import (
+    DecodeLayerFn,
+    DecodeLayersFn,
+    DenseLayerParts,
+    KernelBackend,
+    torch_backend,
+)
 from ferrum_kernels.layers import TiedLinear, rms_norm
 from torch import nn
 
@@ -445,6 +451,8 @@ class LlamaForCausalLM(CausalLM):
         )
         self.lm_head: nn.Module | None = None
         self.tied_head: TiedLinear | None = None  # the embedding table as the LM head
+        # Every layer's decode-only step in one function (bind_backend), or None.
+        self.decode_layers: DecodeLayersFn | None = None
         if tp.is_parallel:
             # This rank's vocabulary rows (its embedding shard when tied), logits gathered.
             local: nn.Module = (
@@ -496,6 +504,12 @@ class LlamaForCausalLM(CausalLM):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.bind_decode_layer()  # over the weights as prepared
+        # Every layer's, in one function: only where each layer has its own (a layer without
+        # one, None here, keeps the layers one by one) and `forward` is this class's.
+        factory = backend.decode_layers
+        fns = [getattr(layer, "decode_layer", None) for layer in self.layers]
+        serves = factory is not None and type(self).forward is LlamaForCausalLM.forward
+        self.decode_layers = factory(fns) if factory is not None and serves else None
         return prepared
 
     def reset_rope_cache(
@@ -532,10 +546,17 @@ class LlamaForCausalLM(CausalLM):
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, D/2]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, D/2]
         residual: torch.Tensor | None = None
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            keep = outputs if i == last else None
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta, keep)
+        done = None
+        if self.decode_layers is not None and outputs is None:
+            # Every layer in one call where the backend has one and it serves this step.
+            done = self.decode_layers(hidden, cos, sin, kv_cache, meta)
+        if done is not None:
+            hidden, residual = done
+        else:
+            last = len(self.layers) - 1
+            for i, layer in enumerate(self.layers):
+                keep = outputs if i == last else None
+                hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta, keep)
         if not hidden.shape[0]:
             return hidden  # no output row
         norm = self.norm
