@@ -8,6 +8,8 @@ quiet machine. The steps run on the engine thread, as in a server (see ``steps``
 The native kernels and the packed GEMMs are not torch ops, so torch.profiler cannot see them.
 With ``--kernels`` the steps are timed per call of each native kernel and of each packed linear
 (by its N x K) instead, and whatever no call claims (torch ops, Python) is printed as the rest.
+Decode steps then run each layer's own native calls (the model's one-call ``decode_layers`` is
+set aside: its kernels, the same ones, would be out of the clock's sight).
 
 ``--fold-ab`` instead times decode steps with the LM head folding the greedy choice (the
 default for plain greedy steps) against the same steps sampling written logits (the model's
@@ -263,6 +265,10 @@ def main() -> None:
             fold_ab()
             return
         if clock is not None:
+            # Each layer's own calls, so the clock sees every kernel of a decode step (the
+            # one-call path runs the same kernels from C++, out of the clock's sight).
+            engine.model.decode_layers = None
+            sys.stdout.write("(decode steps: the layers one by one, not in one native call)\n")
             clock.install()
         measure("prefill step, 2 x 256 tokens from position 0", prefill, args.reps, args.top)
         while len(caches) < PROMPTS:
