@@ -56,6 +56,35 @@ class _Spy:
         return out
 
 
+def _check_decode_steps(
+    runner: PagedRunner, tokens: list[int], spies: list[_Spy], use: Callable[[bool], None]
+) -> None:
+    """Four decode steps (the last with a prefill chunk beside them), each run with the fast
+    path in use and again from the same state without it: logits and KV bit for bit, and every
+    spy served the decode-only steps and not the last."""
+    for step in range(4):
+        decodes = [(i, [t]) for i, t in enumerate(tokens)]
+        if step == 3:  # a prefill chunk beside the decodes: the whole step goes generic
+            decodes.append((3, [1, 2, 3]))
+        before = runner.snapshot()
+        marks = [len(spy.served) for spy in spies]
+        use(True)
+        got = runner.step(decodes)
+        kv_got = runner.kv_cache.clone()
+        for spy, mark in zip(spies, marks, strict=True):
+            if step < 3:
+                assert spy.served[mark:] == [True]
+            else:  # asked and declined, or not asked
+                assert not any(spy.served[mark:])
+        runner.restore(before)
+        use(False)
+        want = runner.step(decodes)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        assert torch.equal(kv_got, runner.kv_cache)
+        tokens = [int(logits[-1].argmax()) for logits in got[:3]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_decode_steps_match_the_generic_path_bit_for_bit(
@@ -71,30 +100,15 @@ def test_decode_steps_match_the_generic_path_bit_for_bit(
     runner = PagedRunner(model, config, num_blocks=64, block_size=16, shuffle=True)
     rng = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=rng).tolist() for n in (5, 23, 40)]
-    for layer, spy in zip(layers, spies, strict=True):
-        layer.decode_layer = spy
+
+    def use(on: bool) -> None:
+        for layer, spy in zip(layers, spies, strict=True):
+            layer.decode_layer = spy if on else None
+
+    use(True)
     runner.step(list(enumerate(prompts)))  # prefill chunks: the generic path
     assert not any(s for spy in spies for s in spy.served)
-    tokens = [7, 11, 13]
-    for step in range(4):
-        decodes = [(i, [t]) for i, t in enumerate(tokens)]
-        if step == 3:  # a prefill chunk beside the decodes: the whole step goes generic
-            decodes.append((3, [1, 2, 3]))
-        before = runner.snapshot()
-        served = len(spies[0].served)
-        got = runner.step(decodes)
-        kv_got = runner.kv_cache.clone()
-        assert all(spy.served[served:] == [step < 3] for spy in spies)
-        runner.restore(before)
-        for layer in layers:
-            layer.decode_layer = None
-        want = runner.step(decodes)
-        for layer, spy in zip(layers, spies, strict=True):
-            layer.decode_layer = spy
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w)
-        assert torch.equal(kv_got, runner.kv_cache)
-        tokens = [int(logits[-1].argmax()) for logits in got[:3]]
+    _check_decode_steps(runner, [7, 11, 13], spies, use)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,27 +129,11 @@ def test_every_layer_in_one_call_matches_the_layers_calls_bit_for_bit(
     prompts = [torch.randint(0, 300, (n,), generator=rng).tolist() for n in (9, 17, 33)]
     runner.step(list(enumerate(prompts)))
     assert not any(spy.served)
-    tokens = [5, 6, 7]
-    for step in range(4):
-        decodes = [(i, [t]) for i, t in enumerate(tokens)]
-        if step == 3:  # a prefill chunk beside the decodes: the layers one by one
-            decodes.append((3, [1, 2, 3]))
-        before = runner.snapshot()
-        served = len(spy.served)
-        got = runner.step(decodes)
-        kv_got = runner.kv_cache.clone()
-        if step < 3:
-            assert spy.served[served:] == [True]
-        else:  # asked and declined (every row is an output row here), or not asked
-            assert not any(spy.served[served:])
-        runner.restore(before)
-        model.decode_layers = None
-        want = runner.step(decodes)
-        model.decode_layers = spy
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w)
-        assert torch.equal(kv_got, runner.kv_cache)
-        tokens = [int(logits[-1].argmax()) for logits in got[:3]]
+
+    def use(on: bool) -> None:
+        model.decode_layers = spy if on else None
+
+    _check_decode_steps(runner, [5, 6, 7], [spy], use)
 
 
 def test_layers_it_cannot_serve_run_the_generic_path(tmp_path: Path) -> None:
