@@ -9,6 +9,10 @@ checked once when it is built (the layer's parts) and once a call (the step): it
 bit for bit the generic path's. Anything it does not serve (a prefill chunk in the step, another
 dtype, gradients) returns None, and the layer runs the generic path.
 
+``NativeDecodeLayers`` goes further for a model whose layers all have one: the whole step's
+layers in one native call (``decode_layers``), the same kernels in the same order, so the
+Python between the layers' 120 calls is gone too.
+
 It serves a layer whose parts all run natively: plain RMSNorms, four unbiased ``PackedLinear``s
 on the native GEMM (the gate/up packed paired, so its GEMM applies the SwiGLU), global attention
 without q/k norms or a soft cap, one rank. The model says which of its layers are such
