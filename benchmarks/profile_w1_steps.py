@@ -14,9 +14,11 @@ set aside: its kernels, the same ones, would be out of the clock's sight).
 ``--fold-ab`` instead times decode steps with the LM head folding the greedy choice (the
 default for plain greedy steps) against the same steps sampling written logits (the model's
 ``greedy_tokens`` answering None), in alternate pairs of steps, and prints each one's median.
+``--layers-ab`` does the same for the model's layers in one native call (``decode_layers``, the
+default) against each layer's own calls.
 
     python benchmarks/profile_w1_steps.py [--dtype float32] [--reps 3] [--top 12] [--kernels]
-        [--fold-ab]
+        [--fold-ab] [--layers-ab]
 """
 
 from __future__ import annotations
@@ -196,6 +198,11 @@ def main() -> None:
         action="store_true",
         help="decode steps with the LM head folding the greedy choice against sampling logits",
     )
+    parser.add_argument(
+        "--layers-ab",
+        action="store_true",
+        help="decode steps with the layers in one native call against each layer's own calls",
+    )
     args = parser.parse_args()
     clock = KernelClock() if args.kernels else None
     measure = _profile if clock is None else partial(_clock_steps, clock)
@@ -235,34 +242,65 @@ def main() -> None:
             last[i] = result.token_ids[0]
             position[i] += 1
 
-    def fold_ab() -> None:
-        # Pairs of decode steps each way, alternating, so drift in the machine's speed falls on
-        # both alike.
-        fold = LlamaForCausalLM.greedy_tokens
-        times: dict[str, list[float]] = {"folded": [], "logits": []}
-        try:
-            for pair in range(2 * args.reps):
-                way = "folded" if pair % 2 == 0 else "logits"
-                LlamaForCausalLM.greedy_tokens = fold if way == "folded" else _no_fold  # type: ignore[method-assign]
+    def alternate(label: str, ways: dict[str, Callable[[], None]]) -> None:
+        # Pairs of decode steps each way (`ways`: name -> what sets it up), alternating, so
+        # drift in the machine's speed falls on all alike.
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for _ in range(args.reps):
+            for way, setup in ways.items():
+                setup()
                 for _ in range(2):
                     started = time.perf_counter()
                     decode()
                     times[way].append((time.perf_counter() - started) * 1e3)
-        finally:
-            LlamaForCausalLM.greedy_tokens = fold  # type: ignore[method-assign]
         for way, ms in times.items():
             sys.stdout.write(
-                f"== decode step, {PROMPTS} decodes, greedy choice {way}: "
+                f"== decode step, {PROMPTS} decodes, {label} {way}: "
                 f"{statistics.median(ms):.2f} ms median of {len(ms)}\n"
             )
 
+    def fold_ab() -> None:
+        fold = LlamaForCausalLM.greedy_tokens
+
+        def use(greedy: Callable[..., Any]) -> Callable[[], None]:
+            def setup() -> None:
+                LlamaForCausalLM.greedy_tokens = greedy  # type: ignore[method-assign]
+
+            return setup
+
+        try:
+            alternate("greedy choice", {"folded": use(fold), "logits": use(_no_fold)})
+        finally:
+            LlamaForCausalLM.greedy_tokens = fold  # type: ignore[method-assign]
+
+    def layers_ab() -> None:
+        model = engine.model
+        fused = model.decode_layers
+        if fused is None:
+            sys.stdout.write("no one-call decode layers for this model here\n")
+            return
+
+        def use(fn: Any) -> Callable[[], None]:
+            def setup() -> None:
+                model.decode_layers = fn
+
+            return setup
+
+        try:
+            alternate("layers", {"in one call": use(fused), "one by one": use(None)})
+        finally:
+            model.decode_layers = fused
+
     def steps() -> None:
         engine.warmup(64)
-        if args.fold_ab:
+        if args.fold_ab or args.layers_ab:
             while len(caches) < PROMPTS:
                 prefill()
             decode()  # the first decode step of the shape may allocate
-            fold_ab()
+            if args.fold_ab:
+                fold_ab()
+            if args.layers_ab:
+                layers_ab()
             return
         if clock is not None:
             # Each layer's own calls, so the clock sees every kernel of a decode step (the
