@@ -137,6 +137,20 @@ class NativeDecodeLayer:
             return None
         return plan
 
+    def shape(self) -> tuple[object, ...]:
+        """What every layer of one ``decode_layers`` call must share: dtype, heads, head size
+        and attention scale."""
+        p = self._parts
+        return (self._dtype, p.num_heads, p.num_kv_heads, p.head_dim, p.scale)
+
+    def epsilons(self) -> list[float]:
+        """The two norms' epsilons, in ``decode_layers``' order."""
+        return [self._parts.input_norm_eps, self._parts.post_norm_eps]
+
+    def widths(self) -> list[int]:
+        """The four projections' output widths (N), in ``decode_layers``' order."""
+        return [pack.out_features for pack in (self._qkv, self._o, self._gate_up, self._down)]
+
     def weights(self) -> list[torch.Tensor]:
         """The layer's norm weights and packed projections, in ``decode_layers``' order."""
         parts = self._parts
@@ -216,17 +230,8 @@ class NativeDecodeLayers:
 
     def __init__(self, layers: list[NativeDecodeLayer]) -> None:
         self._layers = layers
-        self._eps: list[float] = []
-        self._widths: list[int] = []
-        for layer in layers:
-            parts = layer._parts
-            self._eps += [parts.input_norm_eps, parts.post_norm_eps]
-            self._widths += [
-                layer._qkv.out_features,
-                layer._o.out_features,
-                layer._gate_up.out_features,
-                layer._down.out_features,
-            ]
+        self._eps = [eps for layer in layers for eps in layer.epsilons()]
+        self._widths = [n for layer in layers for n in layer.widths()]
 
     @classmethod
     def build(cls, layers: Sequence[object]) -> NativeDecodeLayers | None:
@@ -235,13 +240,7 @@ class NativeDecodeLayers:
         natives = [layer for layer in layers if isinstance(layer, NativeDecodeLayer)]
         if not natives or len(natives) != len(layers):
             return None
-        first = natives[0]
-
-        def shape(layer: NativeDecodeLayer) -> tuple[object, ...]:
-            p = layer._parts
-            return (layer._dtype, p.num_heads, p.num_kv_heads, p.head_dim, p.scale)
-
-        if any(shape(layer) != shape(first) for layer in natives):
+        if any(layer.shape() != natives[0].shape() for layer in natives):
             return None
         return cls(natives)
 
@@ -263,7 +262,6 @@ class NativeDecodeLayers:
         weights = [w for layer in self._layers for w in layer.weights()]
         out: tuple[torch.Tensor, torch.Tensor] = native.load().decode_layers(
             hidden,
-            None,
             cos.contiguous(),
             sin.contiguous(),
             kv_cache,

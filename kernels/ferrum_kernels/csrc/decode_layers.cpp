@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-// hidden [T, H] (the embeddings, or a layer's output with `residual` [T, H]); cos, sin [T, D/2];
+// hidden [T, H] (the embeddings); cos, sin [T, D/2];
 // kv_cache [L, 2, NB, BS, Hkv, D] contiguous; per layer l, `weights` [6 l .. 6 l + 5]: the input
 // and post-attention norms' weights, then the packed qkv, o, gate/up (paired) and down weights
 // (no bias), `eps` [2 l, 2 l + 1] the norms' epsilons and `widths` [4 l .. 4 l + 3] the four
@@ -18,11 +18,10 @@
 // (decode_attention). -> (the last layer's output, the residual stream), each [T, H], as the
 // layers' calls leave them.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos,
-    torch::Tensor sin, torch::Tensor kv_cache, std::vector<torch::Tensor> weights,
-    std::vector<double> eps, std::vector<int64_t> widths, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, double scale, torch::Tensor slots, torch::Tensor tables,
-    torch::Tensor lens, torch::Tensor rows) {
+    torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache,
+    std::vector<torch::Tensor> weights, std::vector<double> eps, std::vector<int64_t> widths,
+    int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, torch::Tensor slots,
+    torch::Tensor tables, torch::Tensor lens, torch::Tensor rows) {
   const int64_t layers = kv_cache.size(0);
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [L, 2, NB, BS, Hkv, D] pool");
@@ -37,11 +36,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + 6 * l;
     const int64_t* n = widths.data() + 4 * l;
-    if (l == 0 && !residual.has_value()) {
-      x = rms_norm(hidden, w[0], eps[2 * l]);
+    if (l == 0) {  // the residual stream starts as the embeddings
+      x = rms_norm(hidden, w[0], eps[0]);
       res = hidden;
     } else {
-      if (l == 0) res = *residual;
       x = add_rms_norm_(res, hidden, w[0], eps[2 * l]);
     }
     torch::Tensor kv_layer = kv_cache.select(0, l);

@@ -508,8 +508,8 @@ class LlamaForCausalLM(CausalLM):
         # one, None here, keeps the layers one by one) and `forward` is this class's.
         factory = backend.decode_layers
         fns = [getattr(layer, "decode_layer", None) for layer in self.layers]
-        serves = factory is not None and type(self).forward is LlamaForCausalLM.forward
-        self.decode_layers = factory(fns) if factory is not None and serves else None
+        ours = type(self).forward is LlamaForCausalLM.forward
+        self.decode_layers = factory(fns) if factory is not None and ours else None
         return prepared
 
     def reset_rope_cache(
