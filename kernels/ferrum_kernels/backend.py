@@ -77,6 +77,9 @@ plus, optionally:
   CPU backend's ``cpu_decode_layer.NativeDecodeLayers``: the layers' kernels in one native
   call, bit for bit the layers' own results). A function that answers None for a step leaves
   the layers to run one by one.
+* ``prefill_layers(layers' DecodeLayerFns) -> PrefillLayersFn | None``: the same for every
+  layer but the last of a step of prompt chunks alone (``NativeDecodeLayers.prefill``, with the
+  prefill attention); the model's last layer then finishes only the output rows.
 
 Third-party attention (FlashInfer, flash-attn) plugs in through ``register_attention_provider``:
 a factory that, given the device, returns an attention callable with the signature above (KV
@@ -136,6 +139,8 @@ __all__ = [
     "KernelBackend",
     "ModelPreparer",
     "PagedAttentionFn",
+    "PrefillLayersFactory",
+    "PrefillLayersFn",
     "RmsNormResidualFn",
     "RotaryFn",
     "SampleFn",
@@ -224,6 +229,12 @@ DecodeLayersFn = Callable[
 # The backend's DecodeLayersFn over a model's layers' DecodeLayerFns (None for a layer without
 # one), or None.
 DecodeLayersFactory = Callable[[Sequence[DecodeLayerFn | None]], DecodeLayersFn | None]
+# Every layer but the last of a step of prompt chunks alone in one function: (embeddings, cos,
+# sin, kv_cache [L, ...], meta) -> (the next-to-last layer's output, residual), or None where it
+# does not serve the step. The model's last layer finishes the output rows alone.
+PrefillLayersFn = DecodeLayersFn
+# The backend's PrefillLayersFn over a model's layers' DecodeLayerFns, or None.
+PrefillLayersFactory = Callable[[Sequence[DecodeLayerFn | None]], PrefillLayersFn | None]
 AttentionProvider = Callable[[torch.device], AttentionFn | None]
 # (batch, num_heads, num_kv_heads) -> graph-safe attend(query, kv_layer, scale); called outside
 # graph capture (it may allocate and copy), the returned callable is what gets captured.
@@ -257,6 +268,8 @@ class KernelBackend:
     decode_layer: DecodeLayerFactory | None = None
     # Every layer's decode-only step in one function, or None where there is none.
     decode_layers: DecodeLayersFactory | None = None
+    # Every layer but the last of a prompt-only step in one function, or None where none.
+    prefill_layers: PrefillLayersFactory | None = None
 
     def gate_up_silu(self, gate_up_proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [T, I] of gate_up_proj(x) [T, 2I] (rows: gate, then up)."""
@@ -386,6 +399,7 @@ def cpu_backend() -> KernelBackend:
         trailing_columns=trailing_columns,
         decode_layer=functools.partial(NativeDecodeLayer.build, attention=attention),
         decode_layers=NativeDecodeLayers.build,
+        prefill_layers=NativeDecodeLayers.build_prefill,
     )
 
 
@@ -499,4 +513,5 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> KernelBa
         attention=attention,
         decode_layer=None,
         decode_layers=None,
+        prefill_layers=None,
     )

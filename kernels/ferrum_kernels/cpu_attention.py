@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -528,6 +529,30 @@ def cpu_windowed_attention(
     return out
 
 
+def native_prefill_module(
+    query: torch.Tensor, kv_layer: torch.Tensor, plan: CpuAttentionPlan
+) -> Any | None:
+    """The native module where its prefill kernel serves this query, pool and plan (``query``
+    [T, H, D], ``kv_layer`` [2, NB, BS, Hkv, D]), else None (the torch path serves them)."""
+    head_dim = kv_layer.shape[-1]
+    if (
+        not NATIVE_PREFILL
+        or query.device.type != "cpu"
+        or query.dtype not in _PREFILL_DTYPES
+        or kv_layer.dtype != query.dtype
+        or head_dim % _PREFILL_DIM_MULTIPLE != 0
+        or not kv_layer.is_contiguous()
+        or plan.chunk_tables.device.type != "cpu"
+    ):
+        return None
+    module = native.load()
+    # Where the kernel is not vectorised (bfloat16 without AVX-512, anything without AVX2) its
+    # portable loops lose to the torch path's BLAS calls.
+    if module is None or not module.prefill_attention_vectorized(query.dtype == torch.bfloat16):
+        return None
+    return module
+
+
 def _native_prefill(
     query: torch.Tensor,  # [T, H, D]
     kv_layer: torch.Tensor,  # [2, NB, BS, Hkv, D] holding every chunk's K/V
@@ -541,20 +566,8 @@ def _native_prefill(
     in (p - window, p]); False (nothing written) when it cannot take this input and the caller
     must use the torch path."""
     _, _, _, num_kv_heads, head_dim = kv_layer.shape
-    if (
-        not NATIVE_PREFILL
-        or query.device.type != "cpu"
-        or query.dtype not in _PREFILL_DTYPES
-        or kv_layer.dtype != query.dtype
-        or head_dim % _PREFILL_DIM_MULTIPLE != 0
-        or not kv_layer.is_contiguous()
-        or plan.chunk_tables.device.type != "cpu"
-    ):
-        return False
-    module = native.load()
-    # Where the kernel is not vectorised (bfloat16 without AVX-512, anything without AVX2) its
-    # portable loops lose to the torch path's BLAS calls.
-    if module is None or not module.prefill_attention_vectorized(query.dtype == torch.bfloat16):
+    module = native_prefill_module(query, kv_layer, plan)
+    if module is None:
         return False
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         query = query.contiguous()  # the kernel takes a row stride, not arbitrary strides

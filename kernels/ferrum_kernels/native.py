@@ -75,6 +75,7 @@ _FUNCTIONS = [
     "packed_gemm_greedy",
     "store_kv_",
     "decode_layers",
+    "prefill_layers",
 ]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off", "-std=c++17"]
 

@@ -1,7 +1,8 @@
 """The CPU backend's whole-layer decode step (``cpu_decode_layer.NativeDecodeLayer``) and every
-layer's in one call (``NativeDecodeLayers``): bit for bit the generic path's logits and KV, on
-the steps they serve; the generic path on every other step
-and for every layer it does not serve; and greedy tokens as transformers picks them."""
+layer's in one call (``NativeDecodeLayers``, and its ``prefill`` for every layer but the last of
+a prompt step): bit for bit the generic path's logits and KV, on the steps they serve; the
+generic path on every other step and for every layer it does not serve; and greedy tokens as
+transformers picks them."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 from ferrum_kernels import native
+from ferrum_kernels.attention import OutputRows
 from ferrum_kernels.backend import cpu_backend
 from ferrum_server.models import load_model
 from ferrum_server.models.llama import DecoderLayer
-from helpers_models import PagedRunner, check_greedy_against_transformers
+from helpers_models import PagedRunner, SeqState, build_meta, check_greedy_against_transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 # head_dim 64 (the decode kernel's sizes), grouped query heads.
@@ -134,6 +136,83 @@ def test_every_layer_in_one_call_matches_the_layers_calls_bit_for_bit(
         model.decode_layers = spy if on else None
 
     _check_decode_steps(runner, [5, 6, 7], [spy], use)
+
+
+def _output_step(
+    runner: PagedRunner, items: list[tuple[int, list[int]]], counts: list[int]
+) -> torch.Tensor:
+    """runner.step's forward as the engine runs a step: only each item's last counts[i] rows
+    are finished (OutputRows); -> their final hidden states [R, hidden]."""
+    ids: list[int] = []
+    positions: list[int] = []
+    blocks, query_lens, context_lens = [], [], []
+    for seq_id, tokens in items:
+        seq = runner.seqs.setdefault(seq_id, SeqState())
+        end = seq.length + len(tokens)
+        need = -(-end // runner.block_size) - len(seq.blocks)
+        if need > 0:
+            seq.blocks += runner.allocator.allocate(need)
+        ids += tokens
+        positions += range(seq.length, end)
+        blocks.append(list(seq.blocks))
+        query_lens.append(len(tokens))
+        context_lens.append(end)
+        seq.length = end
+    meta = build_meta(blocks, query_lens, context_lens, runner.block_size)
+    hidden: torch.Tensor = runner.model(
+        torch.tensor(ids),
+        torch.tensor(positions),
+        runner.kv_cache,
+        meta,
+        OutputRows.select(meta, counts),
+    )
+    return hidden
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_a_prompt_steps_leading_layers_in_one_call_match_the_generic_path(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """The model's prefill_layers (every layer but the last in one call): the final hidden
+    states of the output rows and the whole KV pool bit for bit the layers' own, for first
+    chunks, later chunks and a chunk that finishes nothing; a step with a decode in it runs
+    the layers one by one."""
+    assert native.load() is not None, "the native kernels must build here"
+    model, config = _model(tmp_path, dtype)
+    assert model.prefill_layers is not None
+    spy = _Spy(model.prefill_layers)
+    runner = PagedRunner(model, config, num_blocks=64, block_size=16, shuffle=True)
+    rng = torch.Generator().manual_seed(3)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, 300, (n,), generator=rng).tolist()
+
+    steps = [
+        ([(0, prompt(5)), (1, prompt(23)), (2, prompt(40))], [1, 1, 1], True),
+        ([(1, prompt(17)), (2, prompt(33))], [1, 0], True),  # later chunks; one finishes none
+        ([(0, prompt(1)), (3, prompt(12))], [1, 1], False),  # a decode: the layers one by one
+    ]
+    for items, counts, served in steps:
+        before = runner.snapshot()
+        model.prefill_layers = spy
+        mark = len(spy.served)
+        got = _output_step(runner, items, counts)
+        kv_got = runner.kv_cache.clone()
+        assert spy.served[mark:] == [served]
+        runner.restore(before)
+        model.prefill_layers = None
+        want = _output_step(runner, items, counts)
+        assert got.shape[0] == sum(counts)
+        assert torch.equal(got, want)
+        assert torch.equal(kv_got, runner.kv_cache)
+    one, _ = _model(tmp_path / "one", dtype, num_hidden_layers=1)
+    layers_fn = one.prefill_layers
+    assert layers_fn is not None  # built, but a one-layer model has no leading layers
+    kv = torch.zeros(1, 2, 4, 16, 2, 64, dtype=dtype)
+    hidden = torch.zeros(16, 256, dtype=dtype)
+    meta = build_meta([[0]], [16], [16], 16)
+    assert layers_fn(hidden, hidden[:, :32], hidden[:, :32], kv, meta) is None
 
 
 def test_layers_it_cannot_serve_run_the_generic_path(tmp_path: Path) -> None:

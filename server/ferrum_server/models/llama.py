@@ -25,6 +25,7 @@ from ferrum_kernels.backend import (
     DecodeLayersFn,
     DenseLayerParts,
     KernelBackend,
+    PrefillLayersFn,
     torch_backend,
 )
 from ferrum_kernels.layers import TiedLinear, rms_norm
@@ -453,6 +454,8 @@ class LlamaForCausalLM(CausalLM):
         self.tied_head: TiedLinear | None = None  # the embedding table as the LM head
         # Every layer's decode-only step in one function (bind_backend), or None.
         self.decode_layers: DecodeLayersFn | None = None
+        # Every layer but the last of a prompt-only step in one function (bind_backend), or None.
+        self.prefill_layers: PrefillLayersFn | None = None
         if tp.is_parallel:
             # This rank's vocabulary rows (its embedding shard when tied), logits gathered.
             local: nn.Module = (
@@ -510,6 +513,8 @@ class LlamaForCausalLM(CausalLM):
         fns = [getattr(layer, "decode_layer", None) for layer in self.layers]
         ours = type(self).forward is LlamaForCausalLM.forward
         self.decode_layers = factory(fns) if factory is not None and ours else None
+        prefill = backend.prefill_layers
+        self.prefill_layers = prefill(fns) if prefill is not None and ours else None
         return prepared
 
     def reset_rope_cache(
@@ -547,16 +552,25 @@ class LlamaForCausalLM(CausalLM):
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, D/2]
         residual: torch.Tensor | None = None
         done = None
+        last = len(self.layers) - 1
+        first = 0  # the first layer left to run one by one
         if self.decode_layers is not None and outputs is None:
             # Every layer in one call where the backend has one and it serves this step.
             done = self.decode_layers(hidden, cos, sin, kv_cache, meta)
+        elif self.prefill_layers is not None and outputs is not None:
+            # A prompt step: every layer but the last in one call, where it serves the step;
+            # the last (below) finishes only the output rows.
+            lead = self.prefill_layers(hidden, cos, sin, kv_cache, meta)
+            if lead is not None:
+                (hidden, residual), first = lead, last
         if done is not None:
             hidden, residual = done
         else:
-            last = len(self.layers) - 1
-            for i, layer in enumerate(self.layers):
+            for i in range(first, last + 1):
                 keep = outputs if i == last else None
-                hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta, keep)
+                hidden, residual = self.layers[i](
+                    hidden, residual, cos, sin, kv_cache[i], meta, keep
+                )
         if not hidden.shape[0]:
             return hidden  # no output row
         norm = self.norm
