@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ferrum_kernels.attention import AttentionMetadata
+from ferrum_kernels.attention import AttentionMetadata, OutputRows
 from ferrum_server.models.causal_lm import CausalLM
 from ferrum_server.models.config import ModelConfig
 
@@ -99,6 +99,17 @@ class PagedRunner:
     @torch.no_grad()
     def step(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """Feed tokens to sequences (created on first use); per-item logits [n_i, vocab]."""
+        hidden, meta = self.forward(items)
+        logits = self.model.compute_logits(hidden)  # [T, vocab]
+        return [logits[meta.query_start[i] : meta.query_start[i + 1]] for i in range(len(items))]
+
+    @torch.no_grad()
+    def forward(
+        self, items: list[tuple[int, list[int]]], counts: list[int] | None = None
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """``step``'s forward: the final hidden states of every query row [T, hidden], or, as
+        the engine runs a step, of each item's last ``counts[i]`` rows alone (``OutputRows``:
+        the last layer finishes only those) [R, hidden]; and the step's metadata."""
         ids: list[int] = []
         positions: list[int] = []
         block_lists, query_lens, context_lens = [], [], []
@@ -115,14 +126,16 @@ class PagedRunner:
             context_lens.append(new_len)
             seq.length = new_len
         meta = build_meta(block_lists, query_lens, context_lens, self.block_size, self.device)
-        hidden = self.model(
+        args = [
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_cache,
             meta,
-        )
-        logits = self.model.compute_logits(hidden)  # [T, vocab]
-        return [logits[meta.query_start[i] : meta.query_start[i + 1]] for i in range(len(items))]
+        ]
+        if counts is not None:
+            args.append(OutputRows.select(meta, counts))
+        hidden: torch.Tensor = self.model(*args)
+        return hidden, meta
 
     def snapshot(self) -> tuple[torch.Tensor, dict[int, SeqState], list[int]]:
         return self.kv_cache.clone(), copy.deepcopy(self.seqs), list(self.allocator.free)

@@ -306,26 +306,40 @@ class NativeDecodeLayers:
         plan = first.plan(hidden, None, cos, kv_cache[0], meta)
         if plan is None or not kv_cache.is_contiguous():
             return None
-        parts = first._parts
-        weights = [w for layer in self._layers for w in layer.weights()]
         out: tuple[torch.Tensor, torch.Tensor] = native.load().decode_layers(
-            hidden,
-            cos.contiguous(),
-            sin.contiguous(),
-            kv_cache,
-            weights,
-            self._eps,
-            self._widths,
-            parts.num_heads,
-            parts.num_kv_heads,
-            parts.head_dim,
-            parts.scale,
-            meta.slot_mapping,
+            *self._operands(hidden, cos, sin, kv_cache, meta, len(self._layers)),
             plan.decode_tables,
             plan.decode_lens,
             plan.decode_rows,
         )
         return out
+
+    def _operands(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        count: int,
+    ) -> list[object]:
+        """``decode_layers``' and ``prefill_layers``' arguments up to their attention plan's,
+        for the first `count` layers."""
+        parts = self._layers[0]._parts
+        return [
+            hidden,
+            cos.contiguous(),
+            sin.contiguous(),
+            kv_cache,
+            [w for layer in self._layers[:count] for w in layer.weights()],
+            self._eps[: 2 * count],
+            self._widths[: 4 * count],
+            parts.num_heads,
+            parts.num_kv_heads,
+            parts.head_dim,
+            parts.scale,
+            meta.slot_mapping,
+        ]
 
     def prefill(
         self,
@@ -349,27 +363,16 @@ class NativeDecodeLayers:
         if plan is None or not kv_cache.is_contiguous():
             return None
         parts = first._parts
-        h, hkv, d = parts.num_heads, parts.num_kv_heads, parts.head_dim
         # The prefill kernel's packed K/V, in the attention's own workspace (as each layer's
         # call takes it).
         scratch = first._attention.workspace.take(
-            2, plan.key_slots(0) * hkv * d * 2, hidden.dtype, hidden.device
+            2,
+            plan.key_slots(0) * parts.num_kv_heads * parts.head_dim * 2,
+            hidden.dtype,
+            hidden.device,
         )
-        lead = len(layers) - 1
-        weights = [w for layer in layers[:lead] for w in layer.weights()]
         out: tuple[torch.Tensor, torch.Tensor] = native.load().prefill_layers(
-            hidden,
-            cos.contiguous(),
-            sin.contiguous(),
-            kv_cache,
-            weights,
-            self._eps[: 2 * lead],
-            self._widths[: 4 * lead],
-            h,
-            hkv,
-            d,
-            parts.scale,
-            meta.slot_mapping,
+            *self._operands(hidden, cos, sin, kv_cache, meta, len(layers) - 1),
             plan.chunk_info,
             plan.chunk_tables,
             scratch,

@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 import torch
 from ferrum_kernels import native
-from ferrum_kernels.attention import OutputRows
 from ferrum_kernels.backend import cpu_backend
 from ferrum_server.models import load_model
 from ferrum_server.models.llama import DecoderLayer
-from helpers_models import PagedRunner, SeqState, build_meta, check_greedy_against_transformers
+from helpers_models import PagedRunner, build_meta, check_greedy_against_transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 # head_dim 64 (the decode kernel's sizes), grouped query heads.
@@ -138,37 +137,6 @@ def test_every_layer_in_one_call_matches_the_layers_calls_bit_for_bit(
     _check_decode_steps(runner, [5, 6, 7], [spy], use)
 
 
-def _output_step(
-    runner: PagedRunner, items: list[tuple[int, list[int]]], counts: list[int]
-) -> torch.Tensor:
-    """runner.step's forward as the engine runs a step: only each item's last counts[i] rows
-    are finished (OutputRows); -> their final hidden states [R, hidden]."""
-    ids: list[int] = []
-    positions: list[int] = []
-    blocks, query_lens, context_lens = [], [], []
-    for seq_id, tokens in items:
-        seq = runner.seqs.setdefault(seq_id, SeqState())
-        end = seq.length + len(tokens)
-        need = -(-end // runner.block_size) - len(seq.blocks)
-        if need > 0:
-            seq.blocks += runner.allocator.allocate(need)
-        ids += tokens
-        positions += range(seq.length, end)
-        blocks.append(list(seq.blocks))
-        query_lens.append(len(tokens))
-        context_lens.append(end)
-        seq.length = end
-    meta = build_meta(blocks, query_lens, context_lens, runner.block_size)
-    hidden: torch.Tensor = runner.model(
-        torch.tensor(ids),
-        torch.tensor(positions),
-        runner.kv_cache,
-        meta,
-        OutputRows.select(meta, counts),
-    )
-    return hidden
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_a_prompt_steps_leading_layers_in_one_call_match_the_generic_path(
@@ -197,12 +165,12 @@ def test_a_prompt_steps_leading_layers_in_one_call_match_the_generic_path(
         before = runner.snapshot()
         model.prefill_layers = spy
         mark = len(spy.served)
-        got = _output_step(runner, items, counts)
+        got, _ = runner.forward(items, counts)
         kv_got = runner.kv_cache.clone()
         assert spy.served[mark:] == [served]
         runner.restore(before)
         model.prefill_layers = None
-        want = _output_step(runner, items, counts)
+        want, _ = runner.forward(items, counts)
         assert got.shape[0] == sum(counts)
         assert torch.equal(got, want)
         assert torch.equal(kv_got, runner.kv_cache)
