@@ -148,6 +148,13 @@ class NativeDecodeLayer:
         query = hidden.new_empty(0, p.num_heads, p.head_dim)  # what the kernel checks: dtype
         return plan if native_prefill_module(query, kv_layer, plan) is not None else None
 
+    def prefill_scratch(self, plan: CpuAttentionPlan, hidden: torch.Tensor) -> torch.Tensor:
+        """Room for the prefill kernel's packed K/V of ``plan`` (global attention), in the
+        attention's own workspace, as each layer's call takes it (``_native_prefill``)."""
+        p = self._parts
+        numel = plan.key_slots(0) * p.num_kv_heads * p.head_dim * 2
+        return self._attention.workspace.take(2, numel, hidden.dtype, hidden.device)
+
     def _takes(
         self,
         hidden: torch.Tensor,
@@ -325,7 +332,7 @@ class NativeDecodeLayers:
     ) -> list[object]:
         """``decode_layers``' and ``prefill_layers``' arguments up to their attention plan's,
         for the first `count` layers."""
-        parts = self._layers[0]._parts
+        _, heads, kv_heads, head_dim, scale = self._layers[0].shape()
         return [
             hidden,
             cos.contiguous(),
@@ -334,10 +341,10 @@ class NativeDecodeLayers:
             [w for layer in self._layers[:count] for w in layer.weights()],
             self._eps[: 2 * count],
             self._widths[: 4 * count],
-            parts.num_heads,
-            parts.num_kv_heads,
-            parts.head_dim,
-            parts.scale,
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
             meta.slot_mapping,
         ]
 
@@ -362,19 +369,10 @@ class NativeDecodeLayers:
         plan = first.prefill_plan(hidden, cos, kv_cache[0], meta)
         if plan is None or not kv_cache.is_contiguous():
             return None
-        parts = first._parts
-        # The prefill kernel's packed K/V, in the attention's own workspace (as each layer's
-        # call takes it).
-        scratch = first._attention.workspace.take(
-            2,
-            plan.key_slots(0) * parts.num_kv_heads * parts.head_dim * 2,
-            hidden.dtype,
-            hidden.device,
-        )
         out: tuple[torch.Tensor, torch.Tensor] = native.load().prefill_layers(
             *self._operands(hidden, cos, sin, kv_cache, meta, len(layers) - 1),
             plan.chunk_info,
             plan.chunk_tables,
-            scratch,
+            first.prefill_scratch(plan, hidden),
         )
         return out

@@ -144,8 +144,8 @@ def test_a_prompt_steps_leading_layers_in_one_call_match_the_generic_path(
 ) -> None:
     """The model's prefill_layers (every layer but the last in one call): the final hidden
     states of the output rows and the whole KV pool bit for bit the layers' own, for first
-    chunks, later chunks and a chunk that finishes nothing; a step with a decode in it runs
-    the layers one by one."""
+    chunks, later chunks, a chunk that finishes nothing and a step that finishes no row; a step
+    with a decode in it runs the layers one by one."""
     assert native.load() is not None, "the native kernels must build here"
     model, config = _model(tmp_path, dtype)
     assert model.prefill_layers is not None
@@ -159,6 +159,7 @@ def test_a_prompt_steps_leading_layers_in_one_call_match_the_generic_path(
     steps = [
         ([(0, prompt(5)), (1, prompt(23)), (2, prompt(40))], [1, 1, 1], True),
         ([(1, prompt(17)), (2, prompt(33))], [1, 0], True),  # later chunks; one finishes none
+        ([(1, prompt(7)), (2, prompt(9))], [0, 0], True),  # no row finished: K/V alone
         ([(0, prompt(1)), (3, prompt(12))], [1, 1], False),  # a decode: the layers one by one
     ]
     for items, counts, served in steps:
