@@ -8,17 +8,21 @@ quiet machine. The steps run on the engine thread, as in a server (see ``steps``
 The native kernels and the packed GEMMs are not torch ops, so torch.profiler cannot see them.
 With ``--kernels`` the steps are timed per call of each native kernel and of each packed linear
 (by its N x K) instead, and whatever no call claims (torch ops, Python) is printed as the rest.
-Decode steps then run each layer's own native calls (the model's one-call ``decode_layers`` is
-set aside: its kernels, the same ones, would be out of the clock's sight).
+Steps then run each layer's own native calls (the model's one-call ``decode_layers`` and
+``prefill_layers`` are set aside: their kernels, the same ones, would be out of the clock's
+sight).
 
 ``--fold-ab`` instead times decode steps with the LM head folding the greedy choice (the
 default for plain greedy steps) against the same steps sampling written logits (the model's
 ``greedy_tokens`` answering None), in alternate pairs of steps, and prints each one's median.
 ``--layers-ab`` does the same for the model's layers in one native call (``decode_layers``, the
-default) against each layer's own calls.
+default) against each layer's own calls, and ``--prefill-ab`` for prompt steps (2 x 256 tokens
+from position 0, their caches released after each) with every layer but the last in one native
+call (``prefill_layers``, the default) against each layer's own calls. Under ``--kernels`` both
+kinds of step run layer by layer.
 
     python benchmarks/profile_w1_steps.py [--dtype float32] [--reps 3] [--top 12] [--kernels]
-        [--fold-ab] [--layers-ab]
+        [--fold-ab] [--layers-ab] [--prefill-ab]
 """
 
 from __future__ import annotations
@@ -203,6 +207,12 @@ def main() -> None:
         action="store_true",
         help="decode steps with the layers in one native call against each layer's own calls",
     )
+    parser.add_argument(
+        "--prefill-ab",
+        action="store_true",
+        help="prompt steps with the layers but the last in one native call against each "
+        "layer's own calls",
+    )
     args = parser.parse_args()
     clock = KernelClock() if args.kernels else None
     measure = _profile if clock is None else partial(_clock_steps, clock)
@@ -242,21 +252,34 @@ def main() -> None:
             last[i] = result.token_ids[0]
             position[i] += 1
 
-    def alternate(label: str, ways: dict[str, Callable[[], None]]) -> None:
-        # Pairs of decode steps each way (`ways`: name -> what sets it up), alternating, so
-        # drift in the machine's speed falls on all alike.
+    def prompt_step() -> None:
+        """A prefill step as `prefill` runs one, its caches released after it."""
+        items = [
+            StepItem(ItemKind.PREFILL_CHUNK, f"p{i}", "", prompts[i], 0, PROMPT_TOKENS)
+            for i in (0, 1)
+        ]
+        results = engine.execute(Step(items), time.perf_counter_ns()).results
+        engine.release_caches([result.cache_id for result in results])
+
+    def alternate(
+        label: str,
+        ways: dict[str, Callable[[], None]],
+        step: Callable[[], None] = decode,
+        kind: str = f"decode step, {PROMPTS} decodes",
+    ) -> None:
+        # Pairs of steps each way (`ways`: name -> what sets it up), alternating, so drift in
+        # the machine's speed falls on all alike.
         times: dict[str, list[float]] = {way: [] for way in ways}
         for _ in range(args.reps):
             for way, setup in ways.items():
                 setup()
                 for _ in range(2):
                     started = time.perf_counter()
-                    decode()
+                    step()
                     times[way].append((time.perf_counter() - started) * 1e3)
         for way, ms in times.items():
             sys.stdout.write(
-                f"== decode step, {PROMPTS} decodes, {label} {way}: "
-                f"{statistics.median(ms):.2f} ms median of {len(ms)}\n"
+                f"== {kind}, {label} {way}: {statistics.median(ms):.2f} ms median of {len(ms)}\n"
             )
 
     def fold_ab() -> None:
@@ -291,8 +314,34 @@ def main() -> None:
         finally:
             model.decode_layers = fused
 
+    def prefill_ab() -> None:
+        model = engine.model
+        fused = model.prefill_layers
+        if fused is None:
+            sys.stdout.write("no one-call prompt layers for this model here\n")
+            return
+
+        def use(fn: Any) -> Callable[[], None]:
+            def setup() -> None:
+                model.prefill_layers = fn
+
+            return setup
+
+        prompt_step()  # the first prompt step of the shape may allocate
+        try:
+            alternate(
+                "layers but the last",
+                {"in one call": use(fused), "one by one": use(None)},
+                prompt_step,
+                f"prefill step, 2 x {PROMPT_TOKENS} tokens",
+            )
+        finally:
+            model.prefill_layers = fused
+
     def steps() -> None:
         engine.warmup(64)
+        if args.prefill_ab:
+            prefill_ab()
         if args.fold_ab or args.layers_ab:
             while len(caches) < PROMPTS:
                 prefill()
@@ -302,11 +351,14 @@ def main() -> None:
             if args.layers_ab:
                 layers_ab()
             return
+        if args.prefill_ab:
+            return
         if clock is not None:
-            # Each layer's own calls, so the clock sees every kernel of a decode step (the
-            # one-call path runs the same kernels from C++, out of the clock's sight).
+            # Each layer's own calls, so the clock sees every kernel of a step (the one-call
+            # paths run the same kernels from C++, out of the clock's sight).
             engine.model.decode_layers = None
-            sys.stdout.write("(decode steps: the layers one by one, not in one native call)\n")
+            engine.model.prefill_layers = None
+            sys.stdout.write("(every step: the layers one by one, not in one native call)\n")
             clock.install()
         measure("prefill step, 2 x 256 tokens from position 0", prefill, args.reps, args.top)
         while len(caches) < PROMPTS:
