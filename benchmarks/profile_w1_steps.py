@@ -296,52 +296,39 @@ def main() -> None:
         finally:
             LlamaForCausalLM.greedy_tokens = fold  # type: ignore[method-assign]
 
-    def layers_ab() -> None:
+    def one_call_ab(
+        attribute: str, what: str, label: str, step: Callable[[], None], kind: str
+    ) -> None:
+        """`step` with the model's one-call path `attribute` (decode_layers, prefill_layers)
+        in use against each layer's own calls, alternating (see `alternate`)."""
         model = engine.model
-        fused = model.decode_layers
+        fused = getattr(model, attribute)
         if fused is None:
-            sys.stdout.write("no one-call decode layers for this model here\n")
+            sys.stdout.write(f"no one-call {what} layers for this model here\n")
             return
 
         def use(fn: Any) -> Callable[[], None]:
             def setup() -> None:
-                model.decode_layers = fn
+                setattr(model, attribute, fn)
 
             return setup
 
+        step()  # the first step of the shape may allocate
         try:
-            alternate("layers", {"in one call": use(fused), "one by one": use(None)})
+            alternate(label, {"in one call": use(fused), "one by one": use(None)}, step, kind)
         finally:
-            model.decode_layers = fused
-
-    def prefill_ab() -> None:
-        model = engine.model
-        fused = model.prefill_layers
-        if fused is None:
-            sys.stdout.write("no one-call prompt layers for this model here\n")
-            return
-
-        def use(fn: Any) -> Callable[[], None]:
-            def setup() -> None:
-                model.prefill_layers = fn
-
-            return setup
-
-        prompt_step()  # the first prompt step of the shape may allocate
-        try:
-            alternate(
-                "layers but the last",
-                {"in one call": use(fused), "one by one": use(None)},
-                prompt_step,
-                f"prefill step, 2 x {PROMPT_TOKENS} tokens",
-            )
-        finally:
-            model.prefill_layers = fused
+            setattr(model, attribute, fused)
 
     def steps() -> None:
         engine.warmup(64)
         if args.prefill_ab:
-            prefill_ab()
+            one_call_ab(
+                "prefill_layers",
+                "prompt",
+                "layers but the last",
+                prompt_step,
+                f"prefill step, 2 x {PROMPT_TOKENS} tokens",
+            )
         if args.fold_ab or args.layers_ab:
             while len(caches) < PROMPTS:
                 prefill()
@@ -349,7 +336,9 @@ def main() -> None:
             if args.fold_ab:
                 fold_ab()
             if args.layers_ab:
-                layers_ab()
+                one_call_ab(
+                    "decode_layers", "decode", "layers", decode, f"decode step, {PROMPTS} decodes"
+                )
             return
         if args.prefill_ab:
             return

@@ -113,7 +113,12 @@ from ferrum_kernels.attention import (
     write_kv,
 )
 from ferrum_kernels.cpu_attention import CpuAttention, write_kv_cpu
-from ferrum_kernels.cpu_decode_layer import DenseLayerParts, NativeDecodeLayer, NativeDecodeLayers
+from ferrum_kernels.cpu_decode_layer import (
+    DenseLayerParts,
+    LayersFn,
+    NativeDecodeLayer,
+    NativeDecodeLayers,
+)
 from ferrum_kernels.cpu_fused import rms_norm_residual_cpu, rotary_cpu, silu_and_mul_cpu
 from ferrum_kernels.cpu_linear import (
     float32_linear,
@@ -222,17 +227,14 @@ DecodeLayerFn = Callable[
 DecodeLayerFactory = Callable[[DenseLayerParts], DecodeLayerFn | None]
 # Every layer of a decode-only step in one function: (embeddings, cos, sin, kv_cache [L, ...],
 # meta) -> (last output, residual), or None where it does not serve the step.
-DecodeLayersFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata],
-    tuple[torch.Tensor, torch.Tensor] | None,
-]
+DecodeLayersFn = LayersFn
 # The backend's DecodeLayersFn over a model's layers' DecodeLayerFns (None for a layer without
 # one), or None.
 DecodeLayersFactory = Callable[[Sequence[DecodeLayerFn | None]], DecodeLayersFn | None]
 # Every layer but the last of a step of prompt chunks alone in one function: (embeddings, cos,
 # sin, kv_cache [L, ...], meta) -> (the next-to-last layer's output, residual), or None where it
 # does not serve the step. The model's last layer finishes the output rows alone.
-PrefillLayersFn = DecodeLayersFn
+PrefillLayersFn = LayersFn
 # The backend's PrefillLayersFn over a model's layers' DecodeLayerFns, or None.
 PrefillLayersFactory = Callable[[Sequence[DecodeLayerFn | None]], PrefillLayersFn | None]
 AttentionProvider = Callable[[torch.device], AttentionFn | None]

@@ -530,16 +530,17 @@ def cpu_windowed_attention(
 
 
 def native_prefill_module(
-    query: torch.Tensor, kv_layer: torch.Tensor, plan: CpuAttentionPlan
+    dtype: torch.dtype, device: torch.device, kv_layer: torch.Tensor, plan: CpuAttentionPlan
 ) -> Any | None:
-    """The native module where its prefill kernel serves this query, pool and plan (``query``
-    [T, H, D], ``kv_layer`` [2, NB, BS, Hkv, D]), else None (the torch path serves them)."""
+    """The native module where its prefill kernel serves queries of `dtype` on `device` over
+    this pool (``kv_layer`` [2, NB, BS, Hkv, D]) and plan, else None (the torch path serves
+    them)."""
     head_dim = kv_layer.shape[-1]
     if (
         not NATIVE_PREFILL
-        or query.device.type != "cpu"
-        or query.dtype not in _PREFILL_DTYPES
-        or kv_layer.dtype != query.dtype
+        or device.type != "cpu"
+        or dtype not in _PREFILL_DTYPES
+        or kv_layer.dtype != dtype
         or head_dim % _PREFILL_DIM_MULTIPLE != 0
         or not kv_layer.is_contiguous()
         or plan.chunk_tables.device.type != "cpu"
@@ -548,7 +549,7 @@ def native_prefill_module(
     module = native.load()
     # Where the kernel is not vectorised (bfloat16 without AVX-512, anything without AVX2) its
     # portable loops lose to the torch path's BLAS calls.
-    if module is None or not module.prefill_attention_vectorized(query.dtype == torch.bfloat16):
+    if module is None or not module.prefill_attention_vectorized(dtype == torch.bfloat16):
         return None
     return module
 
@@ -566,7 +567,7 @@ def _native_prefill(
     in (p - window, p]); False (nothing written) when it cannot take this input and the caller
     must use the torch path."""
     _, _, _, num_kv_heads, head_dim = kv_layer.shape
-    module = native_prefill_module(query, kv_layer, plan)
+    module = native_prefill_module(query.dtype, query.device, kv_layer, plan)
     if module is None:
         return False
     if query.stride(2) != 1 or query.stride(1) != head_dim:

@@ -37,7 +37,15 @@ from ferrum_kernels.cpu_attention import CpuAttention, CpuAttentionPlan, native_
 from ferrum_kernels.cpu_decode import SUPPORTED_HEAD_DIMS
 from ferrum_kernels.cpu_linear import PackedLinear, PackedWeight
 
-__all__ = ["DenseLayerParts", "NativeDecodeLayer", "NativeDecodeLayers"]
+__all__ = ["DenseLayerParts", "LayersFn", "NativeDecodeLayer", "NativeDecodeLayers"]
+
+# Several layers of a step in one function: (embeddings, cos, sin, kv_cache [L, ...], meta) ->
+# (output, residual), or None where it does not serve the step (NativeDecodeLayers' entry
+# points; backend.DecodeLayersFn and PrefillLayersFn).
+LayersFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata],
+    tuple[torch.Tensor, torch.Tensor] | None,
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +152,8 @@ class NativeDecodeLayer:
         plan = self._attention.plan(meta, kv_layer.shape[2])
         if not plan.chunks or plan.decode_rows.numel() or plan.num_tokens != hidden.shape[0]:
             return None
-        p = self._parts
-        query = hidden.new_empty(0, p.num_heads, p.head_dim)  # what the kernel checks: dtype
-        return plan if native_prefill_module(query, kv_layer, plan) is not None else None
+        module = native_prefill_module(hidden.dtype, hidden.device, kv_layer, plan)
+        return plan if module is not None else None
 
     def prefill_scratch(self, plan: CpuAttentionPlan, hidden: torch.Tensor) -> torch.Tensor:
         """Room for the prefill kernel's packed K/V of ``plan`` (global attention), in the
@@ -285,15 +292,7 @@ class NativeDecodeLayers:
         return cls(natives)
 
     @classmethod
-    def build_prefill(
-        cls, layers: Sequence[object]
-    ) -> (
-        Callable[
-            [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata],
-            tuple[torch.Tensor, torch.Tensor] | None,
-        ]
-        | None
-    ):
+    def build_prefill(cls, layers: Sequence[object]) -> LayersFn | None:
         """The model's one-call prompt step (``prefill``) where ``build`` would give a
         one-call decode step, else None."""
         built = cls.build(layers)
@@ -307,11 +306,10 @@ class NativeDecodeLayers:
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        first = self._layers[0]
-        if kv_cache.dim() != 6 or kv_cache.shape[0] != len(self._layers):
+        if not self._holds(kv_cache):
             return None
-        plan = first.plan(hidden, None, cos, kv_cache[0], meta)
-        if plan is None or not kv_cache.is_contiguous():
+        plan = self._layers[0].plan(hidden, None, cos, kv_cache[0], meta)
+        if plan is None:
             return None
         out: tuple[torch.Tensor, torch.Tensor] = native.load().decode_layers(
             *self._operands(hidden, cos, sin, kv_cache, meta, len(self._layers)),
@@ -320,6 +318,15 @@ class NativeDecodeLayers:
             plan.decode_rows,
         )
         return out
+
+    def _holds(self, kv_cache: torch.Tensor) -> bool:
+        """Whether kv_cache is one contiguous pool of every layer's K/V, as the native loop
+        takes it."""
+        return (
+            kv_cache.dim() == 6
+            and kv_cache.shape[0] == len(self._layers)
+            and kv_cache.is_contiguous()
+        )
 
     def _operands(
         self,
@@ -363,11 +370,11 @@ class NativeDecodeLayers:
         kernels do not serve the step (a decode in it, another dtype, a model of one layer):
         the layers then run one by one."""
         layers = self._layers
-        if len(layers) < 2 or kv_cache.dim() != 6 or kv_cache.shape[0] != len(layers):
+        if len(layers) < 2 or not self._holds(kv_cache):
             return None
         first = layers[0]
         plan = first.prefill_plan(hidden, cos, kv_cache[0], meta)
-        if plan is None or not kv_cache.is_contiguous():
+        if plan is None:
             return None
         out: tuple[torch.Tensor, torch.Tensor] = native.load().prefill_layers(
             *self._operands(hidden, cos, sin, kv_cache, meta, len(layers) - 1),

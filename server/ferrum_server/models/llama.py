@@ -551,26 +551,21 @@ class LlamaForCausalLM(CausalLM):
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, D/2]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, D/2]
         residual: torch.Tensor | None = None
-        done = None
         last = len(self.layers) - 1
         first = 0  # the first layer left to run one by one
+        ran = None
         if self.decode_layers is not None and outputs is None:
             # Every layer in one call where the backend has one and it serves this step.
-            done = self.decode_layers(hidden, cos, sin, kv_cache, meta)
+            ran, ran_to = self.decode_layers(hidden, cos, sin, kv_cache, meta), last + 1
         elif self.prefill_layers is not None and outputs is not None:
             # A prompt step: every layer but the last in one call, where it serves the step;
             # the last (below) finishes only the output rows.
-            lead = self.prefill_layers(hidden, cos, sin, kv_cache, meta)
-            if lead is not None:
-                (hidden, residual), first = lead, last
-        if done is not None:
-            hidden, residual = done
-        else:
-            for i in range(first, last + 1):
-                keep = outputs if i == last else None
-                hidden, residual = self.layers[i](
-                    hidden, residual, cos, sin, kv_cache[i], meta, keep
-                )
+            ran, ran_to = self.prefill_layers(hidden, cos, sin, kv_cache, meta), last
+        if ran is not None:
+            (hidden, residual), first = ran, ran_to
+        for i in range(first, last + 1):
+            keep = outputs if i == last else None
+            hidden, residual = self.layers[i](hidden, residual, cos, sin, kv_cache[i], meta, keep)
         if not hidden.shape[0]:
             return hidden  # no output row
         norm = self.norm
