@@ -9,8 +9,13 @@ as a served engine (``host_memory``) are applied first, so an output buffer is n
 mapping each call. To compare two builds, run it in a worktree of each, alternating; run it
 alone on a quiet machine.
 
+The rotary then also runs with the K/V write that follows it in a step, into random slots of a
+KV pool of ``--pool-mb`` (split into twelve layers, so the slots' lines are cold, as a step
+finds them): ``rotary_`` then ``store_kv_`` (two calls, "rotary+store") against the native
+layers' ``rotary_store_kv_`` (one pass, "fused"), alternating call by call.
+
     python benchmarks/fused_ops_bench.py [--rows 64,1024] [--rounds 5] [--calls 2000]
-        [--dtype float32,bfloat16]
+        [--dtype float32,bfloat16] [--pool-mb 1024]
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from ferrum_kernels import native
 from ferrum_server import host_memory
 
 HIDDEN, QKV, ROTATED_HEADS, HEAD_DIM = 768, 1280, 16, 64
+Q_HEADS, KV_HEADS, BLOCK_SIZE, LAYERS = 12, 4, 16, 12
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, rounds: int) -> float:
@@ -47,11 +54,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=0, help="0: 2000 at 64 rows, fewer above")
     parser.add_argument("--dtype", default="float32,bfloat16")
+    parser.add_argument("--pool-mb", type=int, default=1024, help="the K/V write's pool")
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
     dtypes = args.dtype.split(",")
-    if any(r < 1 for r in rows_list) or args.rounds < 1 or args.calls < 0:
-        parser.error("--rows and --rounds must be >= 1, --calls >= 0")
+    if any(r < 1 for r in rows_list) or args.rounds < 1 or args.calls < 0 or args.pool_mb < 1:
+        parser.error("--rows, --rounds and --pool-mb must be >= 1, --calls >= 0")
     if any(d not in ("float32", "bfloat16") for d in dtypes):
         parser.error("--dtype takes float32 and/or bfloat16")
     module = native.load()
@@ -83,10 +91,69 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 calls,
                 args.rounds,
             )
+            split, fused = _kv_write_us(module, qkv, cos, sin, args.pool_mb, calls, args.rounds)
             out.write(f"{name:9s} rows {rows:5d}: add_rms_norm_ {norm:8.1f} us, ")
-            out.write(f"rotary_ {rotary:8.1f} us\n")
-            results[f"{name} rows={rows}"] = {"add_rms_norm_us": norm, "rotary_us": rotary}
+            out.write(f"rotary_ {rotary:8.1f} us, rotary+store {split:8.1f} us, ")
+            out.write(f"fused {fused:8.1f} us\n")
+            results[f"{name} rows={rows}"] = {
+                "add_rms_norm_us": norm,
+                "rotary_us": rotary,
+                "rotary_store_us": split,
+                "fused_us": fused,
+            }
     return results
+
+
+def _kv_write_us(
+    module: object,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pool_mb: int,
+    calls: int,
+    rounds: int,
+) -> tuple[float, float]:
+    """Microseconds a call of the rotary and K/V write, two calls against one, each call
+    writing into the next layer's pool at fresh random slots (median over rounds)."""
+    rows, dtype = qkv.shape[0], qkv.dtype
+    row_bytes = KV_HEADS * HEAD_DIM * qkv.element_size()
+    blocks = max(
+        1, -(-rows // BLOCK_SIZE), (pool_mb << 20) // (LAYERS * 2 * BLOCK_SIZE * row_bytes)
+    )
+    pools = [
+        torch.zeros(2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS)
+    ]
+    # Each call takes the next `rows` slots of one random order of the layer's slots, so a slot
+    # comes round again only after the whole pool has been written: its lines are cold.
+    order = torch.randperm(blocks * BLOCK_SIZE, generator=torch.Generator().manual_seed(1))
+    turns = max(1, order.numel() // rows)
+
+    def slots(call: int) -> torch.Tensor:
+        start = (call // LAYERS % turns) * rows
+        return order[start : start + rows]
+
+    k0, v0 = Q_HEADS * HEAD_DIM, (Q_HEADS + KV_HEADS) * HEAD_DIM
+    key, value = (
+        qkv[:, k0:v0].view(rows, KV_HEADS, HEAD_DIM),
+        qkv[:, v0:].view(rows, KV_HEADS, HEAD_DIM),
+    )
+    m: Any = module
+    times: dict[str, list[float]] = {"split": [], "fused": []}
+    for _ in range(rounds):
+        spent = {"split": 0.0, "fused": 0.0}
+        for call in range(0, 2 * calls, 2):
+            pool, where = pools[call % LAYERS], slots(call)
+            started = time.perf_counter()
+            m.rotary_(qkv[:, :v0], cos, sin, Q_HEADS + KV_HEADS, HEAD_DIM)
+            m.store_kv_(pool, key, value, where)
+            spent["split"] += time.perf_counter() - started
+            pool, where = pools[(call + 1) % LAYERS], slots(call + 1)
+            started = time.perf_counter()
+            m.rotary_store_kv_(qkv, cos, sin, Q_HEADS, KV_HEADS, HEAD_DIM, pool, where)
+            spent["fused"] += time.perf_counter() - started
+        for way, seconds in spent.items():
+            times[way].append(seconds / calls * 1e6)
+    return statistics.median(times["split"]), statistics.median(times["fused"])
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ A decode step runs each layer as ten native kernels (two norms, four GEMMs, rota
 store, attention). Through the generic path (the model's modules, then the backend's functions,
 each checking its operands before it picks the native kernel or a fallback) the Python between
 those kernels costs about 125 us a layer: 1.5 ms of a W1 bfloat16 decode step of 64 items,
-against 32 ms of kernels. `NativeDecodeLayer` makes the same calls with the same operands,
-checked once when it is built (the layer's parts) and once a call (the step): its results are
-bit for bit the generic path's. Anything it does not serve (a prefill chunk in the step, another
-dtype, gradients) returns None, and the layer runs the generic path.
+against 32 ms of kernels. `NativeDecodeLayer` makes the same calls with the same operands
+(but the rotary and the KV store as one, `rotary_store_kv_`, the same values in one pass over
+the rows), checked once when it is built (the layer's parts) and once a call (the step): its
+results are bit for bit the generic path's. Anything it does not serve (a prefill chunk in the
+step, another dtype, gradients) returns None, and the layer runs the generic path.
 
 ``NativeDecodeLayers`` goes further for a model whose layers all have one: the whole step's
 layers in one native call (``decode_layers``), the same kernels in the same order, so the
@@ -87,7 +88,7 @@ class NativeDecodeLayer:
     """``(hidden, residual, cos, sin, kv_layer, meta) -> (output, residual) | None``: one dense
     layer of a decode-only step, as the generic path computes it (see the module docstring)."""
 
-    __slots__ = ("_attention", "_down", "_dtype", "_gate_up", "_o", "_parts", "_qkv", "_split")
+    __slots__ = ("_attention", "_down", "_dtype", "_gate_up", "_o", "_parts", "_q_width", "_qkv")
 
     def __init__(
         self,
@@ -100,8 +101,7 @@ class NativeDecodeLayer:
         self._attention = attention
         self._qkv, self._o, self._gate_up, self._down = packs
         self._dtype = dtype
-        h, hkv, d = parts.num_heads, parts.num_kv_heads, parts.head_dim
-        self._split = (h * d, (h + hkv) * d)  # where k and v start in a qkv row
+        self._q_width = parts.num_heads * parts.head_dim  # where k starts in a qkv row
 
     @classmethod
     def build(cls, parts: DenseLayerParts, attention: CpuAttention) -> NativeDecodeLayer | None:
@@ -235,16 +235,11 @@ class NativeDecodeLayer:
             )
         qkv = self._qkv
         qkv_out = module.packed_gemm(x, qkv.packed(), None, qkv.out_features)  # [T, (H+2Hkv)D]
-        k0, v0 = self._split
-        # q and k heads side by side in each row: rotated in one pass, in place.
-        module.rotary_(qkv_out[:, :v0], cos.contiguous(), sin.contiguous(), h + hkv, d)
-        q = qkv_out[:, :k0].view(t, h, d)
-        module.store_kv_(
-            kv_layer,
-            qkv_out[:, k0:v0].view(t, hkv, d),
-            qkv_out[:, v0:].view(t, hkv, d),
-            meta.slot_mapping,
+        # q and k rotated in place and k, v written into their slots, in one pass over the rows.
+        module.rotary_store_kv_(
+            qkv_out, cos.contiguous(), sin.contiguous(), h, hkv, d, kv_layer, meta.slot_mapping
         )
+        q = qkv_out[:, : self._q_width].view(t, h, d)
         attended = module.decode_attention(
             q,
             kv_layer[0],

@@ -74,6 +74,7 @@ _FUNCTIONS = [
     "packed_gemm_widened",
     "packed_gemm_greedy",
     "store_kv_",
+    "rotary_store_kv_",
     "decode_layers",
     "prefill_layers",
 ]

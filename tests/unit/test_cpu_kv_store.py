@@ -90,3 +90,59 @@ def test_what_the_native_store_does_not_take_goes_to_the_torch_write() -> None:
         write_kv(want, k, v, slots)
         write_kv_cpu(got, k, v, slots)
         assert torch.equal(got, want)
+
+
+def _qkv(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused projection's rows and their rotary tables, as the native layers hold them."""
+    qkv = torch.randn(rows, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    angles = torch.randn(rows, HEAD_DIM // 2)
+    return qkv, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64, 600])
+def test_the_fused_rotary_and_store_equal_the_two_calls(dtype: torch.dtype, rows: int) -> None:
+    """``rotary_store_kv_`` (the native layers' form) against ``rotary_`` over q and k, then
+    ``store_kv_``: the same rotated rows and the same pool, bit for bit."""
+    module = native.load()
+    torch.manual_seed(rows)
+    qkv, cos, sin = _qkv(rows, dtype)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE)[:rows]
+    k0, v0 = Q_HEADS * HEAD_DIM, (Q_HEADS + KV_HEADS) * HEAD_DIM
+    want_qkv, want_pool = qkv.clone(), _pool(dtype)
+    got_qkv, got_pool = qkv.clone(), want_pool.clone()
+    module.rotary_(want_qkv[:, :v0], cos, sin, Q_HEADS + KV_HEADS, HEAD_DIM)
+    module.store_kv_(
+        want_pool,
+        want_qkv[:, k0:v0].view(rows, KV_HEADS, HEAD_DIM),
+        want_qkv[:, v0:].view(rows, KV_HEADS, HEAD_DIM),
+        slots,
+    )
+    module.rotary_store_kv_(got_qkv, cos, sin, Q_HEADS, KV_HEADS, HEAD_DIM, got_pool, slots)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert not torch.equal(want_qkv, qkv)  # the rotation did something
+    assert torch.equal(got_qkv.view(bits), want_qkv.view(bits))
+    assert torch.equal(got_pool.view(bits), want_pool.view(bits))
+
+
+@needs_native
+def test_the_fused_rotary_and_store_refuse_bad_input_and_change_nothing() -> None:
+    module = native.load()
+    qkv, cos, sin = _qkv(4, torch.float32)
+    pool = _pool(torch.float32)
+    qkv_before, pool_before = qkv.clone(), pool.clone()
+    slots = torch.tensor([3, 9, NUM_BLOCKS * BLOCK_SIZE, 20])
+    with pytest.raises(RuntimeError, match="slot 640 of row 2 is outside the pool's 640 slots"):
+        module.rotary_store_kv_(qkv, cos, sin, Q_HEADS, KV_HEADS, HEAD_DIM, pool, slots)
+    good = torch.tensor([3, 9, 10, 20])
+    with pytest.raises(RuntimeError, match="q, k and v heads"):
+        module.rotary_store_kv_(qkv[:, :-1], cos, sin, Q_HEADS, KV_HEADS, HEAD_DIM, pool, good)
+    with pytest.raises(RuntimeError, match="the pool's dtype"):
+        module.rotary_store_kv_(
+            qkv, cos, sin, Q_HEADS, KV_HEADS, HEAD_DIM, pool.to(torch.bfloat16), good
+        )
+    with pytest.raises(RuntimeError, match=r"cos/sin must be \[T, D/2\]"):
+        module.rotary_store_kv_(qkv, cos[:3], sin[:3], Q_HEADS, KV_HEADS, HEAD_DIM, pool, good)
+    assert torch.equal(qkv, qkv_before)
+    assert torch.equal(pool, pool_before)

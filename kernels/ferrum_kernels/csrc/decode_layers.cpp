@@ -1,7 +1,7 @@
 // Every dense layer of a decode-only step in one call, and every layer but the last of a step
 // of prompt chunks alone (cpu_decode_layer.NativeDecodeLayers and its prefill).
 //
-// NativeDecodeLayer runs a layer as ten native calls from Python; across a W1 step's twelve
+// NativeDecodeLayer runs a layer as nine native calls from Python; across a W1 step's twelve
 // layers the Python between them (argument conversion, the calls themselves, the layer's own
 // lines) was about 2 ms of a 27-30 ms bfloat16 decode step of 64 items. Here the same kernels
 // run in the same order on the same operands from C++: the results are bit for bit those of the
@@ -15,7 +15,7 @@
 #include <vector>
 
 // The layer loop both entry points share: layers 0 .. layers - 1 of kv_cache, each as
-// NativeDecodeLayer's ten calls, with attend(q [T, H, D] view, kv_layer [2, NB, BS, Hkv, D])
+// NativeDecodeLayer's nine calls, with attend(q [T, H, D] view, kv_layer [2, NB, BS, Hkv, D])
 // -> [T, H, D] the attention over the pool after this layer's K/V are stored.
 template <typename Attend>
 std::tuple<torch::Tensor, torch::Tensor> dense_layers(
@@ -33,7 +33,7 @@ std::tuple<torch::Tensor, torch::Tensor> dense_layers(
               "six weights, two epsilons and four widths per layer");
   TORCH_CHECK(hidden.dim() == 2, "hidden must be [T, H]");
   const int64_t t = hidden.size(0);
-  const int64_t k0 = heads * head_dim, v0 = (heads + kv_heads) * head_dim;
+  const int64_t k0 = heads * head_dim;
   torch::Tensor x, res;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + 6 * l;
@@ -46,10 +46,8 @@ std::tuple<torch::Tensor, torch::Tensor> dense_layers(
     }
     torch::Tensor kv_layer = kv_cache.select(0, l);
     torch::Tensor qkv = packed_gemm(x, w[2], c10::nullopt, n[0]);  // [T, (H + 2 Hkv) D]
-    // q and k heads side by side in each row: rotated in one pass, in place.
-    rotary_(qkv.slice(1, 0, v0), cos, sin, heads + kv_heads, head_dim);
-    store_kv_(kv_layer, qkv.slice(1, k0, v0).view({t, kv_heads, head_dim}),
-              qkv.slice(1, v0).view({t, kv_heads, head_dim}), slots);
+    // q and k rotated in place and k, v written into their slots, in one pass over the rows.
+    rotary_store_kv_(qkv, cos, sin, heads, kv_heads, head_dim, kv_layer, slots);
     torch::Tensor attended = attend(qkv.slice(1, 0, k0).view({t, heads, head_dim}), kv_layer);
     torch::Tensor out = packed_gemm(attended.view({t, heads * head_dim}), w[3], c10::nullopt, n[1]);
     x = add_rms_norm_(res, out, w[1], eps[2 * l + 1]);

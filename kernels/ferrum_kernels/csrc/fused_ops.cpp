@@ -197,31 +197,36 @@ void rotary_row(T* x, const T* cos, const T* sin, int64_t heads, int64_t half) {
 }
 #endif
 
+// One row's first `heads` heads rotated in place (cos, sin: the row's [D/2]).
+template <typename T>
+inline void rotary_one(T* x, const T* c, const T* s, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+#if defined(__AVX512F__)
+  rotary_row(x, c, s, heads, half);
+#else
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x1 = x + h * head_dim;
+    T* x2 = x1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = Elem<T>::load(x1, i), b = Elem<T>::load(x2, i);
+      const float ci = Elem<T>::load(c, i), si = Elem<T>::load(s, i);
+      // (x1*c - x2*s, x2*c + x1*s), each product and sum rounded like the reference.
+      const float first = Elem<T>::round(a * ci) - Elem<T>::round(b * si);
+      const float second = Elem<T>::round(b * ci) + Elem<T>::round(a * si);
+      Elem<T>::store(x1, i, first);
+      Elem<T>::store(x2, i, second);
+    }
+  }
+#endif
+}
+
 template <typename T>
 void rotary_rows(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t rows,
                  int64_t heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
   at::parallel_for(0, rows, row_grain(heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* c = cos + r * half;
-      const T* s = sin + r * half;
-#if defined(__AVX512F__)
-      rotary_row(x + r * row_stride, c, s, heads, half);
-#else
-      for (int64_t h = 0; h < heads; ++h) {
-        T* x1 = x + r * row_stride + h * head_dim;
-        T* x2 = x1 + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = Elem<T>::load(x1, i), b = Elem<T>::load(x2, i);
-          const float ci = Elem<T>::load(c, i), si = Elem<T>::load(s, i);
-          // (x1*c - x2*s, x2*c + x1*s), each product and sum rounded like the reference.
-          const float first = Elem<T>::round(a * ci) - Elem<T>::round(b * si);
-          const float second = Elem<T>::round(b * ci) + Elem<T>::round(a * si);
-          Elem<T>::store(x1, i, first);
-          Elem<T>::store(x2, i, second);
-        }
-      }
-#endif
+      rotary_one(x + r * row_stride, cos + r * half, sin + r * half, heads, head_dim);
     }
   });
 }
@@ -244,6 +249,18 @@ T* ptr(const torch::Tensor& t) {
 
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit inner stride");
+}
+
+// rotary_'s operands: x [T, W] rows with W >= heads * head_dim, cos/sin [T, D/2] in x's dtype.
+void check_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                  int64_t heads, int64_t head_dim) {
+  check_rows(x, "x");
+  TORCH_CHECK(head_dim % 2 == 0 && heads * head_dim <= x.size(1), "heads * head_dim > width");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos/sin contiguous");
+  TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) == head_dim / 2 && cos.sizes() == sin.sizes(),
+              "cos/sin must be [T, D/2]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos/sin dtype must match x");
 }
 
 }  // namespace
@@ -297,13 +314,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // the q and k parts of a fused qkv projection. cos/sin [T, D/2] in x's dtype.
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
              int64_t head_dim) {
-  check_rows(x, "x");
-  TORCH_CHECK(head_dim % 2 == 0 && heads * head_dim <= x.size(1), "heads * head_dim > width");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos/sin contiguous");
-  TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) == head_dim / 2 && cos.sizes() == sin.sizes(),
-              "cos/sin must be [T, D/2]");
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-              "cos/sin dtype must match x");
+  check_rotary(x, cos, sin, heads, head_dim);
   by_dtype(x, [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rotary_rows<T>(ptr<T>(x), x.stride(0), ptr<T>(cos), ptr<T>(sin), x.size(0), heads, head_dim);
