@@ -240,14 +240,19 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return await asyncio.get_running_loop().run_in_executor(self._parser, convert_fn, *args)
 
     async def _execute(
-        self, ticket: Ticket[Any], parse: Callable[..., Step], *args: object
+        self,
+        ticket: Ticket[Any],
+        parse: Callable[..., Step],
+        *args: object,
+        inline: bool = False,
     ) -> tuple[Step, StepOutcome]:
-        """Convert the request with parse(*args) off the loop, then run the step."""
+        """Convert the request with parse(*args) off the loop (on it where `inline`: a small
+        batch, `convert.converts_inline`), then run the step."""
         # Stamped on receipt: the step's queue time counts its conversion, and a drain that
         # begins while it converts still lets it open its cache (it was in flight).
         received_ns = time.perf_counter_ns()
         self._require_ready()
-        step = await self._parse(parse, *args)
+        step = parse(*args) if inline else await self._parse(parse, *args)
         return step, await self.engine.run_step(ticket, step, received_ns)
 
     # -- identity and status --------------------------------------------------------------
@@ -317,6 +322,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             DeferralMode.ALL_OR_NOTHING,
             request.executor_instance_id,
             ItemKind.PREFILL_CHUNK,
+            inline=convert.converts_inline(request.items),
         )
         return convert.batch_prefill_response(outcome)
 
@@ -332,6 +338,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             DeferralMode.ALL_OR_NOTHING,
             request.executor_instance_id,
             ItemKind.DECODE,
+            inline=convert.converts_inline(request.items),
         )
         return convert.batch_decode_response(outcome)
 
@@ -346,6 +353,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             request.items,
             DeferralMode.PER_ITEM,
             request.executor_instance_id,
+            inline=convert.converts_inline(request.items),
         )
         return convert.unified_response(outcome)
 

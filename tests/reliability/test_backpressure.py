@@ -383,9 +383,13 @@ def test_oversized_batch_is_refused_at_once_while_health_answers(
     assert max(probes) < 1.5, max(probes)
 
 
-def test_requests_are_converted_off_the_event_loop(
-    server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("small", [True, False])
+def test_only_small_batches_are_converted_on_the_event_loop(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch, small: bool
 ) -> None:
+    """A batch within convert.INLINE_PARSE_ITEMS / _TOKENS is converted on the event loop (two
+    thread hops cost a served step more than its conversion); a larger one on the parse thread,
+    so the loop never waits on a long conversion."""
     from ferrum_server import convert
 
     threads: list[str] = []
@@ -396,17 +400,40 @@ def test_requests_are_converted_off_the_event_loop(
         return real(*args)
 
     monkeypatch.setattr(convert, "step_from_pb", recording)
+    if not small:  # the one-item batch below counts as large
+        monkeypatch.setattr(convert, "INLINE_PARSE_ITEMS", 0)
     builder = BatchBuilder()
     builder.add_decode("nowhere", "no-such-cache", 1, 0)
+    loop_thread: list[str] = []
 
     async def scenario() -> None:
+        loop_thread.append(threading.current_thread().name)
         async with grpc.aio.insecure_channel(server.target) as channel:
             batch = _unary(channel, "UnifiedBatch", pb.UnifiedBatchResponse)
             with pytest.raises(grpc.RpcError):
                 await batch(pb.UnifiedBatchRequest(items=builder.build()), timeout=10)
 
     run_scenario(scenario())
-    assert threads and all(name.startswith("ferrum-parse") for name in threads), threads
+    assert len(threads) == 1, threads
+    if small:
+        assert not threads[0].startswith("ferrum-parse"), threads
+    else:
+        assert threads[0].startswith("ferrum-parse"), threads
+
+
+def test_the_inline_conversion_bounds() -> None:
+    from ferrum_server import convert
+
+    def items(count: int, tokens: int) -> pb.BatchItems:
+        builder = BatchBuilder()
+        for i in range(count):
+            builder.add_prefill_chunk(f"r{i}", "", [1] * (tokens // count), 0, tokens // count)
+        return builder.build()
+
+    assert convert.converts_inline(items(convert.INLINE_PARSE_ITEMS, convert.INLINE_PARSE_ITEMS))
+    assert not convert.converts_inline(items(convert.INLINE_PARSE_ITEMS + 1, 129))
+    assert convert.converts_inline(items(2, convert.INLINE_PARSE_TOKENS))
+    assert not convert.converts_inline(items(2, convert.INLINE_PARSE_TOKENS + 2))
 
 
 def test_cancelled_waits_leave_nothing_parked(server: InProcessServer) -> None:
