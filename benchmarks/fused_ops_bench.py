@@ -31,8 +31,10 @@ import torch
 from ferrum_kernels import native
 from ferrum_server import host_memory
 
-HIDDEN, QKV, ROTATED_HEADS, HEAD_DIM = 768, 1280, 16, 64
-Q_HEADS, KV_HEADS, BLOCK_SIZE, LAYERS = 12, 4, 16, 12
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM = 768, 12, 4, 64
+ROTATED_HEADS = Q_HEADS + KV_HEADS  # q and k, rotated in one call
+QKV = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+BLOCK_SIZE, LAYERS = 16, 12  # the K/V write's pool
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, rounds: int) -> float:
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
 
 def _kv_write_us(
-    module: object,
+    module: Any,
     qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -137,19 +139,19 @@ def _kv_write_us(
         qkv[:, k0:v0].view(rows, KV_HEADS, HEAD_DIM),
         qkv[:, v0:].view(rows, KV_HEADS, HEAD_DIM),
     )
-    m: Any = module
     times: dict[str, list[float]] = {"split": [], "fused": []}
-    for _ in range(rounds):
+    for round_ in range(rounds):
         spent = {"split": 0.0, "fused": 0.0}
-        for call in range(0, 2 * calls, 2):
+        # Numbered on across rounds, so a round does not rewrite the slots the last one wrote.
+        for call in range(2 * calls * round_, 2 * calls * (round_ + 1), 2):
             pool, where = pools[call % LAYERS], slots(call)
             started = time.perf_counter()
-            m.rotary_(qkv[:, :v0], cos, sin, Q_HEADS + KV_HEADS, HEAD_DIM)
-            m.store_kv_(pool, key, value, where)
+            module.rotary_(qkv[:, :v0], cos, sin, ROTATED_HEADS, HEAD_DIM)
+            module.store_kv_(pool, key, value, where)
             spent["split"] += time.perf_counter() - started
             pool, where = pools[(call + 1) % LAYERS], slots(call + 1)
             started = time.perf_counter()
-            m.rotary_store_kv_(qkv, cos, sin, Q_HEADS, KV_HEADS, HEAD_DIM, pool, where)
+            module.rotary_store_kv_(qkv, cos, sin, Q_HEADS, KV_HEADS, HEAD_DIM, pool, where)
             spent["fused"] += time.perf_counter() - started
         for way, seconds in spent.items():
             times[way].append(seconds / calls * 1e6)

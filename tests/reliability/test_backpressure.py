@@ -404,10 +404,8 @@ def test_only_small_batches_are_converted_on_the_event_loop(
         monkeypatch.setattr(convert, "INLINE_PARSE_ITEMS", 0)
     builder = BatchBuilder()
     builder.add_decode("nowhere", "no-such-cache", 1, 0)
-    loop_thread: list[str] = []
 
     async def scenario() -> None:
-        loop_thread.append(threading.current_thread().name)
         async with grpc.aio.insecure_channel(server.target) as channel:
             batch = _unary(channel, "UnifiedBatch", pb.UnifiedBatchResponse)
             with pytest.raises(grpc.RpcError):
