@@ -200,8 +200,9 @@ def test_summary_statistics() -> None:
 def test_repeated_rounds_interleave_systems_and_report_the_median_round(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """--repeat N runs every system once per round, in turn, and each row is its median round
-    (walls scripted here: no model runs)."""
+    """--repeat N runs every system once per round, in turn, each round starting one system
+    further along the plan, and each row is its median round (walls scripted here: no model
+    runs)."""
     from ferrum_server.tools.bench import harness
 
     walls = {"ferrum-grpc": [4.0, 2.0, 3.0], "ferrum-inproc": [1.0, 5.0, 2.0]}
@@ -221,7 +222,8 @@ def test_repeated_rounds_interleave_systems_and_report_the_median_round(
         "smoke", ["float32"], ["inproc"], repeat=3, cache_dir=tmp_path, progress=False,
         log=io.StringIO(),
     )  # fmt: skip
-    assert order == ["ferrum-grpc", "ferrum-inproc"] * 3
+    grpc, inproc = "ferrum-grpc", "ferrum-inproc"
+    assert order == [grpc, inproc, inproc, grpc, grpc, inproc]
     # The memory read rate is taken before every round and kept round by round.
     assert report["by_dtype"]["float32"]["memory_read_gbs"] == [61.5, 44.0, 80.25]
     assert "memory read GB/s by round: [61.5, 44.0, 80.25]" in harness.format_table(report)

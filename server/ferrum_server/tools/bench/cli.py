@@ -93,7 +93,8 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         "--repeat",
         type=int,
         default=1,
-        help="rounds of every system, interleaved; each row is the median round",
+        help="rounds of every system, interleaved (each round starts one system further "
+        "along); each row is the median round",
     )
     bench.add_argument(
         "--executors",

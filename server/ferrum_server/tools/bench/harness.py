@@ -339,7 +339,11 @@ def run_bench(
             for name, rate_gflops in measure_gemm(workload, dtype).items():
                 gemm[name] = max(gemm.get(name, 0.0), rate_gflops)
             memory.append(measure_memory_read())
-            for label, spec in plan:
+            # Each round starts one system further along the plan, so no system always runs
+            # first after the probes: a W1 row moved from second to first ran its prefill
+            # 4.5% slower in the same rounds (docs/benchmarks.md, forty-second session).
+            shift = round_index % len(plan) if plan else 0
+            for label, spec in plan[shift:] + plan[:shift]:
                 suffix = f" (round {round_index + 1}/{repeat})" if repeat > 1 else ""
                 log.write(f"bench: {workload_name} {dtype} {mode}: {label}{suffix}\n")
                 try:
