@@ -340,8 +340,8 @@ def run_bench(
                 gemm[name] = max(gemm.get(name, 0.0), rate_gflops)
             memory.append(measure_memory_read())
             # Each round starts one system further along the plan, so no system always runs
-            # first after the probes: a W1 row moved from second to first ran its prefill
-            # 4.5% slower in the same rounds (docs/benchmarks.md, forty-second session).
+            # first after the probes (the second of two rows with the same prompt steps ran
+            # them 1.4% faster on average over five invocations: docs/benchmarks.md).
             shift = round_index % len(plan) if plan else 0
             for label, spec in plan[shift:] + plan[:shift]:
                 suffix = f" (round {round_index + 1}/{repeat})" if repeat > 1 else ""
