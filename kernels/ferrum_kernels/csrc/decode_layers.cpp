@@ -1,11 +1,11 @@
 // Every dense layer of a decode-only step in one call, and every layer but the last of a step
 // of prompt chunks alone (cpu_decode_layer.NativeDecodeLayers and its prefill).
 //
-// NativeDecodeLayer runs a layer as nine native calls from Python; across a W1 step's twelve
+// NativeDecodeLayer runs a layer as eight native calls from Python; across a W1 step's twelve
 // layers the Python between them (argument conversion, the calls themselves, the layer's own
 // lines) was about 2 ms of a 27-30 ms bfloat16 decode step of 64 items. Here the same kernels
 // run in the same order on the same operands from C++: the results are bit for bit those of the
-// per-layer calls (tested), and a step pays for one call instead of 120. A prompt step's
+// per-layer calls (tested), and a step pays for one call instead of 96. A prompt step's
 // layers, through the model's generic path, spent 3.4-4 ms between their kernels (of 50 ms at 2
 // x 256 tokens, 100 ms at 4 x 256); its last layer stays with the model, which finishes only
 // the rows whose logits the step needs.
@@ -15,7 +15,7 @@
 #include <vector>
 
 // The layer loop both entry points share: layers 0 .. layers - 1 of kv_cache, each as
-// NativeDecodeLayer's nine calls, with attend(q [T, H, D] view, kv_layer [2, NB, BS, Hkv, D])
+// NativeDecodeLayer's eight calls, with attend(q [T, H, D] view, kv_layer [2, NB, BS, Hkv, D])
 // -> [T, H, D] the attention over the pool after this layer's K/V are stored.
 template <typename Attend>
 std::tuple<torch::Tensor, torch::Tensor> dense_layers(
