@@ -1314,16 +1314,17 @@ class Scheduler:
         return _InFlight(answer, members, record, sizes, selects)
 
     def _first_tokens_due(self, lane: _Lane, running: list[_Request]) -> bool:
-        """With nothing decoding on the lane: whether its running prompts start now, none
-        being in flight: all of them are held at their last token, or what is left of them
-        fits the next plain step, or the first was held max_first_token_hold_ms ago. (The plain
-        step's budget, not max_prefill_step_tokens: that step must hold every last token.)"""
-        if any(r.in_flight for r in running):
-            return False
-        remaining = sum(len(r.context) - r.computed for r in running)
-        if remaining <= len(running) or remaining <= self._step_budget(0, lane):
-            lane.held_since = None
-            return True
+        """With nothing decoding on the lane: whether its running prompts start now: none
+        being in flight, all of them are held at their last token or what is left of them fits
+        the next plain step (the plain step's budget, not max_prefill_step_tokens: that step
+        must hold every last token); or, in flight or not, the first was held
+        max_first_token_hold_ms ago. (Decode continuation keeps a step in flight nearly always:
+        a bound checked only with none would hold the prompts until every one is prefilled.)"""
+        if not any(r.in_flight for r in running):
+            remaining = sum(len(r.context) - r.computed for r in running)
+            if remaining <= len(running) or remaining <= self._step_budget(0, lane):
+                lane.held_since = None
+                return True
         if not any(r.computed >= len(r.context) - 1 for r in running):
             return False
         now = time.perf_counter()

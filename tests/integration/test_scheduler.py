@@ -158,13 +158,18 @@ def test_aligned_first_tokens_cost_a_lone_prompt_no_extra_step(server: LiveServe
     assert_quiescent(server)
 
 
-def test_first_token_hold_is_bounded(server: LiveServer) -> None:
+@pytest.mark.parametrize("continuation", [False, True])
+def test_first_token_hold_is_bounded(server: LiveServer, continuation: bool) -> None:
     """max_first_token_hold_ms = 0: a held prompt starts at once, so the burst's later prompts
-    are prefilled beside its decodes, as without alignment."""
+    are prefilled beside its decodes, as without alignment. With decode continuation too, whose
+    steps are nearly always in flight (the bound once held every prompt to the burst's end)."""
     prompts = random_prompts(9, 6, 30, 60)
     # Held steps of 40 too: with larger ones every prompt would reach its last token at once.
     config = SchedulerConfig(
-        max_step_tokens=40, max_prefill_step_tokens=40, max_first_token_hold_ms=0
+        max_step_tokens=40,
+        max_prefill_step_tokens=40,
+        max_first_token_hold_ms=0,
+        decode_continuation=continuation,
     )
     _, reasons, scheduler = _generate(server, prompts, GenerationParams(max_new_tokens=4), config)
     assert reasons == ["length"] * len(prompts)
