@@ -39,7 +39,7 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
         "--dtype", "float32",
         "--compare", "inproc",
         "--unaligned",
-        "--continuation",
+        "--no-continuation",
         "--no-progress",
         "--cache-dir", str(tmp_path / "models"),
         "--output", str(out),
@@ -51,7 +51,7 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
         "ferrum-grpc",
         "ferrum-inproc",
         "ferrum-grpc unaligned",
-        "ferrum-grpc continuation",
+        "ferrum-grpc no continuation",
     ):
         result = section["results"][system]
         assert result["output_tokens"] == 12 * 8
@@ -62,10 +62,15 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
     # Aligned or not, the same greedy tokens; only the step mix differs.
     assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc unaligned"] == 1.0
     assert section["results"]["ferrum-grpc unaligned"]["notes"]["align_first_tokens"] is False
-    # Decode continuation: two steps in flight, the same greedy tokens.
-    continued = section["results"]["ferrum-grpc continuation"]["notes"]
+    # Decode continuation (the default): two steps in flight; without it one, and the same
+    # greedy tokens either way.
+    continued = section["results"]["ferrum-grpc"]["notes"]
+    assert continued["decode_continuation"] is True
     assert continued["continuations"] > 0 and continued["max_in_flight"] == 2
-    assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc continuation"] == 1.0
+    plain = section["results"]["ferrum-grpc no continuation"]["notes"]
+    assert plain["decode_continuation"] is False
+    assert plain["continuations"] == 0 and plain["max_in_flight"] == 1
+    assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc no continuation"] == 1.0
     assert "ferrum-grpc / ferrum-inproc" in section["derived"]["ratios_output_tok_s"]
     assert "ferrum-grpc" in done.stdout  # the readable table
 
@@ -73,7 +78,7 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
 def test_generate_local_prints_json() -> None:
     done = _cli(
         "generate", "--local", "--random", "3", "--max-new-tokens", "4", "--json",
-        "--no-align-first-tokens", "--decode-continuation",
+        "--no-align-first-tokens", "--no-decode-continuation",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
@@ -274,7 +279,6 @@ def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> No
         "--dtype", "float32",
         "--compare", "inproc",
         "--executors", "2",
-        "--continuation",
         "--no-progress",
         "--cache-dir", str(tmp_path / "models"),
         "--output", str(out),
@@ -287,11 +291,10 @@ def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> No
     # Two executors, one policy: the same greedy tokens as one in-process engine.
     matches = section["derived"]["output_match_vs_ferrum_grpc"]
     assert matches["ferrum-inproc"] == 1.0
-    # And with decode continuation over the fleet: continued on both lanes, same tokens.
-    continued = section["results"]["ferrum-grpc continuation"]["notes"]
+    # With decode continuation (the default) over the fleet: continued on both lanes.
+    continued = fleet["notes"]
     assert continued["executors"] == 2 and continued["continuations"] > 0
     assert continued["max_in_flight"] == 2
-    assert matches["ferrum-grpc continuation"] == 1.0
     bad = _cli("bench", "--workload", "smoke", "--executors", "0")
     assert bad.returncode == 2 and "--executors" in bad.stderr
 

@@ -167,7 +167,14 @@ def test_the_reference_scheduler_renews_the_caches_it_holds_idle(leased: LiveSer
     """The second prompt is admitted at once but prefilled only after the first one's 10
     chunks (over 1 s, longer than the lease): the scheduler must keep its cache alive."""
     expired_before = _expired_total(leased)
-    config = SchedulerConfig(max_step_tokens=16, target_step_ms=0, align_first_tokens=False)
+    # One step in flight: with decode continuation's two, the second prompt's chunks would
+    # alternate with the first's instead of waiting.
+    config = SchedulerConfig(
+        max_step_tokens=16,
+        target_step_ms=0,
+        align_first_tokens=False,
+        decode_continuation=False,
+    )
 
     async def scenario() -> tuple[list[list[int]], int]:
         async with AsyncExecutorClient(leased.target) as client:

@@ -177,13 +177,19 @@ def test_first_token_hold_is_bounded(server: LiveServer, continuation: bool) -> 
     assert_quiescent(server)
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_budget_and_chunking_hold_at_every_step(either: LiveServer, depth: int) -> None:
+# pipeline_depth 1 and 2 without decode continuation; with it (the default) two steps in flight.
+@pytest.mark.parametrize(("depth", "continuation"), [(1, False), (2, False), (1, True)])
+def test_budget_and_chunking_hold_at_every_step(
+    either: LiveServer, depth: int, continuation: bool
+) -> None:
     prompts = random_prompts(5, 10, 20, 70)
     budget = 32
     # The burst's held, prefill-only steps kept to the budget too (they may be larger).
     config = SchedulerConfig(
-        max_step_tokens=budget, max_prefill_step_tokens=budget, pipeline_depth=depth
+        max_step_tokens=budget,
+        max_prefill_step_tokens=budget,
+        pipeline_depth=depth,
+        decode_continuation=continuation,
     )
     _, reasons, scheduler = _generate(either, prompts, GenerationParams(max_new_tokens=6), config)
     assert reasons == ["length"] * len(prompts)
@@ -193,7 +199,8 @@ def test_budget_and_chunking_hold_at_every_step(either: LiveServer, depth: int) 
     # Prompts longer than the budget were split across steps.
     assert sum(r.num_prefill_tokens for r in records) == sum(len(p) for p in prompts)
     assert max(len(p) for p in prompts) > budget
-    assert scheduler.stats.max_in_flight == depth
+    assert scheduler.stats.max_in_flight == (2 if continuation else depth)
+    assert (scheduler.stats.continuations > 0) == continuation
     assert_quiescent(either)
 
 
@@ -342,24 +349,35 @@ def _run_with_step_times(
     return server.run(scenario())
 
 
-def test_step_time_target_lowers_the_budget_and_keeps_decodes(server: LiveServer) -> None:
+# With decode continuation a step is planned while the one before runs: the model has then
+# learned one step later.
+@pytest.mark.parametrize("continuation", [False, True])
+def test_step_time_target_lowers_the_budget_and_keeps_decodes(
+    server: LiveServer, continuation: bool
+) -> None:
     """With a step-time target the budget follows the executor's reported step times: a
     synthetic cost of 5 ms + 1 ms per token and a 40 ms target allow 35 tokens a step."""
     prompts = random_prompts(8, 12, 30, 90)
-    config = SchedulerConfig(max_step_tokens=128, target_step_ms=40, align_first_tokens=False)
+    config = SchedulerConfig(
+        max_step_tokens=128,
+        target_step_ms=40,
+        align_first_tokens=False,
+        decode_continuation=continuation,
+    )
     scheduler = _run_with_step_times(server, lambda d, p: 5 + d + p, prompts, 8, config)
     records = scheduler.stats.records
     # The first steps run at max_step_tokens while the model learns; then none exceeds the
     # 35 tokens the target allows, unless running decodes alone need more (the floor).
-    learned = records[scheduler.cost.min_observations :]
+    learned = records[scheduler.cost.min_observations + continuation :]
     assert any(r.num_tokens > 35 for r in records[: scheduler.cost.min_observations])
     assert learned and all(r.num_tokens <= max(35, r.num_decodes + 32) for r in learned)
     assert any(r.num_prefill_tokens and r.num_decodes for r in learned)
     assert_quiescent(server)
 
 
+@pytest.mark.parametrize("continuation", [False, True])
 def test_prefill_keeps_its_share_of_the_target_when_the_decodes_alone_exceed_it(
-    server: LiveServer,
+    server: LiveServer, continuation: bool
 ) -> None:
     """Synthetic costs where a decode is dear (12 ms) and a prefill token cheap (0.1 ms), as
     on a GPU: 3 decodes already take 41 ms of a 40 ms target. The fit tells the two apart, so
@@ -369,10 +387,15 @@ def test_prefill_keeps_its_share_of_the_target_when_the_decodes_alone_exceed_it(
 
     prompts = random_prompts(9, 16, 60, 200)
     config = SchedulerConfig(
-        max_step_tokens=256, target_step_ms=40, min_prefill_share=0.5, align_first_tokens=False
+        max_step_tokens=256,
+        target_step_ms=40,
+        min_prefill_share=0.5,
+        align_first_tokens=False,
+        decode_continuation=continuation,
     )
     scheduler = _run_with_step_times(server, lambda d, p: 5 + 12 * d + 0.1 * p, prompts, 12, config)
-    learned = scheduler.stats.records[scheduler.cost.min_observations :]
+    # As above: with continuation the model has learned one step later.
+    learned = scheduler.stats.records[scheduler.cost.min_observations + continuation :]
     fitted = scheduler.cost.fit()
     assert fitted is not None and fitted.per_decode_s > 10 * fitted.per_prefill_token_s
 

@@ -90,9 +90,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decode-continuation",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="keep two steps in flight with every running request in each (decodes continue "
-        "from the token the executor selected; see docs/scheduler.md)",
+        "from the token the executor selected; see docs/scheduler.md); on by default",
     )
     parser.add_argument("--json", action="store_true", help="print all results as JSON at the end")
 

@@ -85,9 +85,10 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         help="also run the scheduler with first tokens not aligned (align_first_tokens=False)",
     )
     bench.add_argument(
-        "--continuation",
+        "--no-continuation",
+        dest="without_continuation",
         action="store_true",
-        help="also run the scheduler with decode continuation (decode_continuation=True)",
+        help="also run the scheduler without decode continuation (decode_continuation=False)",
     )
     bench.add_argument(
         "--repeat",
@@ -163,7 +164,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pipeline_depth=args.pipeline_depth,
         extra_depths=args.extra_depths,
         unaligned=args.unaligned,
-        continuation=args.continuation,
+        without_continuation=args.without_continuation,
         repeat=args.repeat,
         hf_batch_size=args.hf_batch_size,
         torch_threads=args.torch_threads,

@@ -237,7 +237,7 @@ def run_bench(
     pipeline_depth: int = 1,
     extra_depths: Sequence[int] = (),
     unaligned: bool = False,
-    continuation: bool = False,
+    without_continuation: bool = False,
     repeat: int = 1,
     hf_batch_size: int = 16,
     torch_threads: int = 0,
@@ -326,9 +326,11 @@ def run_bench(
                     replace(base, tensor_parallel_size=tensor_parallel_size),
                 )
             )
-        if continuation:
-            # Two steps in flight, every running request in each (docs/scheduler.md).
-            plan.append(("ferrum-grpc continuation", replace(base, decode_continuation=True)))
+        if without_continuation:
+            # One step in flight at pipeline_depth 1: the round trip back on the critical path
+            # (the default keeps two, every running request in each: docs/scheduler.md).
+            label = "ferrum-grpc no continuation"
+            plan.append((label, replace(base, decode_continuation=False)))
         plan = [(label, spec) for label, spec in plan if not _skip(label, spec, mode, skipped, log)]
         # Rounds run the whole plan in turn, so a slow spell of a shared machine lands on every
         # system alike instead of on whichever ran during it; each row is the median round.

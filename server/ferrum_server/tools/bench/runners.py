@@ -62,7 +62,7 @@ class RunSpec:
     target_step_ms: float = DEFAULT_TARGET_STEP_MS  # 0 = fixed budget (trade-off table)
     min_prefill_share: float = DEFAULT_MIN_PREFILL_SHARE
     align_first_tokens: bool = True
-    decode_continuation: bool = False
+    decode_continuation: bool = True
     kv_cache_bytes: int = 1024**3
     # Prefix caching on (the workload's choice; every system that has it runs with it).
     prefix_caching: bool = False
