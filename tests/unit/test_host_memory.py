@@ -144,10 +144,15 @@ def test_huge_page_range_takes_the_whole_huge_pages_inside_a_buffer() -> None:
 
 @pytest.mark.skipif(not (_GLIBC and _LINUX), reason="madvise and /proc/self/smaps are Linux's")
 def test_advise_huge_pages_marks_the_buffers_whole_huge_pages_and_refuses_device_memory() -> None:
+    import mmap
+
     import torch
 
-    # Above glibc's largest mmap threshold (32 MiB): a mapping of its own, untouched yet.
-    buffer = torch.empty(64 * 1024**2, dtype=torch.uint8)
+    # A fresh anonymous mapping of its own, untouched yet. (torch.empty of 64 MiB is not always
+    # one: with freed memory kept (keep_freed_memory), glibc may hand out a free heap region that
+    # an in-process engine of an earlier test advised already.)
+    mapping = mmap.mmap(-1, 64 * 1024**2)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
     start, length = host_memory.huge_page_range(buffer.data_ptr(), buffer.numel())
     assert length >= 62 * 1024**2
     assert "hg" not in _vm_flags(start)
