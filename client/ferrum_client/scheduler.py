@@ -26,11 +26,12 @@ Policy, per step:
 * stop conditions (``max_new_tokens``, stop token ids), tokens streamed as they arrive, and
   cancellation that frees the request's KV at once.
 
-Pipelining: up to ``pipeline_depth`` steps are in flight on the step stream, so the executor
-starts step N+1 the moment step N ends, while the scheduler is still receiving and processing
-step N's results; the RPC round trip and the scheduling work leave the critical path. A request
-sits in at most one in-flight step: a decode needs its previous token, and keeping prefill
-chunks of one prompt in order keeps deferrals simple. With depth 2 the running requests settle
+Pipelining (where decode continuation, below, is off): up to ``pipeline_depth`` steps are in
+flight on the step stream, so the executor starts step N+1 the moment step N ends, while the
+scheduler is still receiving and processing step N's results; the RPC round trip and the
+scheduling work leave the critical path. A request sits in at most one in-flight step: a
+decode needs its previous token, and keeping prefill chunks of one prompt in order keeps
+deferrals simple. With depth 2 the running requests settle
 into two cohorts that alternate steps (decodes per step are capped at ceil(decoding / depth) so
 the cohorts stay balanced), each step carrying the prefill chunks that fit its budget.
 
@@ -130,10 +131,11 @@ class SchedulerConfig:
     # Longest single wait for a capacity change before re-checking (never a polling interval:
     # the wait returns as soon as a named source advances).
     wait_timeout_ms: int = 30_000
-    # Steps in flight at once; 1 = strictly one step, then its results, then the next. 2 hides
-    # the RPC round trip but splits decodes into alternating cohorts (see the module docstring):
-    # worth it when steps are short next to the round trip (GPU); on CPU depth 1 measured
-    # faster, so it is the default.
+    # Steps in flight at once where decode continuation is off or its executor lacks it (with
+    # it, two); 1 = strictly one step, then its results, then the next. 2 hides the RPC round
+    # trip but splits decodes into alternating cohorts (see the module docstring): worth it
+    # when steps are short next to the round trip (GPU); on CPU depth 1 measured faster, so it
+    # is the default.
     pipeline_depth: int = 1
     # Size each step so the executor is predicted to run it in about this long (a fit of its
     # reported step times, see step_cost), within max_step_tokens: it bounds inter-token latency
