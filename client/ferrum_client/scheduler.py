@@ -164,8 +164,9 @@ class SchedulerConfig:
     # executor selected for it (see the module docstring). Needs an executor that supports it
     # (supports_decode_continuation); otherwise the scheduler pipelines as without it. On by
     # default: with the round trip off the critical path, offline runs on the 2-core CPU went
-    # 4-5% faster on decode-heavy and shared-prefix workloads and no slower on W1, where a
-    # burst's new prompt waits up to one step longer for its first token (docs/scheduler.md).
+    # up to 5% faster on decode-heavy and shared-prefix workloads (level in some invocations)
+    # and no slower on W1; online, a new prompt waits up to one step longer for its first
+    # token (docs/scheduler.md).
     decode_continuation: bool = True
     # Probe a burst of waiting requests in one call where the backend decides several at once
     # (BatchAdmission: TryAdmitPrefillBatch), in queue order as one probe each would be; a
