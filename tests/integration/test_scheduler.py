@@ -368,7 +368,8 @@ def test_step_time_target_lowers_the_budget_and_keeps_decodes(
     records = scheduler.stats.records
     # The first steps run at max_step_tokens while the model learns; then none exceeds the
     # 35 tokens the target allows, unless running decodes alone need more (the floor).
-    learned = records[scheduler.cost.min_observations + continuation :]
+    lag = 1 if continuation else 0
+    learned = records[scheduler.cost.min_observations + lag :]
     assert any(r.num_tokens > 35 for r in records[: scheduler.cost.min_observations])
     assert learned and all(r.num_tokens <= max(35, r.num_decodes + 32) for r in learned)
     assert any(r.num_prefill_tokens and r.num_decodes for r in learned)
@@ -394,8 +395,8 @@ def test_prefill_keeps_its_share_of_the_target_when_the_decodes_alone_exceed_it(
         decode_continuation=continuation,
     )
     scheduler = _run_with_step_times(server, lambda d, p: 5 + 12 * d + 0.1 * p, prompts, 12, config)
-    # As above: with continuation the model has learned one step later.
-    learned = scheduler.stats.records[scheduler.cost.min_observations + continuation :]
+    lag = 1 if continuation else 0  # as above: with continuation the model learns a step later
+    learned = scheduler.stats.records[scheduler.cost.min_observations + lag :]
     fitted = scheduler.cost.fit()
     assert fitted is not None and fitted.per_decode_s > 10 * fitted.per_prefill_token_s
 

@@ -179,15 +179,16 @@ def test_a_cpu_kv_pool_is_advised_huge_pages_and_starts_zeroed() -> None:
 
 
 @pytest.mark.skipif(not (_GLIBC and _LINUX), reason="madvise and /proc/self/smaps are Linux's")
-def test_kv_huge_pages_false_leaves_the_pool_on_small_pages(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_kv_huge_pages_false_does_not_advise_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     # Whether the pool is advised, not its mapping's flags: with freed memory kept
     # (keep_freed_memory), the pool may take a heap region an earlier test's pool had advised.
     advised: list[int] = []
-    monkeypatch.setattr(
-        host_memory, "advise_huge_pages", lambda buffer: advised.append(buffer.data_ptr()) or 0
-    )
+
+    def spy(buffer: Any) -> int:
+        advised.append(buffer.data_ptr())
+        return 0
+
+    monkeypatch.setattr(host_memory, "advise_huge_pages", spy)
     config = EngineConfig(model="tiny", kv_cache_bytes=64 * 1024**2, kv_huge_pages=False)
     pool = startup.build_parts(config, 1).kv_cache
     assert advised == []
