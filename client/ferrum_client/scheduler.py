@@ -51,7 +51,9 @@ that did not run as planned (deferred, failed, narrowed, lost) voids the continu
 after it: the executor fails that item alone (its position no longer matches) and its answer
 is discarded too. A deferred item's preemption waits until no step of its lane is in flight (a
 victim must have no item in flight, and with continuation every running request has one);
-other lanes keep stepping meanwhile.
+other lanes keep stepping meanwhile. While prompts are still to arrive, step N+1 is planned
+``continuation_lead_ms`` before step N's predicted end rather than as soon as step N starts,
+so a prompt arriving during step N starts in step N+1 (``_plan_due_s``).
 
 The policy talks to the executor through a small ``Backend`` protocol: ``GrpcBackend`` (the
 step stream plus unary calls of ``AsyncExecutorClient``) here, and an in-process backend that
@@ -110,6 +112,9 @@ DEFAULT_TARGET_STEP_MS = 200.0
 DEFAULT_MIN_PREFILL_SHARE = 0.25
 # Most tokens of a held, prefill-only step (SchedulerConfig.max_prefill_step_tokens).
 DEFAULT_MAX_PREFILL_STEP_TOKENS = 1024
+# How long before the predicted end of the step in flight a continuing lane plans its next step
+# while prompts are still to arrive (SchedulerConfig.continuation_lead_ms).
+DEFAULT_CONTINUATION_LEAD_MS = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,9 +170,18 @@ class SchedulerConfig:
     # (supports_decode_continuation); otherwise the scheduler pipelines as without it. On by
     # default: with the round trip off the critical path, offline runs on the 2-core CPU went
     # up to 5% faster on decode-heavy and shared-prefix workloads (level in some invocations)
-    # and no slower on W1; online, a new prompt waits up to one step longer for its first
-    # token (docs/scheduler.md).
+    # and no slower on W1; online, a new prompt may wait one step longer for its first token,
+    # which continuation_lead_ms mostly takes back (docs/scheduler.md).
     decode_continuation: bool = True
+    # With decode continuation, while prompts are still to arrive: a lane with one step in
+    # flight plans its next step this long before that step's predicted end (its step-time fit,
+    # step_cost) instead of as soon as it starts, so a prompt that arrives meanwhile joins the
+    # very next step instead of the one after it. The lead covers the planning, the trip to the
+    # executor and the fit's error: a step that ends sooner than that leaves the executor idle
+    # until the next one arrives. None = plan at once (every prompt arriving during a step then
+    # waits out one more step for its first token); offline runs, with every prompt there from
+    # the start, never hold (docs/scheduler.md).
+    continuation_lead_ms: float | None = DEFAULT_CONTINUATION_LEAD_MS
     # Probe a burst of waiting requests in one call where the backend decides several at once
     # (BatchAdmission: TryAdmitPrefillBatch), in queue order as one probe each would be; a
     # burst of 64 prompts then pays one round trip instead of 64.
@@ -184,6 +198,8 @@ class SchedulerConfig:
             raise ValueError("min_prefill_share must be within [0, 1]")
         if self.max_first_token_hold_ms < 0:
             raise ValueError("max_first_token_hold_ms must be >= 0")
+        if self.continuation_lead_ms is not None and not 0 <= self.continuation_lead_ms < 1e6:
+            raise ValueError("continuation_lead_ms must be within [0, 1e6) ms, or None (off)")
 
 
 @dataclass(slots=True)
@@ -739,6 +755,9 @@ class SchedulerStats:
     # request that stopped, or a continuation voided by the item before it).
     continuations: int = 0
     discarded_items: int = 0
+    # Steps planned late (continuation_lead_ms): their planning waited for the step in flight
+    # to near its predicted end, or for a prompt that arrived meanwhile.
+    held_plans: int = 0
 
 
 @dataclass(slots=True)
@@ -750,6 +769,11 @@ class _Lane:
     in_flight: deque[_InFlight] = field(default_factory=deque)
     cost: StepCostModel = field(default_factory=StepCostModel)  # for target_step_ms
     held_since: float | None = None  # when a prompt was first held (align_first_tokens)
+    # When its oldest step in flight started running (perf_counter): that step's submission if
+    # the lane was idle, else the arrival of the answer before it (continuation_lead_ms).
+    started_s: float = 0.0
+    # Its next step's planning is being put off (continuation_lead_ms).
+    holding: bool = False
     # Deferred items of a continuing lane, handled once the lane has nothing in flight
     # (preemption needs victims with no item in flight); the lane plans nothing meanwhile.
     blocked: list[tuple[_Request, frozenset[SourceKey], object | None]] = field(
@@ -859,18 +883,36 @@ class Scheduler:
                 self._fail_over()
                 await self._admit()
                 await self._renew_idle_leases()
+                wake: float | None = None  # the earliest end of a lane's hold
                 for lane in self._active_lanes():
                     if lane.blocked and not lane.in_flight:
                         await self._handle_blocked(self._take_blocked(lane))
                     while len(lane.in_flight) < self._depth(lane) and not lane.blocked:
+                        due = self._plan_due_s(lane, bool(pending))
+                        if due is not None and time.perf_counter() < due:
+                            lane.holding = True
+                            wake = due if wake is None else min(wake, due)
+                            break
                         step = self._plan(lane)
                         if step is None:
                             break
+                        if lane.holding:
+                            lane.holding = False
+                            self.stats.held_plans += 1
+                        if not lane.in_flight:
+                            lane.started_s = step.record.submitted_s
                         lane.in_flight.append(step)
                     self.stats.max_in_flight = max(self.stats.max_in_flight, len(lane.in_flight))
                 if self._steps_in_flight:
-                    lane = await self._next_answered()
-                    for event in await self._finish(lane.in_flight.popleft(), lane):
+                    if wake is not None and pending:  # a prompt arriving first ends the hold
+                        wake = min(wake, start + pending[0][0])
+                    answered = await self._next_answered(wake)
+                    if answered is None:  # a hold ended, or a prompt arrived, first
+                        continue
+                    step = answered.in_flight.popleft()
+                    if answered.in_flight:  # the next step started when this one ended
+                        answered.started_s = time.perf_counter()
+                    for event in await self._finish(step, answered):
                         yield event
                 elif (self._waiting and self._waiting[0].wait is not None) or self._parked():
                     await self._wait_for_capacity()
@@ -1112,16 +1154,18 @@ class Scheduler:
                 del self._lanes[key]
         return [self._lanes.setdefault(key, _Lane(key)) for key in keys]
 
-    async def _next_answered(self) -> _Lane:
+    async def _next_answered(self, until: float | None = None) -> _Lane | None:
         """The lane whose oldest step in flight is answered first (steps of one lane are
-        applied in order; lanes never wait for each other)."""
+        applied in order; lanes never wait for each other); None if none is by `until`
+        (perf_counter; None = wait as long as it takes)."""
         lanes = [lane for lane in self._lanes.values() if lane.in_flight]
         done = [lane for lane in lanes if lane.in_flight[0].result.done()]
         if not done:
             heads = {lane.in_flight[0].result for lane in lanes}
-            await asyncio.wait(heads, return_when=asyncio.FIRST_COMPLETED)
+            timeout = None if until is None else max(0.0, until - time.perf_counter())
+            await asyncio.wait(heads, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             done = [lane for lane in lanes if lane.in_flight[0].result.done()]
-        return done[0]
+        return done[0] if done else None
 
     def _plan(self, lane: _Lane) -> _InFlight | None:
         """Build and submit the lane's next step from its requests not already in flight."""
@@ -1182,6 +1226,27 @@ class Scheduler:
         one continuation in flight, so a request that stops has exactly one extra item, and the
         completion's counts (prompt, outputs) match its committed length."""
         return 2 if self._continues(lane) else self.config.pipeline_depth
+
+    def _plan_due_s(self, lane: _Lane, expecting: bool) -> float | None:
+        """When the lane's next step is due to be planned (perf_counter), where its planning
+        waits (continuation_lead_ms): decode continuation, one step in flight, prompts still to
+        arrive (`expecting`), every running request of the lane in that step, and a step-time
+        fit. Then it is continuation_lead_ms before the predicted end of the step in flight
+        (its start, ``_Lane.started_s``, plus the fit's time for what it holds). None: due now
+        (a request not in flight, such as a prompt just admitted, is planned at once)."""
+        lead_ms = self.config.continuation_lead_ms
+        if lead_ms is None or not expecting or len(lane.in_flight) != 1:
+            return None
+        if not self._continues(lane):
+            return None
+        if any(not r.in_flight for r in self._running if r.lane == lane.key):
+            return None
+        cost = lane.cost.fit()
+        if cost is None:
+            return None
+        record = lane.in_flight[0].record
+        predicted = cost.seconds(record.num_decodes, record.num_prefill_tokens)
+        return lane.started_s + predicted - lead_ms / 1e3
 
     def _plan_continued(self, lane: _Lane, running: list[_Request]) -> _InFlight | None:
         """The next step with every running request that can decode, in flight or not (a

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ferrum_client.scheduler import SchedulerConfig
 from ferrum_server.tools.bench.harness import percentile, summarize
 from ferrum_server.tools.bench.runners import RequestTrace, RunOutput, RunSpec
 from ferrum_server.tools.bench.workloads import WORKLOADS, matmul_flops
@@ -269,6 +270,43 @@ def test_prefill_shares_run_as_extra_rows_and_bad_shares_are_refused(
     }
     done = _cli("bench", "--workload", "smoke", "--prefill-shares", "0.5,1.5")
     assert done.returncode == 2 and "prefill shares must be within 0..1" in done.stderr
+
+
+def test_planned_at_once_runs_as_an_extra_row_and_a_bad_lead_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--continuation-lead-ms sets the rows' lead ('none': plan at once), --planned-at-once adds
+    a row that plans each continued step at once (not when the lead is already off); a
+    negative lead is refused before anything runs."""
+    from ferrum_server.tools.bench import harness
+
+    seen: list[tuple[str, float | None]] = []
+
+    def fake_worker(spec: RunSpec) -> RunOutput:
+        seen.append((spec.system, spec.continuation_lead_ms))
+        return RunOutput(spec.system, 1.0, [RequestTrace(0.0, [0.1, 0.2], [7, 8])])
+
+    monkeypatch.setattr(harness, "_run_worker", fake_worker)
+    monkeypatch.setattr(harness, "measure_gemm", lambda workload, dtype: {"packed": 1.0})
+    report = harness.run_bench(
+        "smoke", ["float32"], [], continuation_lead_ms=8.0, planned_at_once=True,
+        cache_dir=tmp_path, progress=False, log=io.StringIO(),
+    )  # fmt: skip
+    assert seen == [("ferrum-grpc", 8.0), ("ferrum-grpc", None)]
+    assert set(report["by_dtype"]["float32"]["results"]) == {
+        "ferrum-grpc",
+        "ferrum-grpc planned at once",
+    }
+    seen.clear()
+    harness.run_bench(
+        "smoke", ["float32"], [], continuation_lead_ms=None, planned_at_once=True,
+        cache_dir=tmp_path, progress=False, log=io.StringIO(),
+    )  # fmt: skip
+    assert seen == [("ferrum-grpc", None)]
+    done = _cli("bench", "--workload", "smoke", "--continuation-lead-ms", "-1")
+    assert done.returncode == 2 and "must be within [0, 1e6) ms" in done.stderr
+    with pytest.raises(ValueError, match="continuation_lead_ms"):
+        SchedulerConfig(continuation_lead_ms=-1.0)
 
 
 def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> None:

@@ -14,8 +14,10 @@ the executor before step N's answer is processed, and every running request is i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
+import time
 from collections.abc import Awaitable, Iterator, Sequence
 
 import grpc
@@ -34,10 +36,12 @@ from ferrum_client.scheduler import (
     GenerationParams,
     GenerationResult,
     GrpcBackend,
+    ItemKind,
     PlannedItem,
     Scheduler,
     SchedulerConfig,
     StepResult,
+    StepTiming,
 )
 from helpers_server import (
     LiveServer,
@@ -558,3 +562,86 @@ def test_a_request_cancelled_with_its_continuation_in_flight_gives_everything_ba
     assert results[0].output_ids == plain[0].output_ids[: len(results[0].output_ids)]
     assert [r.output_ids for r in results[1:]] == [r.output_ids for r in plain[1:]]
     assert_quiescent(roomy)
+
+
+# -- planning a continued step late (continuation_lead_ms) -------------------------------------
+
+# A paced executor's step: this long, plus a millisecond per token it holds.
+PACE_FIXED_MS = 300.0
+
+
+class _Paced(GrpcBackend):
+    """An executor whose steps run one after another and take PACE_FIXED_MS plus 1 ms a token
+    (a decode counts one): each answer is held until its step would have ended and reports that
+    time as the step's forward, so the scheduler's step-time fit predicts every step exactly.
+    `spans` records each step's simulated start and end and its items."""
+
+    def __init__(self, client: AsyncExecutorClient) -> None:
+        super().__init__(client)
+        self.spans: list[tuple[float, float, list[PlannedItem]]] = []
+        self._free_at = 0.0
+
+    def submit(self, items: Sequence[PlannedItem]) -> Awaitable[StepResult]:
+        tokens = sum(1 if i.kind == ItemKind.DECODE else len(i.tokens) for i in items)
+        seconds = (PACE_FIXED_MS + tokens) / 1e3
+        start = max(time.perf_counter(), self._free_at)
+        end = self._free_at = start + seconds
+        self.spans.append((start, end, list(items)))
+        pending = super().submit(items)
+
+        async def paced() -> StepResult:
+            result = await pending
+            await asyncio.sleep(max(0.0, end - time.perf_counter()))
+            ns = round(seconds * 1e9)
+            return dataclasses.replace(result, timing=StepTiming(0, ns, 0, ns))
+
+        return paced()
+
+
+@pytest.mark.parametrize("lead_ms", [100.0, None], ids=["late", "at-once"])
+def test_a_prompt_arriving_mid_step_joins_the_next_step_when_planned_late(
+    live_server: LiveServer, lead_ms: float | None
+) -> None:
+    """Prompt B arrives about 100 ms into one of A's paced 301 ms decode steps, once the step-time
+    fit has its four steps. Planned late (100 ms before the step's predicted end) the next step
+    is not yet planned, so B's prefill is in it; planned at once, the next step left when the
+    one in flight started, so B waits out that one too. The outputs are the same either way,
+    and an offline run (every prompt there from the start) never holds."""
+    prompts = [_prompt(61, 20), _prompt(62, 10)]
+    params = [GenerationParams(max_new_tokens=9), GenerationParams(max_new_tokens=2)]
+    config = dataclasses.replace(CONTINUE, continuation_lead_ms=lead_ms)
+    arrival = 1.33  # s: A's prefill (320 ms), then about 100 ms into its fourth decode step
+
+    async def scenario() -> tuple[list[GenerationResult], Scheduler, _Paced]:
+        async with AsyncExecutorClient(live_server.target) as client:
+            backend = _Paced(client)
+            scheduler = Scheduler(backend, config)
+            results = await scheduler.generate(prompts, params, arrivals_s=[0.0, arrival])
+            return results, scheduler, backend
+
+    results, scheduler, backend = live_server.run(scenario())  # type: ignore[misc]
+    plain, _ = _generate(live_server, prompts, params, PLAIN)
+    assert [r.output_ids for r in results] == [r.output_ids for r in plain]
+    b_id = results[1].request_id
+    arrived = results[1].arrival_s
+    running = next(k for k, (s, e, _) in enumerate(backend.spans) if s <= arrived < e)
+    start, end, items = backend.spans[running]
+    assert scheduler.cost.fit() is not None and running >= 4
+    # The premise: B came at least 50 ms after that step started and 50 ms before the late
+    # plan was due (end - lead), so a slow moment of the machine cannot decide the outcome.
+    assert arrived - start >= 0.05 and end - 0.1 - arrived >= 0.05
+    assert all(i.request_id != b_id for i in items)
+    joined = next(
+        k for k, (_, _, its) in enumerate(backend.spans) if any(i.request_id == b_id for i in its)
+    )
+    if lead_ms is not None:
+        assert joined == running + 1
+        assert scheduler.stats.held_plans > 0
+    else:
+        assert joined == running + 2
+        assert scheduler.stats.held_plans == 0
+    # Offline: nothing is still to arrive, so no step waits.
+    offline, offline_scheduler = _generate(live_server, prompts, params, config)
+    assert [r.output_ids for r in offline] == [r.output_ids for r in plain]
+    assert offline_scheduler.stats.held_plans == 0
+    assert_quiescent(live_server)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ferrum_client.scheduler import (
+    DEFAULT_CONTINUATION_LEAD_MS,
     DEFAULT_MAX_PREFILL_STEP_TOKENS,
     DEFAULT_MIN_PREFILL_SHARE,
     DEFAULT_TARGET_STEP_MS,
@@ -25,6 +26,16 @@ def _csv_ints(text: str) -> list[int]:
 
 def _csv_floats(text: str) -> list[float]:
     return [float(t) for t in text.split(",") if t.strip()]
+
+
+def _lead_ms(text: str) -> float | None:
+    """--continuation-lead-ms: milliseconds (0 or more), or 'none' to plan at once."""
+    if text.strip().lower() == "none":
+        return None
+    value = float(text)
+    if not 0 <= value < 1e6:
+        raise argparse.ArgumentTypeError("must be within [0, 1e6) ms, or 'none'")
+    return value
 
 
 def add_bench_args(bench: argparse.ArgumentParser) -> None:
@@ -89,6 +100,19 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         dest="without_continuation",
         action="store_true",
         help="also run the scheduler without decode continuation (decode_continuation=False)",
+    )
+    bench.add_argument(
+        "--continuation-lead-ms",
+        type=_lead_ms,
+        default=DEFAULT_CONTINUATION_LEAD_MS,
+        help="how long before the predicted end of the step in flight a continued step is "
+        "planned while prompts are still to arrive (online); 'none' plans it at once",
+    )
+    bench.add_argument(
+        "--planned-at-once",
+        action="store_true",
+        help="also run the scheduler planning each continued step at once "
+        "(continuation_lead_ms=None)",
     )
     bench.add_argument(
         "--repeat",
@@ -165,6 +189,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         extra_depths=args.extra_depths,
         unaligned=args.unaligned,
         without_continuation=args.without_continuation,
+        continuation_lead_ms=args.continuation_lead_ms,
+        planned_at_once=args.planned_at_once,
         repeat=args.repeat,
         hf_batch_size=args.hf_batch_size,
         torch_threads=args.torch_threads,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrum_client.scheduler import (
+    DEFAULT_CONTINUATION_LEAD_MS,
     DEFAULT_MAX_PREFILL_STEP_TOKENS,
     DEFAULT_MIN_PREFILL_SHARE,
     DEFAULT_TARGET_STEP_MS,
@@ -238,6 +239,8 @@ def run_bench(
     extra_depths: Sequence[int] = (),
     unaligned: bool = False,
     without_continuation: bool = False,
+    continuation_lead_ms: float | None = DEFAULT_CONTINUATION_LEAD_MS,
+    planned_at_once: bool = False,
     repeat: int = 1,
     hf_batch_size: int = 16,
     torch_threads: int = 0,
@@ -288,6 +291,7 @@ def run_bench(
             target_step_ms=target_step_ms,
             min_prefill_share=min_prefill_share,
             pipeline_depth=pipeline_depth,
+            continuation_lead_ms=continuation_lead_ms,
             kv_cache_bytes=workload.kv_cache_bytes,
             prefix_caching=workload.prefix_caching,
             torch_threads=torch_threads,
@@ -331,6 +335,11 @@ def run_bench(
             # (the default keeps two, every running request in each: docs/scheduler.md).
             label = "ferrum-grpc no continuation"
             plan.append((label, replace(base, decode_continuation=False)))
+        if planned_at_once and continuation_lead_ms is not None:
+            # Continuation with each step planned as soon as the one before starts: a prompt
+            # arriving meanwhile waits out one more step (online only: offline never holds).
+            label = "ferrum-grpc planned at once"
+            plan.append((label, replace(base, continuation_lead_ms=None)))
         plan = [(label, spec) for label, spec in plan if not _skip(label, spec, mode, skipped, log)]
         # Rounds run the whole plan in turn, so a slow spell of a shared machine lands on every
         # system alike instead of on whichever ran during it; each row is the median round.

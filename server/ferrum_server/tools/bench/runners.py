@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrum_client.scheduler import (
+    DEFAULT_CONTINUATION_LEAD_MS,
     DEFAULT_MAX_PREFILL_STEP_TOKENS,
     DEFAULT_MIN_PREFILL_SHARE,
     DEFAULT_TARGET_STEP_MS,
@@ -63,6 +64,8 @@ class RunSpec:
     min_prefill_share: float = DEFAULT_MIN_PREFILL_SHARE
     align_first_tokens: bool = True
     decode_continuation: bool = True
+    # SchedulerConfig.continuation_lead_ms (None: plan each continued step at once).
+    continuation_lead_ms: float | None = DEFAULT_CONTINUATION_LEAD_MS
     kv_cache_bytes: int = 1024**3
     # Prefix caching on (the workload's choice; every system that has it runs with it).
     prefix_caching: bool = False
@@ -156,6 +159,7 @@ def _scheduler_run(
         min_prefill_share=spec.min_prefill_share,
         align_first_tokens=spec.align_first_tokens,
         decode_continuation=spec.decode_continuation,
+        continuation_lead_ms=spec.continuation_lead_ms,
     )
 
     async def go() -> tuple[float, list[Any], Scheduler]:
@@ -201,6 +205,8 @@ def _scheduler_run(
         "align_first_tokens": spec.align_first_tokens,
         "decode_continuation": spec.decode_continuation,
         "continuations": scheduler.stats.continuations,
+        "continuation_lead_ms": spec.continuation_lead_ms,
+        "held_plans": scheduler.stats.held_plans,
         "max_in_flight": scheduler.stats.max_in_flight,
         "preemptions": scheduler.stats.preemptions,
         "finish_reasons": sorted({r.finish_reason for r in results}),
