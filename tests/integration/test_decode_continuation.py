@@ -8,7 +8,8 @@ released cache) fails alone in a unified step, whole in a transactional one, and
 nothing; a retried step id replays its stored answer and a re-sent step never reads a token a
 later step selected. Scheduler side: outputs equal plain greedy runs, a request that stops has
 exactly one extra item whose token nobody sees and whose blocks all come back, step N+1 reaches
-the executor before step N's answer is processed, and every running request is in every step.
+the executor before step N's answer is processed, and every running request is in every step;
+planned late (continuation_lead_ms), a prompt arriving during a step starts in the next one.
 """
 
 from __future__ import annotations
@@ -628,7 +629,8 @@ def test_a_prompt_arriving_mid_step_joins_the_next_step_when_planned_late(
     start, end, items = backend.spans[running]
     assert scheduler.cost.fit() is not None and running >= 4
     # The premise: B came at least 50 ms after that step started and 50 ms before the late
-    # plan was due (end - lead), so a slow moment of the machine cannot decide the outcome.
+    # plan was due (end less the late case's 100 ms lead), so a slow moment of the machine
+    # cannot decide the outcome.
     assert arrived - start >= 0.05 and end - 0.1 - arrived >= 0.05
     assert all(i.request_id != b_id for i in items)
     joined = next(
