@@ -769,9 +769,9 @@ class _Lane:
     in_flight: deque[_InFlight] = field(default_factory=deque)
     cost: StepCostModel = field(default_factory=StepCostModel)  # for target_step_ms
     held_since: float | None = None  # when a prompt was first held (align_first_tokens)
-    # When its oldest step in flight started running (perf_counter): that step's submission if
-    # the lane was idle, else the arrival of the answer before it (continuation_lead_ms).
-    started_s: float = 0.0
+    # When its last answer arrived (perf_counter): the step in flight then started running, if
+    # it was sent before (continuation_lead_ms).
+    answered_s: float = 0.0
     # Its next step's planning is being put off (continuation_lead_ms).
     holding: bool = False
     # Deferred items of a continuing lane, handled once the lane has nothing in flight
@@ -899,8 +899,6 @@ class Scheduler:
                         if lane.holding:
                             lane.holding = False
                             self.stats.held_plans += 1
-                        if not lane.in_flight:
-                            lane.started_s = step.record.submitted_s
                         lane.in_flight.append(step)
                     self.stats.max_in_flight = max(self.stats.max_in_flight, len(lane.in_flight))
                 if self._steps_in_flight:
@@ -909,10 +907,8 @@ class Scheduler:
                     answered = await self._next_answered(wake)
                     if answered is None:  # a hold ended, or a prompt arrived, first
                         continue
-                    step = answered.in_flight.popleft()
-                    if answered.in_flight:  # the next step started when this one ended
-                        answered.started_s = time.perf_counter()
-                    for event in await self._finish(step, answered):
+                    answered.answered_s = time.perf_counter()
+                    for event in await self._finish(answered.in_flight.popleft(), answered):
                         yield event
                 elif (self._waiting and self._waiting[0].wait is not None) or self._parked():
                     await self._wait_for_capacity()
@@ -1231,9 +1227,10 @@ class Scheduler:
         """When the lane's next step is due to be planned (perf_counter), where its planning
         waits (continuation_lead_ms): decode continuation, one step in flight, prompts still to
         arrive (`expecting`), every running request of the lane in that step, and a step-time
-        fit. Then it is continuation_lead_ms before the predicted end of the step in flight
-        (its start, ``_Lane.started_s``, plus the fit's time for what it holds). None: due now
-        (a request not in flight, such as a prompt just admitted, is planned at once)."""
+        fit. Then it is continuation_lead_ms before the predicted end of the step in flight:
+        its start (its submission, or the answer before it if that came later) plus the fit's
+        time for what it holds. None: due now (a request not in flight, such as a prompt just
+        admitted, is planned at once)."""
         lead_ms = self.config.continuation_lead_ms
         if lead_ms is None or not expecting or len(lane.in_flight) != 1:
             return None
@@ -1245,8 +1242,9 @@ class Scheduler:
         if cost is None:
             return None
         record = lane.in_flight[0].record
+        started = max(record.submitted_s, lane.answered_s)
         predicted = cost.seconds(record.num_decodes, record.num_prefill_tokens)
-        return lane.started_s + predicted - lead_ms / 1e3
+        return started + predicted - lead_ms / 1e3
 
     def _plan_continued(self, lane: _Lane, running: list[_Request]) -> _InFlight | None:
         """The next step with every running request that can decode, in flight or not (a
