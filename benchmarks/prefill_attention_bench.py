@@ -4,28 +4,39 @@ Times ``cpu_paged_attention`` on single prefill chunks of the W1 model's attenti
 (12 heads, 4 KV heads, head_dim 64, block size 16) with the native prefill kernel switched off
 (the old path: gather, bmm, softmax, bmm per 64 queries) and on, in float32 and bfloat16. With
 ``--against registers`` (a CPU with AMX) the old column is the native kernel on its register
-tiles instead of AMX's (bfloat16).
+tiles instead of AMX's (bfloat16). With ``--old REV`` the old column is the native kernel as
+``prefill_attention.cpp`` is at git revision REV, built alone into a second module, and the new
+one the working tree's; the two alternate call by call in one process.
 
     python benchmarks/prefill_attention_bench.py [--repeats 41] [--threads 2] [--json out.json]
-        [--shapes 512x512,64x400] [--against torch|registers]
+        [--shapes 512x512,64x400] [--against torch|registers] [--old REV]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from ferrum_kernels import cpu_attention
 from ferrum_kernels import native as native_kernels
 from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
+from ferrum_kernels.native import _FLAGS
+from torch.utils.cpp_extension import load_inline
+
+SOURCE = "kernels/ferrum_kernels/csrc/prefill_attention.cpp"
+ROOT = Path(__file__).resolve().parents[1]
 
 # (query rows n, context length ctx): the chunk is the last n of ctx positions.
 SHAPES = [(512, 512), (256, 256), (448, 448), (256, 512), (64, 400)]
@@ -96,6 +107,43 @@ def _run(
     return call
 
 
+def _revision_module(rev: str) -> Any:
+    """The prefill kernel as it is at git revision `rev`, built alone (with the shared header)
+    into its own module (a rerun reuses the build); the package's own module where the
+    revision's source is the working tree's."""
+    text = subprocess.run(
+        ["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    if text == (ROOT / SOURCE).read_text():
+        return native_kernels.load()
+    source = native_kernels.with_common_header(text)
+    digest = hashlib.sha1(source.encode()).hexdigest()[:10]
+    return load_inline(
+        name=f"ferrum_prefill_bench_{digest}",
+        cpp_sources=source,
+        functions=["prefill_attention"],
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+    )
+
+
+def _with_module(fn: Callable[[], torch.Tensor], module: Any) -> Callable[[], torch.Tensor]:
+    """`fn` with the native prefill kernel taken from `module` instead of the package's."""
+    chosen = cpu_attention.native_prefill_module
+
+    def call() -> torch.Tensor:
+        def pick(*args: Any) -> Any:
+            return module if chosen(*args) is not None else None
+
+        cpu_attention.native_prefill_module = pick
+        try:
+            return fn()
+        finally:
+            cpu_attention.native_prefill_module = chosen
+
+    return call
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=41)
@@ -113,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         help="the old column: the torch path, or the native kernel without AMX",
     )
     parser.add_argument(
+        "--old", help="a git revision: its native prefill kernel is the old column instead"
+    )
+    parser.add_argument(
         "--shapes",
         default=",".join(f"{n}x{ctx}" for n, ctx in SHAPES),
         help="chunks as NxCTX (the last N of CTX positions), comma-separated",
@@ -123,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("--against registers needs AMX tiles (a CPU with AMX-BF16)")
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
+    old_module = _revision_module(args.old) if args.old else None
     results = []
     out = sys.stdout
     out.write(f"{'dtype':<9} {'n':>4} {'ctx':>4} {'old ms':>8} {'new ms':>8} {'speedup':>8}")
@@ -131,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         dtype = DTYPES[name]
         for n, ctx in shapes:
             fn = _case(n, ctx, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype)
-            if args.against == "registers":
+            if old_module is not None:
+                old = _with_module(_run(fn, native=True), old_module)
+            elif args.against == "registers":
                 old = _run(fn, native=True, amx=False)
             else:
                 old = _run(fn, native=False)
