@@ -57,6 +57,7 @@ namespace {
 
 using ferrum::Elem;
 #if defined(__AVX512F__)
+using ferrum::exp2_nonpositive;
 using ferrum::first_lanes;
 using ferrum::store16;
 using ferrum::to_bf16;
@@ -155,37 +156,10 @@ constexpr bool has_simd() {
   return false;
 }
 
-#if defined(__AVX512F__)
-// 2^t for t <= 0 (scores minus their row max), zero outside `lanes`: t = n + f with f in
-// [-1/2, 1/2], 2^f by a Chebyshev-fitted polynomial, scaled by 2^n. Degree 5 is within 2e-7
-// relative (float32 probabilities); degree 4, 4e-6, is plenty for probabilities rounded to
-// bfloat16 (4e-3). Far below 2^-126 the scaling by 2^n flushes to zero, as exp does.
-template <int Degree>
-inline __m512 exp2_nonpositive(__m512 t, __mmask16 lanes) {
-  static_assert(Degree == 4 || Degree == 5, "fitted degrees");
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p;
-  if constexpr (Degree == 5) {
-    p = _mm512_set1_ps(1.34004327e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67603736e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55032715e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40221068e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147182e-1f));
-  } else {
-    p = _mm512_set1_ps(9.67603736e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.59220351e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40221068e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93121016e-1f));
-  }
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000012f));
-  return _mm512_maskz_scalef_ps(lanes, p, n);  // lanes outside `lanes` are zero
-}
-#endif
 
 #if defined(FERRUM_PREFILL_AVX2)
-// 2^t for t <= 0, 8 lanes: the degree-5 fit of exp2_nonpositive above (2e-7 relative), scaled
-// by 2^n built in the exponent bits. t below -127 is clamped there, where 2^n's bits are all
+// 2^t for t <= 0, 8 lanes: the degree-5 fit of exp2_nonpositive (common.h; 2e-7 relative),
+// scaled by 2^n built in the exponent bits. t below -127 is clamped there, where 2^n's bits are all
 // zero, so far-below-range lanes (and the -FLT_MAX padding of a row's tail) come out 0.
 inline __m256 exp2_nonpositive_avx2(__m256 t) {
   t = _mm256_max_ps(t, _mm256_set1_ps(-127.f));
