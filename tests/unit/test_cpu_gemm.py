@@ -574,3 +574,50 @@ def test_the_backend_computes_a_projections_trailing_columns_alone_where_it_can(
     torch.testing.assert_close(  # a bare nn.Linear on the CPU backend: its rows from 100
         cpu.output_columns(plain, x, 100), plain(x)[:, 100:], rtol=1e-6, atol=1e-6
     )
+
+
+@needs_bf16_gemm
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("amx", [True, False])
+def test_any_thread_count_computes_every_panel_once_to_the_same_bits(
+    dtype: torch.dtype, amx: bool
+) -> None:
+    """Threads share a GEMM's panels in runs, a thread done with its own taking the others'
+    from the back: with one, two or three threads (three share two cores here, so one falls
+    behind and its runs are taken) every output is the same bits. A panel skipped would leave
+    the output's uninitialised memory, and one taken twice would fold a greedy segment twice,
+    so its log-probability would move. Rows span several groups of x (256 rows at this K), the
+    plain, paired (SwiGLU) and greedy stores all run, on AMX tiles and on the register tiles."""
+    assert _module is not None
+    if dtype == torch.float32 and not _module.gemm_isa()[1]:
+        pytest.skip("the float32 GEMM here is the AVX2 one, which keeps its own split")
+    gen = torch.Generator().manual_seed(7)
+    m, k, n, vocab = 700, 2048, 1280, 3000
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    packed = _module.pack_gemm_weight(torch.randn(n, k, generator=gen).to(dtype))
+    paired = _module.pack_gemm_weight_halves(torch.randn(2 * n, k, generator=gen).to(dtype))
+    head = _module.pack_gemm_weight(torch.randn(vocab, k, generator=gen).to(dtype))
+    before = torch.get_num_threads()
+    results = []
+    _module.set_amx(amx)
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(
+                (
+                    _module.packed_gemm(x, packed, None, n),
+                    _module.packed_gemm_halves(x, paired, None, 2 * n, True),
+                    _module.packed_gemm_greedy(x, head, None, vocab),
+                )
+            )
+    finally:
+        torch.set_num_threads(before)
+        _module.set_amx(True)
+    plain, swiglu, (ids, logprobs, finite) = results[0]
+    assert bool(finite.all()) and plain.isfinite().all() and swiglu.isfinite().all()
+    for other_plain, other_swiglu, (other_ids, other_logprobs, other_finite) in results[1:]:
+        assert torch.equal(other_plain, plain)
+        assert torch.equal(other_swiglu, swiglu)
+        assert torch.equal(other_ids, ids) and torch.equal(other_logprobs, logprobs)
+        assert torch.equal(other_finite, finite)

@@ -300,6 +300,10 @@ inline void load_tile_shapes(const uint8_t (&rows)[8], const uint16_t (&bytes)[8
     config.rows[t] = rows[t];
     config.bytes_per_row[t] = bytes[t];
   }
+  // GCC 12 does not count ldtilecfg as reading the struct: inlined into a lambda run once per
+  // thread, it dropped the widths' stores as dead, and ldtilecfg faulted on 16 rows of 0 bytes.
+  // The barrier makes every store land first.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 #endif

@@ -276,17 +276,109 @@ struct GreedySegments {
   static int64_t count(int64_t panels) { return (panels + kPanels - 1) / kPanels; }
 };
 
-// Runs body(first, last) over the panels [0, panels), split among the threads in runs of
-// `grain` panels or (greedy) of whole fold segments.
-template <typename Body>
-inline void for_panel_runs(int64_t panels, int64_t grain, bool greedy, const Body& body) {
-  if (!greedy) {
-    at::parallel_for(0, panels, grain, body);
-    return;
+// A GEMM's work, group of x's rows by group: each thread owns a contiguous share of the panels
+// (the static split of before), cut into runs it takes from the front, and a thread
+// done with its share takes runs from the back of the others', so a thread slowed by anything
+// else on its core does less instead of holding the rest at the join. Timing each thread's
+// share of every call in a served 4 x 256-token prompt step, the engine thread took 13-20%
+// longer through one slow spell of this shared VM (the vCPUs' speeds differ at times) and the
+// other then waited 14 ms of a 96 ms step (1 ms in a quiet spell). Each share is read front to
+// back, so a thread's weight stream is as before; only the meeting point moves. kGreedy's
+// runs are whole fold segments, so each GreedyRow keeps one writer.
+class PanelRuns {
+ public:
+  struct Unit {
+    int64_t group, first, last;  // the group, and its panels [first, last)
+  };
+  PanelRuns(int64_t groups, int64_t panels, int64_t run, int64_t threads)
+      : panels_(panels), run_(run), threads_(threads), ends_(groups * threads) {
+    const int64_t runs = (panels + run - 1) / run;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t t = 0; t < threads; ++t)
+        ends_[g * threads + t].ends.store(pack(runs * t / threads, runs * (t + 1) / threads),
+                                          std::memory_order_relaxed);
   }
-  at::parallel_for(0, GreedySegments::count(panels), 1, [&](int64_t s0, int64_t s1) {
-    body(s0 * GreedySegments::kPanels, std::min(panels, s1 * GreedySegments::kPanels));
-  });
+
+  // The next unit of `group` for thread `self`: its own share's next run, else the last run
+  // left in another's; false when the group has none left.
+  bool claim(int64_t group, int64_t self, Unit& u) {
+    for (int64_t i = 0; i < threads_; ++i) {
+      const int64_t owner = (self + i) % threads_;
+      std::atomic<uint64_t>& share = ends_[group * threads_ + owner].ends;
+      uint64_t ends = share.load(std::memory_order_relaxed);
+      for (;;) {
+        const int64_t lo = static_cast<int64_t>(ends >> 32);
+        const int64_t hi = static_cast<int64_t>(ends & kLow);
+        if (lo >= hi) break;  // this share is done
+        const int64_t run = i == 0 ? lo : hi - 1;
+        const uint64_t taken = i == 0 ? pack(lo + 1, hi) : pack(lo, hi - 1);
+        if (share.compare_exchange_weak(ends, taken, std::memory_order_relaxed)) {
+          u.group = group;
+          u.first = run * run_;
+          u.last = std::min(panels_, u.first + run_);
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
+  // Panels a run: about eight a thread's share, two at least, whole fold segments for kGreedy.
+  static int64_t run_length(int64_t panels, int64_t threads, bool greedy) {
+    if (greedy) return GreedySegments::kPanels;
+    constexpr int64_t kRunsPerThread = 8;
+    const int64_t runs = threads * kRunsPerThread;
+    return std::max<int64_t>(2, (panels + runs - 1) / runs);
+  }
+
+ private:
+  static constexpr uint64_t kLow = 0xffffffffu;
+  static uint64_t pack(int64_t lo, int64_t hi) {
+    return (static_cast<uint64_t>(lo) << 32) | static_cast<uint64_t>(hi);
+  }
+  // A share's (lo, hi) runs left, a cache line each: its owner claims from it without taking
+  // the line from the other threads.
+  struct alignas(64) Share {
+    std::atomic<uint64_t> ends{0};
+  };
+  const int64_t panels_, run_, threads_;
+  std::vector<Share> ends_;  // [group][thread]
+};
+
+// Runs thread_body() once on each of `threads` threads (one OpenMP team).
+template <typename Body>
+inline void on_threads(int64_t threads, const Body& thread_body) {
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { thread_body(); });
+}
+
+// Every (group, panel) of `runs` for one thread, in the order it claims them: panel(group, p,
+// next) with next the panel the thread takes after p (its run's next, else the first of the
+// run it claims while starting p's last), or -1 when it has none: the one to fetch meanwhile.
+template <typename Panel>
+inline void claimed_panels(PanelRuns& runs, int64_t groups, const Panel& panel) {
+  const int64_t self = omp_get_thread_num();
+  PanelRuns::Unit unit{}, after{};
+  int64_t group = 0;
+  // The next unit: this group's, else the next group's (a thread goes on to the next group
+  // while another finishes this one).
+  auto next_unit = [&](PanelRuns::Unit& u) {
+    for (; group < groups; ++group)
+      if (runs.claim(group, self, u)) return true;
+    return false;
+  };
+  for (bool have = next_unit(unit); have;) {
+    bool more = false;
+    for (int64_t p = unit.first; p < unit.last; ++p) {
+      int64_t next = p + 1;
+      if (next == unit.last) {
+        more = next_unit(after);
+        next = more ? after.first : -1;
+      }
+      panel(unit.group, p, next);
+    }
+    unit = after;
+    have = more;
+  }
 }
 
 #if defined(__AVX512F__)
@@ -502,34 +594,35 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
   const int64_t ldc = swiglu ? half : n;
   const Tile<T>* by_rows = tiles_for<T>(store);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
-  const int64_t grain = (panels + threads - 1) / threads;
-  for_panel_runs(panels, grain, greedy != nullptr, [&](int64_t first, int64_t last) {
-    for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {
-      const int64_t t1 = std::min(tiles, t0 + block_tiles);
-      for (int64_t p = first; p < last; ++p) {
-        const T* b = packed + p * panel_elems;
-        const auto [col0, col1, lanes0, lanes1] = panel_columns(p, n, half);
-        const float* bias0 = bias != nullptr ? bias + col0 : nullptr;
-        const float* bias1 = bias != nullptr && lanes1 != 0 ? bias + col1 : nullptr;
-        // The next panel of this thread, fetched over this block's tiles (none after the last).
-        const int64_t per_tile = p + 1 < last ? (panel_lines + (t1 - t0) - 1) / (t1 - t0) : 0;
-        const char* next = reinterpret_cast<const char*>(b + panel_elems);
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, m - r0);
-          const int64_t done = std::min((t - t0) * per_tile, panel_lines);
-          const int64_t fetch_lines = std::min(per_tile, panel_lines - done);
-          if (greedy != nullptr) {  // kGreedy: the rows' GreedyRows, one apart
-            by_rows[rows](x + r0 * k, k, k, b, greedy->of_panel(p) + r0, nullptr, 1, lanes0,
-                          lanes1, bias0, bias1, next + 64 * done, fetch_lines, col0);
-            continue;
-          }
-          char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
-          by_rows[rows](x + r0 * k, k, k, b, c + col0 * out_bytes,
-                        swiglu ? nullptr : c + col1 * out_bytes, ldc, lanes0, lanes1, bias0,
-                        bias1, next + 64 * done, fetch_lines, col0);
+  const int64_t groups = (tiles + block_tiles - 1) / block_tiles;
+  PanelRuns runs(groups, panels, PanelRuns::run_length(panels, threads, greedy != nullptr),
+                 threads);
+  on_threads(threads, [&] {
+    claimed_panels(runs, groups, [&](int64_t group, int64_t p, int64_t next_panel) {
+      const int64_t t0 = group * block_tiles, t1 = std::min(tiles, t0 + block_tiles);
+      const T* b = packed + p * panel_elems;
+      const auto [col0, col1, lanes0, lanes1] = panel_columns(p, n, half);
+      const float* bias0 = bias != nullptr ? bias + col0 : nullptr;
+      const float* bias1 = bias != nullptr && lanes1 != 0 ? bias + col1 : nullptr;
+      // The thread's next panel, fetched over this block's tiles (none after its last).
+      const int64_t per_tile = next_panel >= 0 ? (panel_lines + (t1 - t0) - 1) / (t1 - t0) : 0;
+      const char* next =
+          reinterpret_cast<const char*>(packed + std::max<int64_t>(next_panel, 0) * panel_elems);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, m - r0);
+        const int64_t done = std::min((t - t0) * per_tile, panel_lines);
+        const int64_t fetch_lines = std::min(per_tile, panel_lines - done);
+        if (greedy != nullptr) {  // kGreedy: the rows' GreedyRows, one apart
+          by_rows[rows](x + r0 * k, k, k, b, greedy->of_panel(p) + r0, nullptr, 1, lanes0,
+                        lanes1, bias0, bias1, next + 64 * done, fetch_lines, col0);
+          continue;
         }
+        char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
+        by_rows[rows](x + r0 * k, k, k, b, c + col0 * out_bytes,
+                      swiglu ? nullptr : c + col1 * out_bytes, ldc, lanes0, lanes1, bias0,
+                      bias1, next + 64 * done, fetch_lines, col0);
       }
-    }
+    });
     if (store == kWidened) _mm_sfence();  // this thread's streamed stores, before the join
   });
 }
@@ -661,52 +754,53 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
       1, kAmxGroupBytes / (static_cast<int64_t>(sizeof(T)) * k) / kAmxBlockRows);
   const int64_t ldc = kSwiglu_ ? half : n;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
-  const int64_t grain = (panels + threads - 1) / threads;
-  for_panel_runs(panels, grain, S == kGreedy, [&](int64_t first, int64_t last) {
+  const int64_t groups = (blocks + group - 1) / group;
+  PanelRuns runs(groups, panels, PanelRuns::run_length(panels, threads, S == kGreedy), threads);
+  on_threads(threads, [&] {
     load_tile_config();  // per thread: the tile registers and their shapes are thread state
     // A block's sums and the previous block's (one array: GCC 12 fails on a 2-D one here).
     alignas(64) float sums[8 * kAmxTileFloats];
     int64_t flip = 0;
     PendingRows<S> pending;
-    for (int64_t g0 = 0; g0 < blocks; g0 += group) {
-      const int64_t g1 = std::min(blocks, g0 + group);
-      for (int64_t p = first; p < last; ++p) {
-        const T* b = packed + p * panel_elems;
-        const auto [col0, col1, lanes0, lanes1] = panel_columns(p, n, half);
-        __m512 add0 = _mm512_setzero_ps(), add1 = add0;
-        if (bias != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias + col0);
-        if (bias != nullptr && lanes1 != 0) add1 = _mm512_maskz_loadu_ps(lanes1, bias + col1);
-        const bool whole = lanes0 == 0xffff && (kSwiglu_ || lanes1 == 0xffff);
-        // The next panel of this thread, fetched over this group's blocks (none after the last).
-        const int64_t per_block = p + 1 < last ? (panel_lines + (g1 - g0) - 1) / (g1 - g0) : 0;
-        const char* next = reinterpret_cast<const char*>(b + panel_elems);
-        for (int64_t blk = g0; blk < g1; ++blk) {
-          const int64_t r0 = blk * kAmxBlockRows;
-          const int64_t rows = std::min<int64_t>(kAmxBlockRows, m - r0);
-          const T* a = blk < whole_blocks ? x + r0 * k : tail;
-          const int64_t done = std::min((blk - g0) * per_block, panel_lines);
-          const int64_t fetch_lines = std::min(per_block, panel_lines - done);
-          float* block_sums = sums + flip * 4 * kAmxTileFloats;
-          const char* fetch = next + 64 * done;
-          if (rows > kAmxRows) {
-            amx_tile<2, S>(a, k, k, b, block_sums, fetch, fetch_lines, pending);
-          } else {
-            amx_tile<1, S>(a, k, k, b, block_sums, fetch, fetch_lines, pending);
-          }
-          // This block's stores wait for the next block's multiplies (or the end).
-          if constexpr (S == kGreedy) {  // the rows' GreedyRows, one apart
-            pending = {block_sums, reinterpret_cast<char*>(greedy->of_panel(p) + r0), nullptr, 1,
-                       rows, /*done=*/0, lanes0, lanes1, add0, add1, whole, col0};
-          } else {
-            char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
-            char* c1 = kSwiglu_ ? nullptr : c + col1 * out_bytes;
-            pending = {block_sums, c + col0 * out_bytes, c1, ldc, rows, /*done=*/0, lanes0, lanes1,
-                       add0, add1, whole, col0};
-          }
-          flip ^= 1;
+    claimed_panels(runs, groups, [&](int64_t group_index, int64_t p, int64_t next_panel) {
+      const int64_t g0 = group_index * group, g1 = std::min(blocks, g0 + group);
+      const T* b = packed + p * panel_elems;
+      const auto [col0, col1, lanes0, lanes1] = panel_columns(p, n, half);
+      __m512 add0 = _mm512_setzero_ps(), add1 = add0;
+      if (bias != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias + col0);
+      if (bias != nullptr && lanes1 != 0) add1 = _mm512_maskz_loadu_ps(lanes1, bias + col1);
+      const bool whole = lanes0 == 0xffff && (kSwiglu_ || lanes1 == 0xffff);
+      // The thread's next panel, fetched over this group's blocks (none after its last).
+      const int64_t per_block =
+          next_panel >= 0 ? (panel_lines + (g1 - g0) - 1) / (g1 - g0) : 0;
+      const char* next =
+          reinterpret_cast<const char*>(packed + std::max<int64_t>(next_panel, 0) * panel_elems);
+      for (int64_t blk = g0; blk < g1; ++blk) {
+        const int64_t r0 = blk * kAmxBlockRows;
+        const int64_t rows = std::min<int64_t>(kAmxBlockRows, m - r0);
+        const T* a = blk < whole_blocks ? x + r0 * k : tail;
+        const int64_t done = std::min((blk - g0) * per_block, panel_lines);
+        const int64_t fetch_lines = std::min(per_block, panel_lines - done);
+        float* block_sums = sums + flip * 4 * kAmxTileFloats;
+        const char* fetch = next + 64 * done;
+        if (rows > kAmxRows) {
+          amx_tile<2, S>(a, k, k, b, block_sums, fetch, fetch_lines, pending);
+        } else {
+          amx_tile<1, S>(a, k, k, b, block_sums, fetch, fetch_lines, pending);
         }
+        // This block's stores wait for the next block's multiplies (or the end).
+        if constexpr (S == kGreedy) {  // the rows' GreedyRows, one apart
+          pending = {block_sums, reinterpret_cast<char*>(greedy->of_panel(p) + r0), nullptr, 1,
+                     rows, /*done=*/0, lanes0, lanes1, add0, add1, whole, col0};
+        } else {
+          char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
+          char* c1 = kSwiglu_ ? nullptr : c + col1 * out_bytes;
+          pending = {block_sums, c + col0 * out_bytes, c1, ldc, rows, /*done=*/0, lanes0, lanes1,
+                     add0, add1, whole, col0};
+        }
+        flip ^= 1;
       }
-    }
+    });
     pending.finish();
     _tile_release();  // the tiles' state back to its initial one: nothing left to save
     if constexpr (S == kWidened) _mm_sfence();
