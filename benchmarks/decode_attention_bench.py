@@ -23,7 +23,6 @@ for a shared system prompt (``w2-prefix``: 1,024 of about 1,100 tokens).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import subprocess
 import sys
 import time
@@ -32,9 +31,7 @@ from typing import Any
 
 import torch
 from ferrum_kernels import native
-from ferrum_kernels.native import _FLAGS
 from ferrum_server.tools.bench.harness import measure_memory_read
-from torch.utils.cpp_extension import load_inline
 
 SOURCE = "kernels/ferrum_kernels/csrc/decode_attention.cpp"
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,15 +43,7 @@ def _build(tag: str, source: str) -> object:
     # The shared header ahead of the kernel, as the package builds it (an older revision's
     # kernel that does not use it builds the same with it).
     source = native.with_common_header(source)
-    # A stable name per source: a rerun reuses the build (str hashes change per process).
-    digest = hashlib.sha1(source.encode()).hexdigest()[:10]
-    return load_inline(
-        name=f"ferrum_decode_bench_{tag}_{digest}",
-        cpp_sources=source,
-        functions=["decode_attention"],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-    )
+    return native.build_alone(f"decode_bench_{tag}", source, ["decode_attention"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:

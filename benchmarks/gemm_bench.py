@@ -24,7 +24,6 @@ Where the two sources are the same, the package's own build serves as both.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import subprocess
 import sys
@@ -37,8 +36,6 @@ from typing import Any
 import torch
 from ferrum_kernels import native
 from ferrum_kernels.cpu_linear import PackedWeight, mkldnn_linear_available
-from ferrum_kernels.native import _FLAGS
-from torch.utils.cpp_extension import load_inline
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 768, 2048, 12, 4, 64, 32000
 SHAPES = {  # name -> (N, K) of W1's linears
@@ -74,14 +71,7 @@ def _revision_module(rev: str) -> Any:
     if gemm == (here / "gemm.cpp").read_text() and header == (here / "common.h").read_text():
         return native.load()
     source = header.replace("#pragma once", "") + gemm.replace('#include "common.h"', "")
-    digest = hashlib.sha1(source.encode()).hexdigest()[:10]
-    return load_inline(
-        name=f"ferrum_gemm_bench_old_{digest}",
-        cpp_sources=source,
-        functions=_GEMM_FUNCTIONS,
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-    )
+    return native.build_alone("gemm_bench_old", source, _GEMM_FUNCTIONS)
 
 
 def _against_revision(

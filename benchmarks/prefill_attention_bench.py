@@ -15,7 +15,6 @@ one the working tree's; the two alternate call by call in one process.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
@@ -32,8 +31,6 @@ from ferrum_kernels import cpu_attention
 from ferrum_kernels import native as native_kernels
 from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
-from ferrum_kernels.native import _FLAGS
-from torch.utils.cpp_extension import load_inline
 
 SOURCE = "kernels/ferrum_kernels/csrc/prefill_attention.cpp"
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,14 +114,7 @@ def _revision_module(rev: str) -> Any:
     if text == (ROOT / SOURCE).read_text():
         return native_kernels.load()
     source = native_kernels.with_common_header(text)
-    digest = hashlib.sha1(source.encode()).hexdigest()[:10]
-    return load_inline(
-        name=f"ferrum_prefill_bench_{digest}",
-        cpp_sources=source,
-        functions=["prefill_attention"],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-    )
+    return native_kernels.build_alone("prefill_bench", source, ["prefill_attention"])
 
 
 def _with_module(fn: Callable[[], torch.Tensor], module: Any) -> Callable[[], torch.Tensor]:

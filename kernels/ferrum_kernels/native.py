@@ -112,6 +112,23 @@ def with_common_header(*sources: str) -> str:
     return "\n".join(parts)
 
 
+def build_alone(tag: str, source: str, functions: list[str]) -> Any:
+    """`source` (a whole translation unit: see ``with_common_header``) built on its own, with
+    the package's flags, into a module exposing `functions`: how a benchmark builds a kernel
+    as a git revision had it, beside the package's module. Named by `tag` and a digest of the
+    source, so a rerun reuses the build."""
+    from torch.utils.cpp_extension import load_inline
+
+    digest = hashlib.sha1(source.encode()).hexdigest()[:10]
+    return load_inline(
+        name=f"ferrum_{tag}_{digest}",
+        cpp_sources=source,
+        functions=functions,
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+    )
+
+
 def _source() -> str:
     return with_common_header(*((_CSRC / name).read_text() for name in _SOURCES)) + _bindings()
 

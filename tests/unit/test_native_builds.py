@@ -50,3 +50,18 @@ def test_the_native_source_compiles_for_every_cpu_family(tmp_path: Path) -> None
         if run.returncode != 0:
             failed[target] = "\n".join(line for line in stderr.splitlines() if "error" in line)
     assert not failed, failed
+
+
+@pytest.mark.skipif(not native.available(), reason="no C++ toolchain")
+def test_a_source_built_alone_exposes_its_functions_and_a_rebuild_reuses_it() -> None:
+    """``build_alone``, how the benchmarks' ``--old REV`` build a revision's kernel: a whole
+    translation unit (here the shared header ahead of a small function using it) becomes its
+    own module, and the same source again is the same build."""
+    source = native.with_common_header(
+        "#include <torch/extension.h>\n"
+        '#include "common.h"\n'
+        "int64_t bf16_bits(double x) { return ferrum::float_to_bf16(static_cast<float>(x)); }\n"
+    )
+    module = native.build_alone("test_alone", source, ["bf16_bits"])
+    assert [module.bf16_bits(x) for x in (1.0, -2.0, 1.00390625)] == [0x3F80, 0xC000, 0x3F80]
+    assert native.build_alone("test_alone", source, ["bf16_bits"]).__name__ == module.__name__
