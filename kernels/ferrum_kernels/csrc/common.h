@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -178,6 +180,61 @@ inline float expf_clamped(float t) {
 // The first n lanes (all 16 from n = 16 on).
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// The largest of s[0, n) (n >= 1), in four accumulators: one is a chain of max's latency (4
+// cycles) per vector, a quarter of a cycle a value; four run at the loads' rate.
+inline float row_max(const float* s, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
+    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
+    m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + j + 32));
+    m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + j + 48));
+  }
+  for (; j < n; j += 16)
+    m0 = _mm512_max_ps(m0, _mm512_mask_loadu_ps(lowest, first_lanes(n - j), s + j));
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+}
+
+// A softmax row's numerators p[0, n) = 2^(s * a + b) (exp2_nonpositive<Degree>: a and b fold
+// the scale, log2(e) and the row's max into one FMA), stored in T (bfloat16 rounded once; the
+// writes stop at p[n - 1]). Returns their float32 sum. Two vectors a step, each with its own
+// sum (one sum is a chain of the add's latency), bfloat16's pair stored by one conversion.
+template <int Degree, typename T>
+inline float exp2_row(const float* s, T* p, int64_t n, __m512 a, __m512 b) {
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 e0 =
+        exp2_nonpositive<Degree>(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), a, b), 0xffff);
+    const __m512 e1 =
+        exp2_nonpositive<Degree>(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), a, b), 0xffff);
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+    if constexpr (std::is_same<T, float>::value) {
+      _mm512_storeu_ps(p + j, e0);
+      _mm512_storeu_ps(p + j + 16, e1);
+    } else {
+#if defined(__AVX512BF16__)
+      const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
+      _mm512_storeu_si512(p + j, reinterpret_cast<const __m512i&>(pair));
+#else
+      store16(p + j, e0);
+      store16(p + j + 16, e1);
+#endif
+    }
+  }
+  for (; j < n; j += 16) {  // the row's last 16 or fewer
+    const __mmask16 lanes = first_lanes(n - j);
+    const __m512 x = _mm512_maskz_loadu_ps(lanes, s + j);
+    const __m512 e = exp2_nonpositive<Degree>(_mm512_fmadd_ps(x, a, b), lanes);
+    sum0 = _mm512_add_ps(sum0, e);
+    store16(p + j, e, lanes);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
 // bfloat16 rounding where the reference rounds (the identity for float32).

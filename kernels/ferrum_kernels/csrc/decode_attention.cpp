@@ -445,58 +445,23 @@ inline void accumulate_heads(int h, const float* const* p, const uint16_t* const
 // Returns 1 / their sum (of the float32 values). Inline exponentials: std::exp vectorises to a
 // glibc call per 16 lanes, and max and sum were two more passes.
 inline float softmax16(float* s, int64_t ctx, uint16_t* bits) {
-  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __mmask16 tail = ferrum::first_lanes(ctx % 16);
   const int64_t whole = ctx / 16 * 16;
-  // The max in four accumulators: one is a chain of max's latency (4 cycles) per vector.
-  __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
-  int64_t t = 0;
-  for (; t + 64 <= ctx; t += 64) {
-    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + t));
-    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + t + 16));
-    m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + t + 32));
-    m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + t + 48));
-  }
-  for (; t < whole; t += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + t));
-  if (t < ctx) m1 = _mm512_max_ps(m1, _mm512_mask_loadu_ps(lowest, tail, s + t));
-  const float mx =
-      _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+  const float mx = ferrum::row_max(s, ctx);
   if (bits != nullptr) {
-    // e^(s - max) = 2^(s log2e - max log2e), one FMA, by the degree-4 fit: its 4e-6 against
-    // the bfloat16 rounding that follows (4e-3). Two vectors a step with their own sums.
+    // e^(s - max) = 2^(s log2e - max log2e), by the degree-4 fit: its 4e-6 against the
+    // bfloat16 rounding that follows (4e-3).
     constexpr float kLog2e = 1.44269504f;
     const __m512 a = _mm512_set1_ps(kLog2e), b = _mm512_set1_ps(-mx * kLog2e);
-    __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
-    for (t = 0; t + 32 <= ctx; t += 32) {
-      const __m512 e0 =
-          ferrum::exp2_nonpositive<4>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), a, b), 0xffff);
-      const __m512 e1 =
-          ferrum::exp2_nonpositive<4>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t + 16), a, b), 0xffff);
-      sum0 = _mm512_add_ps(sum0, e0);
-      sum1 = _mm512_add_ps(sum1, e1);
-#if defined(__AVX512BF16__)
-      const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
-      _mm512_storeu_si512(bits + t, reinterpret_cast<const __m512i&>(pair));
-#else
-      ferrum::store16(bits + t, e0);
-      ferrum::store16(bits + t + 16, e1);
-#endif
-    }
-    for (; t < ctx; t += 16) {
-      const __mmask16 lanes = ferrum::first_lanes(ctx - t);
-      const __m512 e = ferrum::exp2_nonpositive<4>(
-          _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, s + t), a, b), lanes);
-      sum0 = _mm512_add_ps(sum0, e);
-      ferrum::store16(bits + t, e, lanes);
-    }
-    return 1.f / _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+    return 1.f / ferrum::exp2_row<4>(s, bits, ctx, a, b);
   }
   const __m512 top = _mm512_set1_ps(mx);
   // e^-87 is still a normal float, and exp_ps wants t >= -88; what the clamp changes is
   // under 2e-38 of a sum that is at least 1.
   const __m512 floor = _mm512_set1_ps(-87.f);
   __m512 sum = _mm512_setzero_ps();
-  for (t = 0; t < whole; t += 16) {
+  int64_t t = 0;
+  for (; t < whole; t += 16) {
     const __m512 x = _mm512_loadu_ps(s + t);
     const __m512 e = ferrum::exp_ps(_mm512_max_ps(_mm512_sub_ps(x, top), floor));
     sum = _mm512_add_ps(sum, e);

@@ -156,11 +156,10 @@ constexpr bool has_simd() {
   return false;
 }
 
-
 #if defined(FERRUM_PREFILL_AVX2)
 // 2^t for t <= 0, 8 lanes: the degree-5 fit of exp2_nonpositive (common.h; 2e-7 relative),
-// scaled by 2^n built in the exponent bits. t below -127 is clamped there, where 2^n's bits are all
-// zero, so far-below-range lanes (and the -FLT_MAX padding of a row's tail) come out 0.
+// scaled by 2^n built in the exponent bits. t below -127 is clamped there, where 2^n's bits are
+// all zero, so far-below-range lanes (and the -FLT_MAX padding of a row's tail) come out 0.
 inline __m256 exp2_nonpositive_avx2(__m256 t) {
   t = _mm256_max_ps(t, _mm256_set1_ps(-127.f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -200,55 +199,12 @@ float softmax_row(const float* s, T* p, int64_t m, int64_t end, float scale) {
 #if defined(__AVX512F__)
     constexpr float kLog2e = 1.44269504f;
     constexpr int degree = std::is_same<T, float>::value ? 5 : 4;
-    // The max in four accumulators: one, a chain of max's latency (4 cycles) per vector, held
-    // the pass at a quarter of a cycle a score; four run at the loads' rate.
-    const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::max());
-    __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
-    int64_t j = 0;
-    for (; j + 64 <= m; j += 64) {
-      m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
-      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
-      m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + j + 32));
-      m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + j + 48));
-    }
-    for (; j < m; j += 16)
-      m0 = _mm512_max_ps(m0, _mm512_mask_loadu_ps(lowest, first_lanes(m - j), s + j));
-    const float mx =
-        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
-    // exp((s - mx) * scale) = 2^(s * a + b), one FMA per element. Two vectors a step, each
-    // with its own sum (the same chain as the max's otherwise), stored together: bfloat16's
-    // pair as one 64-byte store from one conversion instruction.
+    const float mx = ferrum::row_max(s, m);
+    // exp((s - mx) * scale) = 2^(s * a + b), one FMA per element.
     const __m512 a = _mm512_set1_ps(scale * kLog2e), b = _mm512_set1_ps(-mx * scale * kLog2e);
-    __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
-    for (j = 0; j + 32 <= m; j += 32) {
-      const __m512 e0 =
-          exp2_nonpositive<degree>(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), a, b), 0xffff);
-      const __m512 e1 =
-          exp2_nonpositive<degree>(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), a, b), 0xffff);
-      sum0 = _mm512_add_ps(sum0, e0);
-      sum1 = _mm512_add_ps(sum1, e1);
-      if constexpr (std::is_same<T, float>::value) {
-        _mm512_storeu_ps(p + j, e0);
-        _mm512_storeu_ps(p + j + 16, e1);
-      } else {
-#if defined(__AVX512BF16__)
-        const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
-        _mm512_storeu_si512(p + j, reinterpret_cast<const __m512i&>(pair));
-#else
-        store16(p + j, e0);
-        store16(p + j + 16, e1);
-#endif
-      }
-    }
-    for (; j < m; j += 16) {  // the row's last 16 or fewer keys
-      const __mmask16 lanes = first_lanes(m - j);
-      const __m512 x = _mm512_maskz_loadu_ps(lanes, s + j);
-      const __m512 e = exp2_nonpositive<degree>(_mm512_fmadd_ps(x, a, b), lanes);
-      sum0 = _mm512_add_ps(sum0, e);
-      store16(p + j, e);  // lanes past m store zeros
-    }
-    for (; j < end; j += 16) store16(p + j, _mm512_setzero_ps());
-    return 1.f / _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+    const float sum = ferrum::exp2_row<degree>(s, p, m, a, b);
+    std::fill(p + m, p + end, T(0));  // keys the row cannot see, up to where PV reads
+    return 1.f / sum;
 #elif defined(FERRUM_PREFILL_AVX2)
     constexpr float kLog2e = 1.44269504f;
     constexpr float kLowest = -std::numeric_limits<float>::max();
