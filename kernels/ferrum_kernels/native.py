@@ -55,6 +55,7 @@ _SOURCES = (
 )
 _FUNCTIONS = [
     "decode_attention",
+    "decode_shared_prefixes",
     "rms_norm",
     "add_rms_norm_",
     "silu_and_mul",

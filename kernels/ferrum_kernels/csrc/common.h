@@ -365,4 +365,195 @@ inline void load_tile_shapes(const uint8_t (&rows)[8], const uint16_t (&bytes)[8
 }
 #endif
 
+// Attention's packed operands, shared by the prefill kernel (every chunk's keys and values) and
+// the decode kernel (a shared prompt's, for every item reading it): keys in tiles of kKeyTile
+// tokens transposed by 32-bit words (a score vector's lanes; on AMX, TDPBF16PS's B operand),
+// values of two tokens interleaved by element (the bfloat16 pair layout). On AMX, the products
+// over them (amx_scores, amx_values).
+constexpr int kKeyTile = 16;  // keys per packed K tile (the lanes of a score vector)
+
+#if defined(__AVX512F__)
+// In place: a[j] word c -> a[c] word j (a 16 x 16 transpose of 32-bit words).
+inline void transpose16(__m512i a[16]) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {  // pairs of rows interleaved by word
+    t[2 * k] = _mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
+  }
+  // u[4k + c], 128-bit lane L: words 4L + c of rows 4k .. 4k + 3.
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  // Word 4L + c of all rows: lane L of u[c], u[4 + c], u[8 + c], u[12 + c] (a 4 x 4 transpose
+  // of 128-bit lanes).
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
+    a[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    a[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xdd);
+    a[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    a[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xdd);
+  }
+}
+#endif
+
+// One tile of keys, [words][16 tokens] of 32-bit words (a float, or a bfloat16 pair): the
+// lanes of a score vector. rows[j] is token j's head row, nullptr past the context (zeros).
+template <typename T>
+void pack_key_tile(const T* const* rows, int64_t words, uint32_t* out) {
+#if defined(__AVX512F__)
+  for (int64_t w0 = 0; w0 < words; w0 += 16) {
+    const int64_t n = std::min<int64_t>(16, words - w0);
+    __m512i a[16];
+    for (int j = 0; j < kKeyTile; ++j) {
+      const auto* src = reinterpret_cast<const uint32_t*>(rows[j]);
+      a[j] = src == nullptr ? _mm512_setzero_si512()
+                            : _mm512_maskz_loadu_epi32(first_lanes(n), src + w0);
+    }
+    transpose16(a);
+    for (int64_t c = 0; c < n; ++c) _mm512_storeu_si512(out + (w0 + c) * kKeyTile, a[c]);
+  }
+#else
+  for (int j = 0; j < kKeyTile; ++j)
+    for (int64_t i = 0; i < words; ++i) {
+      uint32_t word = 0;
+      if (rows[j] != nullptr) std::memcpy(&word, reinterpret_cast<const char*>(rows[j]) + 4 * i, 4);
+      out[i * kKeyTile + j] = word;
+    }
+#endif
+}
+
+// Values of tokens (t, t + 1) as [D][2] (the bfloat16 pair layout), from their head rows.
+inline void pack_value_pair(const uint16_t* a, const uint16_t* b, int64_t head_dim,
+                            uint16_t* out) {
+#if defined(__AVX512BW__)
+  // Output word d = (a[d], b[d]): index i < 32 picks from a, 32 + i from b.
+  alignas(64) static const uint16_t lo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                              37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                              11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                              53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                              27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo_idx = _mm512_load_si512(lo), hi_idx = _mm512_load_si512(hi);
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+    const int64_t n = std::min<int64_t>(32, head_dim - d0);  // 16 or 32 (D is a multiple of 16)
+    const __mmask32 lanes = n == 32 ? ~__mmask32(0) : __mmask32(0xffff);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i x = a == nullptr ? zero : _mm512_maskz_loadu_epi16(lanes, a + d0);
+    const __m512i y = b == nullptr ? zero : _mm512_maskz_loadu_epi16(lanes, b + d0);
+    _mm512_storeu_si512(out + 2 * d0, _mm512_permutex2var_epi16(x, lo_idx, y));
+    if (n == 32) _mm512_storeu_si512(out + 2 * d0 + 32, _mm512_permutex2var_epi16(x, hi_idx, y));
+  }
+#else
+  for (int64_t d = 0; d < head_dim; ++d) {
+    out[2 * d] = a == nullptr ? 0 : a[d];
+    out[2 * d + 1] = b == nullptr ? 0 : b[d];
+  }
+#endif
+}
+
+#if defined(FERRUM_AMX)
+// Tiles: 0 sixteen rows of 32 bfloat16 (q's dimensions, or probabilities of 32 keys); 1 a key
+// tile's 16 pairs of dimensions, or 16 pairs of value tokens (16 columns); 2 eight pairs of
+// value tokens (a last 16 keys); 3 sixteen rows of 16 probabilities (for those); 4-7 float32
+// sums (16 rows x 16 keys or columns).
+inline void load_attention_tiles() {
+  constexpr uint8_t kRowsOf[8] = {16, 16, 8, 16, 16, 16, 16, 16};
+  constexpr uint16_t kBytesOf[8] = {64, 64, 64, 32, 64, 64, 64, 64};
+  load_tile_shapes(kRowsOf, kBytesOf);
+}
+
+// Scores of 16 q rows (q: [16][D], D apart) over `tiles` packed key tiles from k, into s (rows
+// s_stride floats apart), four key tiles at a time.
+inline void amx_scores(const uint16_t* q, int64_t head_dim, const uint16_t* k, int64_t tile_elems,
+                       int64_t tiles, float* s, int64_t s_stride) {
+  const int64_t chunks = head_dim / 32, q_bytes = head_dim * 2, s_bytes = s_stride * 4;
+  constexpr int64_t kChunkElems = 16 * kKeyTile * 2;  // 16 pairs of dimensions of 16 tokens
+  int64_t t = 0;
+  for (; t + 4 <= tiles; t += 4) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const uint16_t* kt = k + t * tile_elems;
+    for (int64_t j = 0; j < chunks; ++j) {
+      _tile_loadd(0, q + 32 * j, q_bytes);
+      _tile_loadd(1, kt + j * kChunkElems, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(1, kt + tile_elems + j * kChunkElems, 64);
+      _tile_dpbf16ps(5, 0, 1);
+      _tile_loadd(1, kt + 2 * tile_elems + j * kChunkElems, 64);
+      _tile_dpbf16ps(6, 0, 1);
+      _tile_loadd(1, kt + 3 * tile_elems + j * kChunkElems, 64);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, s + t * kKeyTile, s_bytes);
+    _tile_stored(5, s + (t + 1) * kKeyTile, s_bytes);
+    _tile_stored(6, s + (t + 2) * kKeyTile, s_bytes);
+    _tile_stored(7, s + (t + 3) * kKeyTile, s_bytes);
+  }
+  for (; t < tiles; ++t) {
+    _tile_zero(4);
+    for (int64_t j = 0; j < chunks; ++j) {
+      _tile_loadd(0, q + 32 * j, q_bytes);
+      _tile_loadd(1, k + t * tile_elems + j * kChunkElems, 64);
+      _tile_dpbf16ps(4, 0, 1);
+    }
+    _tile_stored(4, s + t * kKeyTile, s_bytes);
+  }
+}
+
+// o[16][D] (float32, D apart) = 16 rows of probabilities (p, p_stride apart) over `keys` keys
+// (a multiple of 16) times the packed value pairs from v, four 16-column tiles at a time.
+inline void amx_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, int64_t head_dim,
+                       int64_t keys, float* o) {
+  const int64_t p_bytes = p_stride * 2, v_bytes = head_dim * 4, pair_elems = head_dim * 2;
+  const int64_t whole = keys / 32 * 32;
+  for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4) {
+    const int nc = static_cast<int>(std::min<int64_t>(4, head_dim / 16 - c0));
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const uint16_t* vc = v + c0 * 32;  // column tile c's 16 columns: 32 elements a pair row
+    // Probabilities in tile P times the value pairs at vk, column tile by column tile, through
+    // tile V. A macro: GCC's tile intrinsics take tile numbers as literal tokens, so a function
+    // or template cannot pass them on.
+#define FERRUM_AMX_VALUES_STEP(P, V, probs, vk)      \
+  do {                                               \
+    _tile_loadd(P, probs, p_bytes);                  \
+    _tile_loadd(V, vk, v_bytes);                     \
+    _tile_dpbf16ps(4, P, V);                         \
+    if (nc > 1) {                                    \
+      _tile_loadd(V, (vk) + 32, v_bytes);            \
+      _tile_dpbf16ps(5, P, V);                       \
+    }                                                \
+    if (nc > 2) {                                    \
+      _tile_loadd(V, (vk) + 64, v_bytes);            \
+      _tile_dpbf16ps(6, P, V);                       \
+    }                                                \
+    if (nc > 3) {                                    \
+      _tile_loadd(V, (vk) + 96, v_bytes);            \
+      _tile_dpbf16ps(7, P, V);                       \
+    }                                                \
+  } while (0)
+    for (int64_t key = 0; key < whole; key += 32)  // 32 keys: tiles 0 and 1 (16 pairs)
+      FERRUM_AMX_VALUES_STEP(0, 1, p + key, vc + (key / 2) * pair_elems);
+    if (whole < keys)  // a last 16 keys: tiles 3 and 2 (eight pairs)
+      FERRUM_AMX_VALUES_STEP(3, 2, p + whole, vc + (whole / 2) * pair_elems);
+#undef FERRUM_AMX_VALUES_STEP
+    float* oc = o + c0 * 16;
+    _tile_stored(4, oc, v_bytes);
+    if (nc > 1) _tile_stored(5, oc + 16, v_bytes);
+    if (nc > 2) _tile_stored(6, oc + 32, v_bytes);
+    if (nc > 3) _tile_stored(7, oc + 48, v_bytes);
+  }
+}
+#endif
+
 }  // namespace ferrum

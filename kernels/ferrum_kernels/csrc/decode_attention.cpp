@@ -5,6 +5,10 @@
 // a whole item, read token row by token row across all KV heads; the portable fallback
 // (decode_impl) works per (item, KV head), scoring the G query heads that share a KV head
 // together so each K/V row is converted to float32 once for all of them.
+//
+// Items that share a cached prompt's blocks (prefix caching: shared_prefixes) have, on AMX in
+// bfloat16, the shared keys' part of their softmax computed for all of them at once on the tiles
+// (prefix_partials); each then reads only its own keys and merges the two (decode_items_avx512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -15,6 +19,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -187,21 +192,72 @@ inline void k_tile(const T** tile, RowFetches& fetches, const T* k_pool, const T
 }
 
 // Claims the calling thread's next item (n_items or more when none is left) and queues its
-// first K rows in next_rows, to be fetched during the current item's V pass (none of them when
+// first K rows (from its start: starts, or 0 without) in next_rows, to be fetched during the current item's V pass (none of them when
 // they are shared with the item before it: shared_tokens).
 template <typename T>
 inline int64_t claim_next(std::atomic<int64_t>& claimed, RowFetches& next_rows, const T* k_pool,
-                          const int64_t* tables, const int64_t* lens, int64_t n_items,
-                          int64_t table_width, int64_t block_size, int64_t kv_row) {
+                          const int64_t* tables, const int64_t* lens, const int64_t* starts,
+                          int64_t n_items, int64_t table_width, int64_t block_size,
+                          int64_t kv_row) {
   const int64_t next = claimed.fetch_add(1, std::memory_order_relaxed);
   next_rows.clear();
   if (next >= n_items) return next;
   const int64_t* table = tables + next * table_width;
-  const int64_t n = std::min(lens[next], kNextItemTokens);
-  for (int64_t t = shared_tokens(tables, lens, next, table_width, block_size); t < n; ++t)
+  const int64_t first = starts != nullptr ? starts[next] : 0;
+  const int64_t n = std::min(lens[next], first + kNextItemTokens);
+  for (int64_t t = std::max(first, shared_tokens(tables, lens, next, table_width, block_size));
+       t < n; ++t)
     next_rows.add(k_pool + (table[t / block_size] * block_size + t % block_size) * kv_row);
   return next;
 }
+
+// Items of a decode step that read the same cached prompt: runs of consecutive items whose
+// block tables start with the same blocks (prefix caching shares a system prompt's blocks).
+// The per-item kernel reads those keys once per item, at its per-row cost even from L2: in
+// w2-prefix (64 items sharing 1,024 of about 1,150 keys) the decode attention was about two
+// thirds of a step. On AMX the shared keys' part of every such item's softmax is computed for
+// all their query heads at once (prefix_partials), as a prefill chunk's rows are (the keys
+// packed once; amx_scores, amx_values), and each item then reads only its own keys.
+struct SharedPrefix {
+  int64_t first, count, keys;  // items [first, first + count) share keys [0, keys)
+};
+
+// Only whole blocks before every item's last key count (an item's last block is its own, and
+// its last key is the one just written), in multiples of 32 keys (a step of amx_values), and
+// only a prefix of kMinSharedKeys keys or more that kMinSharedItems items or more read.
+constexpr int64_t kMinSharedKeys = 64;
+constexpr int64_t kMinSharedItems = 2;
+
+std::vector<SharedPrefix> shared_prefixes(const int64_t* tables, const int64_t* lens,
+                                          int64_t n_items, int64_t table_width,
+                                          int64_t block_size) {
+  std::vector<SharedPrefix> found;
+  for (int64_t i = 0; i < n_items;) {
+    const int64_t* first = tables + i * table_width;
+    int64_t blocks = std::max<int64_t>(lens[i] - 1, 0) / block_size;  // whole blocks before
+    int64_t j = i + 1;
+    for (; j < n_items; ++j) {
+      const int64_t* table = tables + j * table_width;
+      const int64_t most = std::min(blocks, std::max<int64_t>(lens[j] - 1, 0) / block_size);
+      int64_t b = 0;
+      while (b < most && table[b] == first[b]) ++b;
+      if (b * block_size < kMinSharedKeys) break;
+      blocks = b;
+    }
+    const int64_t keys = blocks * block_size / 32 * 32;
+    if (j - i >= kMinSharedItems && keys >= kMinSharedKeys) found.push_back({i, j - i, keys});
+    i = j;
+  }
+  return found;
+}
+
+// What the per-item kernel merges in: for every query head of an item of a shared prefix, the
+// max of its scores over the prefix's keys, the sum of e^(score - max) and the unnormalised
+// output sum over them of e^(score - max) v (float32).
+struct PrefixPartials {
+  std::vector<int64_t> starts;       // [items]: the first key each item reads itself (0: all)
+  std::vector<float> max, sum, out;  // [items][H], [items][H], [items][H][D]
+};
 
 #if defined(__AVX512F__)
 // Sixteen 16-lane vectors -> one vector whose lane j is the sum of v[j]'s lanes. Four halving
@@ -442,12 +498,13 @@ inline void accumulate_heads(int h, const float* const* p, const uint16_t* const
 
 // Softmax numerators of one head's scores, e^(s - max): in place, or when bits is given, as
 // bfloat16 bits there (the paired V pass's weights, rounded once) with s left as it was.
-// Returns 1 / their sum (of the float32 values). Inline exponentials: std::exp vectorises to a
+// Returns 1 / their sum (of the float32 values), and the max in max_out. Inline exponentials: std::exp vectorises to a
 // glibc call per 16 lanes, and max and sum were two more passes.
-inline float softmax16(float* s, int64_t ctx, uint16_t* bits) {
+inline float softmax16(float* s, int64_t ctx, uint16_t* bits, float* max_out) {
   const __mmask16 tail = ferrum::first_lanes(ctx % 16);
   const int64_t whole = ctx / 16 * 16;
   const float mx = ferrum::row_max(s, ctx);
+  *max_out = mx;
   if (bits != nullptr) {
     // e^(s - max) = 2^(s log2e - max log2e), by the degree-4 fit: its 4e-6 against the
     // bfloat16 rounding that follows (4e-3).
@@ -477,6 +534,114 @@ inline float softmax16(float* s, int64_t ctx, uint16_t* bits) {
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
+#if defined(FERRUM_AMX)
+// The shared keys' partials of every item of `prefixes` (bfloat16, D a multiple of 32). First
+// each (prefix, KV head) has its keys and values packed, once, as the prefill kernel packs a
+// chunk's; then units of 16 query rows (an item's query heads on one KV head, item after item)
+// go to the threads: scores on the tiles, the softmax's numerators rounded to bfloat16 (as the
+// per-item kernel rounds its own), then the values on the tiles.
+template <int D>
+void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* rows,
+                     const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* tables,
+                     int64_t table_width, int64_t block_size, int64_t n_kv_heads, int64_t group,
+                     float scale, const std::vector<SharedPrefix>& prefixes,
+                     PrefixPartials& partials) {
+  static_assert(D % 32 == 0, "whole pairs of 16 dimensions on the tiles");
+  constexpr int64_t kRows = 16, kPiece = 256;  // query rows a unit; keys per packing piece
+  const int64_t kv_row = n_kv_heads * D, heads = n_kv_heads * group;
+  std::vector<int64_t> base(prefixes.size());
+  int64_t total = 0, most = 0;
+  for (size_t g = 0; g < prefixes.size(); ++g) {
+    base[g] = total;
+    total += 2 * n_kv_heads * prefixes[g].keys * D;  // per KV head: keys, then values
+    most = std::max(most, prefixes[g].keys);
+  }
+  // Allocated per call (the server keeps freed heap memory: host_memory.py), so it holds no
+  // more than the step's shared keys' K/V: 1 MB for 1,024 keys at W1's 4 KV heads of 64.
+  std::vector<uint16_t> scratch(total);
+  uint16_t* const packed = scratch.data();
+  auto packed_at = [&](size_t g, int64_t h) {
+    return packed + base[g] + h * 2 * prefixes[g].keys * D;
+  };
+  std::vector<std::array<int64_t, 3>> pieces;  // (prefix, KV head, first key)
+  for (size_t g = 0; g < prefixes.size(); ++g)
+    for (int64_t h = 0; h < n_kv_heads; ++h)
+      for (int64_t t = 0; t < prefixes[g].keys; t += kPiece)
+        pieces.push_back({static_cast<int64_t>(g), h, t});
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [g, h, t_begin] = pieces[i];
+      const SharedPrefix& prefix = prefixes[g];
+      const int64_t* table = tables + prefix.first * table_width;
+      const int64_t t_end = std::min(prefix.keys, t_begin + kPiece);
+      uint16_t* k_out = packed_at(g, h);
+      uint16_t* v_out = k_out + prefix.keys * D;
+      auto row = [&](const uint16_t* pool, int64_t t) {
+        return pool + (table[t / block_size] * block_size + t % block_size) * kv_row + h * D;
+      };
+      const uint16_t* tile[ferrum::kKeyTile];
+      for (int64_t t0 = t_begin; t0 < t_end; t0 += ferrum::kKeyTile) {
+        for (int j = 0; j < ferrum::kKeyTile; ++j) tile[j] = row(k_pool, t0 + j);
+        ferrum::pack_key_tile<uint16_t>(tile, D / 2,
+                                        reinterpret_cast<uint32_t*>(k_out + t0 * D));
+      }
+      for (int64_t t = t_begin; t < t_end; t += 2)
+        ferrum::pack_value_pair(row(v_pool, t), row(v_pool, t + 1), D, v_out + t * D);
+    }
+  });
+  std::vector<std::array<int64_t, 3>> units;  // (prefix, KV head, first query row)
+  for (size_t g = 0; g < prefixes.size(); ++g)
+    for (int64_t h = 0; h < n_kv_heads; ++h)
+      for (int64_t r = 0; r < prefixes[g].count * group; r += kRows)
+        units.push_back({static_cast<int64_t>(g), h, r});
+  std::atomic<int64_t> next{0};
+  const int64_t n_units = static_cast<int64_t>(units.size());
+  constexpr float kLog2e = 1.44269504f;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    ferrum::load_attention_tiles();
+    std::vector<float> scores(kRows * most);
+    std::vector<uint16_t> probs(kRows * most);
+    alignas(64) uint16_t q_block[kRows * D];
+    alignas(64) float o_block[kRows * D];
+    for (int64_t u = next++; u < n_units; u = next++) {
+      const auto [g, h, r0] = units[u];
+      const SharedPrefix& prefix = prefixes[g];
+      const int64_t keys = prefix.keys;
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, prefix.count * group - r0));
+      int64_t at[kRows];  // each row's (item, query head) in the partials
+      for (int r = 0; r < kRows; ++r) {
+        uint16_t* dst = q_block + r * D;
+        if (r >= nr) {  // past the prefix's last item: zero rows, their outputs unused
+          std::memset(dst, 0, D * sizeof(uint16_t));
+          std::memset(probs.data() + r * keys, 0, keys * sizeof(uint16_t));
+          continue;
+        }
+        const int64_t item = prefix.first + (r0 + r) / group;
+        const int64_t head = h * group + (r0 + r) % group;
+        std::memcpy(dst, q + rows[item] * q_row_stride + head * D, D * sizeof(uint16_t));
+        at[r] = item * heads + head;
+      }
+      const uint16_t* kp = packed_at(g, h);
+      ferrum::amx_scores(q_block, D, kp, ferrum::kKeyTile * D, keys / ferrum::kKeyTile,
+                         scores.data(), keys);
+      for (int r = 0; r < nr; ++r) {
+        const float* s = scores.data() + r * keys;
+        const float mx = ferrum::row_max(s, keys) * scale;  // scores are scaled: scale > 0
+        partials.max[at[r]] = mx;
+        partials.sum[at[r]] = ferrum::exp2_row<4>(s, probs.data() + r * keys, keys,
+                                                  _mm512_set1_ps(scale * kLog2e),
+                                                  _mm512_set1_ps(-mx * kLog2e));
+      }
+      ferrum::amx_values(probs.data(), keys, kp + keys * D, D, keys, o_block);
+      for (int r = 0; r < nr; ++r)
+        std::memcpy(partials.out.data() + at[r] * D, o_block + r * D, D * sizeof(float));
+    }
+    _tile_release();
+  }
+}
+#endif
+
 // One work unit is a whole item: its blocks are read front to back, every KV head of a token
 // row at once (a row is contiguous in the pool), 16 tokens per tile. The K pass takes a tile's
 // rows one at a time, each front to back (every query head's partial sums of a row, then the
@@ -486,13 +651,18 @@ inline float softmax16(float* s, int64_t ctx, uint16_t* bits) {
 // bfloat16 and 13-18% in float32 on a Zen 5 machine (bit-identical: each partial sum is formed
 // as before; see docs/benchmarks.md). V is accumulated in registers over the tile, for the query
 // heads of a KV head together (accumulate_heads).
+//
+// With `prefix` (items sharing a prompt's cached blocks: shared_prefixes), an item of a shared
+// prefix reads only its keys from prefix.starts[item] on, and its output merges their softmax
+// with the shared keys' partial one (prefix.max, sum, out) before it is normalised.
 template <typename T, int D>
 void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
                          const T* __restrict v_pool, const int64_t* __restrict tables,
                          const int64_t* __restrict lens, const int64_t* __restrict rows,
                          T* __restrict out, int64_t n_items, int64_t table_width,
                          int64_t block_size, int64_t n_kv_heads, int64_t group,
-                         int64_t q_row_stride, float scale) {
+                         int64_t q_row_stride, float scale, const PrefixPartials* prefix) {
+  const int64_t* starts = prefix != nullptr ? prefix->starts.data() : nullptr;
   static_assert(D % 16 == 0, "rows are read 16 lanes at a time");
   const int64_t kv_row = n_kv_heads * D;
   const int64_t heads = n_kv_heads * group;
@@ -501,7 +671,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> scores, acc(heads * D), inv(heads);
+    std::vector<float> scores, acc(heads * D), inv(heads), maxes(heads);
     std::vector<uint16_t> probs;  // bfloat16 V pass: the probabilities as bfloat16 bits
     const T* tile[16];
     std::vector<__m512> parts(heads * 16);  // [H][16]: each query head's partial sums of a tile
@@ -511,15 +681,17 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
     int64_t next = 0;
     for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
          item = next) {
-      next = claim_next(claimed, next_rows, k_pool, tables, lens, n_items, table_width,
+      next = claim_next(claimed, next_rows, k_pool, tables, lens, starts, n_items, table_width,
                         block_size, kv_row);
       const int64_t ctx = lens[item];
       const int64_t* table = tables + item * table_width;
       const int64_t shared = shared_tokens(tables, lens, item, table_width, block_size);
       const T* qrow = q + rows[item] * q_row_stride;  // [H, D]
-      scores.resize(heads * ctx);                     // [H, ctx]
-      if constexpr (kPairedV<T, D>) probs.resize(heads * (ctx + 1));  // [H, ctx + 1]
-      for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+      // Keys [first, ctx): all of them, or those past a shared prefix's.
+      const int64_t first = starts != nullptr ? starts[item] : 0, keys = ctx - first;
+      scores.resize(heads * keys);                    // [H, keys]
+      if constexpr (kPairedV<T, D>) probs.resize(heads * (keys + 1));  // [H, keys + 1]
+      for (int64_t t0 = first; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
         k_tile(tile, ahead, k_pool, v_pool, table, t0, n, ctx, shared, block_size, kv_row);
         if constexpr (kSliceDots<T, D>) {
@@ -556,24 +728,24 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
           __m512* ph = parts.data() + hq * 16;
           for (int64_t j = n; j < 16; ++j) ph[j] = _mm512_setzero_ps();
           const __m512 sc = _mm512_mul_ps(reduce16(ph), _mm512_set1_ps(scale));
-          _mm512_mask_storeu_ps(scores.data() + hq * ctx + t0,
+          _mm512_mask_storeu_ps(scores.data() + hq * keys + (t0 - first),
                                 static_cast<__mmask16>((1u << n) - 1), sc);
         }
       }
       for (int64_t hq = 0; hq < heads; ++hq) {
-        float* sh = scores.data() + hq * ctx;
+        float* sh = scores.data() + hq * keys;
         if constexpr (kPairedV<T, D>) {  // the V pass's weights, rounded once
-          uint16_t* ph = probs.data() + hq * (ctx + 1);
-          inv[hq] = softmax16(sh, ctx, ph);
-          ph[ctx] = 0;
+          uint16_t* ph = probs.data() + hq * (keys + 1);
+          inv[hq] = softmax16(sh, keys, ph, &maxes[hq]);
+          ph[keys] = 0;
         } else {
-          inv[hq] = softmax16(sh, ctx, nullptr);
+          inv[hq] = softmax16(sh, keys, nullptr, &maxes[hq]);
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      next_rows.pace((ctx + 15) / 16 * heads);  // one step per (tile, head) of the V pass
+      next_rows.pace((keys + 15) / 16 * heads);  // one step per (tile, head) of the V pass
       constexpr int most = kVHeadsFor<D>;
-      for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+      for (int64_t t0 = first; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
         tile_rows(tile, v_pool, table, t0, n, block_size, kv_row);
         for (int64_t hq = 0; hq < heads;) {
@@ -585,8 +757,9 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
           float* a[kVHeads];
           for (int i = 0; i < h; ++i) {
             next_rows.step();
-            p[i] = scores.data() + (hq + i) * ctx + t0;
-            bits[i] = kPairedV<T, D> ? probs.data() + (hq + i) * (ctx + 1) + t0 : nullptr;
+            p[i] = scores.data() + (hq + i) * keys + (t0 - first);
+            bits[i] =
+                kPairedV<T, D> ? probs.data() + (hq + i) * (keys + 1) + (t0 - first) : nullptr;
             a[i] = acc.data() + (hq + i) * D;
           }
           accumulate_heads<T, D>(h, p, bits, tile, n, kv * D, a);
@@ -594,6 +767,19 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
         }
       }
       T* orow = out + item * heads * D;
+      if (first > 0) {  // merged with the shared prefix's partial softmax (prefix_partials)
+        for (int64_t hq = 0; hq < heads; ++hq) {
+          const int64_t at = item * heads + hq;
+          const float m = std::max(maxes[hq], prefix->max[at]);
+          const float own = std::exp(maxes[hq] - m), shared_part = std::exp(prefix->max[at] - m);
+          const float norm = 1.f / (own / inv[hq] + shared_part * prefix->sum[at]);
+          const float* po = prefix->out.data() + at * D;
+          for (int d = 0; d < D; ++d)
+            orow[hq * D + d] = static_cast<T>(
+                (acc[hq * D + paired_lane<T, D>(d)] * own + po[d] * shared_part) * norm);
+        }
+        continue;
+      }
       for (int64_t hq = 0; hq < heads; ++hq)
         for (int d = 0; d < D; ++d)
           orow[hq * D + d] = static_cast<T>(acc[hq * D + paired_lane<T, D>(d)] * inv[hq]);
@@ -704,7 +890,7 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
     int64_t next = 0;
     for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
          item = next) {
-      next = claim_next(claimed, next_rows, k_pool, tables, lens, n_items, table_width,
+      next = claim_next(claimed, next_rows, k_pool, tables, lens, nullptr, n_items, table_width,
                         block_size, kv_row);
       const int64_t ctx = lens[item];
       const int64_t* table = tables + item * table_width;
@@ -850,6 +1036,35 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
   auto run = [&](auto dim_tag) {
     constexpr int D = decltype(dim_tag)::value;
 #if defined(__AVX512F__)
+    const PrefixPartials* prefix = nullptr;
+#if defined(FERRUM_AMX)
+    // Items sharing a cached prompt: its keys' part of their softmax on the tiles, once.
+    PrefixPartials partials;
+    if constexpr (std::is_same<T, c10::BFloat16>::value && D % 32 == 0) {
+      const int64_t n_items = rows.size(0), heads = q.size(1);
+      if (ferrum::amx_wanted.load() && ferrum::amx_permitted()) {
+        const std::vector<SharedPrefix> prefixes =
+            shared_prefixes(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), n_items,
+                            tables.size(1), block_size);
+        if (!prefixes.empty()) {
+          partials.starts.assign(n_items, 0);
+          for (const SharedPrefix& p : prefixes)
+            std::fill_n(partials.starts.begin() + p.first, p.count, p.keys);
+          partials.max.resize(n_items * heads);
+          partials.sum.resize(n_items * heads);
+          partials.out.resize(n_items * heads * D);
+          auto bits = [](const torch::Tensor& t) {
+            return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
+          };
+          prefix_partials<D>(bits(q), q.stride(0), rows.data_ptr<int64_t>(), bits(k_pool),
+                             bits(v_pool), tables.data_ptr<int64_t>(), tables.size(1),
+                             block_size, n_kv_heads, group, static_cast<float>(scale), prefixes,
+                             partials);
+          prefix = &partials;
+        }
+      }
+    }
+#endif
     decode_items_avx512<T, D>(
 #elif defined(__AVX2__) && defined(__FMA__)
     decode_items_avx2<T, D>(
@@ -860,7 +1075,11 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                       rows.data_ptr<int64_t>(), out.data_ptr<T>(), rows.size(0),
                       tables.size(1), block_size, n_kv_heads, group, q.stride(0),
-                      static_cast<float>(scale));
+                      static_cast<float>(scale)
+#if defined(__AVX512F__)
+                      , prefix
+#endif
+    );
   };
   switch (head_dim) {
     case 32: run(std::integral_constant<int, 32>{}); break;
@@ -895,6 +1114,33 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
                             group, scale);
   } else {
     TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
+// The runs of items whose decode attention shares keys (shared_prefixes: whole blocks before
+// every item's last key, at least 64 keys, at least two items), for tests: [runs, 3] int64 of
+// (first item, items, shared keys). tables [N, W] int64, lens [N] int64.
+torch::Tensor decode_shared_prefixes(torch::Tensor tables, torch::Tensor lens,
+                                     int64_t block_size) {
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kLong && tables.is_contiguous(),
+              "tables must be a contiguous [N, W] int64 tensor");
+  TORCH_CHECK(lens.dim() == 1 && lens.scalar_type() == torch::kLong && lens.is_contiguous() &&
+                  lens.size(0) == tables.size(0),
+              "lens must be a contiguous [N] int64 tensor");
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  const int64_t n = tables.size(0), width = tables.size(1);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(lp[i] >= 1 && (lp[i] - 1) / block_size < std::max<int64_t>(width, 1),
+                "each length must be at least 1 and within its table");
+  const std::vector<SharedPrefix> found =
+      shared_prefixes(tables.data_ptr<int64_t>(), lp, n, width, block_size);
+  auto out = torch::empty({static_cast<int64_t>(found.size()), 3}, torch::kLong);
+  for (size_t i = 0; i < found.size(); ++i) {
+    out[i][0] = found[i].first;
+    out[i][1] = found[i].count;
+    out[i][2] = found[i].keys;
   }
   return out;
 }

@@ -1,0 +1,142 @@
+"""The native decode attention over items that share a cached prompt's blocks (prefix caching):
+on AMX in bfloat16 the shared keys' part of every such item's softmax runs on the tiles for all
+of them at once, and each item reads only its own keys after them. Checked against the torch
+reference and against the per-item path (AMX off), and the rule that picks the runs."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+from ferrum_kernels import native
+from ferrum_kernels.attention import AttentionMetadata, paged_attention
+from ferrum_kernels.cpu_decode import decode_attention, native_available
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ toolchain")
+
+
+@pytest.fixture
+def amx_restored() -> Iterator[None]:
+    module = native.load()
+    before = module.set_amx(True)
+    try:
+        yield
+    finally:
+        module.set_amx(before)
+
+
+def _step(
+    seed: int,
+    block: int,
+    kv_heads: int,
+    heads: int,
+    head_dim: int,
+    prefix: int,
+    sharing: int,
+    others: int,
+    query_scale: float = 1.0,
+) -> tuple[torch.Tensor, ...]:
+    """A bfloat16 decode step: `sharing` items whose tables start with the same prefix // block
+    blocks, with `others` items of their own in the middle of them (so two runs)."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    contexts = [prefix + rng.randint(1, 40) for _ in range(sharing)]
+    contexts += [rng.randint(1, 90) for _ in range(others)]
+    num_blocks = sum(math.ceil(c / block) for c in contexts) + 3
+    kv = torch.randn(2, num_blocks, block, kv_heads, head_dim).to(torch.bfloat16)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for c in contexts:
+        n = math.ceil(c / block)
+        tables.append(free[:n])
+        free = free[n:]
+    shared = prefix // block
+    for i in range(1, sharing):
+        tables[i] = tables[0][:shared] + tables[i][shared:]
+    order = [*range(sharing // 2), *range(sharing, sharing + others), *range(sharing // 2, sharing)]
+    contexts = [contexts[i] for i in order]
+    tables = [tables[i] for i in order]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query = (torch.randn(len(contexts), heads, head_dim) * query_scale).to(torch.bfloat16)
+    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block for t, c in
+                          zip(tables, contexts, strict=True)])  # fmt: skip
+    meta = AttentionMetadata.build(list(range(len(contexts) + 1)), contexts, table, slots)
+    want = paged_attention(query, kv, meta, head_dim**-0.5)
+    return query, kv, table, torch.tensor(contexts), want
+
+
+@pytest.mark.parametrize(
+    ("block", "kv_heads", "heads", "head_dim", "prefix", "sharing", "others"),
+    # W1's shapes under w2-prefix's shared prompt; a prefix that is no multiple of 32 keys (its
+    # last 8 read per item); 128-wide heads with more query rows than a tile; one KV head for
+    # all (G = 4) with 4-token blocks and a partial last tile of rows; no GQA.
+    [
+        (16, 4, 12, 64, 1024, 16, 3),
+        (8, 2, 8, 128, 200, 5, 0),
+        (16, 8, 32, 128, 512, 9, 1),
+        (4, 1, 4, 32, 64, 3, 4),
+        (16, 4, 4, 64, 128, 4, 0),
+    ],
+)
+# A peaked softmax too: the shared keys' max and an item's own far apart when merged.
+@pytest.mark.parametrize("query_scale", [1.0, 60.0])
+def test_items_sharing_a_prompt_match_the_reference(
+    amx_restored: None,
+    block: int,
+    kv_heads: int,
+    heads: int,
+    head_dim: int,
+    prefix: int,
+    sharing: int,
+    others: int,
+    query_scale: float,
+) -> None:
+    query, kv, table, lens, want = _step(
+        0, block, kv_heads, heads, head_dim, prefix, sharing, others, query_scale
+    )
+    rows = torch.arange(len(lens))
+    got = decode_attention(query, kv, table, lens, rows, head_dim**-0.5)
+    native.load().set_amx(False)  # every item reads all its keys itself
+    alone = decode_attention(query, kv, table, lens, rows, head_dim**-0.5)
+    assert got is not None and alone is not None
+    # bfloat16 outputs (and probabilities rounded to bfloat16 in both kernels): a few ulps.
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(got.float(), alone.float(), atol=2e-2, rtol=0)
+    if native.load().amx_available():  # the shared keys went through the tiles
+        assert not torch.equal(got, alone)
+
+
+def test_the_shared_runs_are_whole_blocks_before_every_items_last_key() -> None:
+    runs = native.load().decode_shared_prefixes
+    block = 16
+    base = list(range(100, 110))
+
+    def own(n: int, start: int) -> list[int]:
+        return list(range(start, start + n))
+
+    # Four items sharing five blocks (80 keys): 64 of them, whole steps of 32 keys.
+    tables = [base[:5] + own(2, 200 + 10 * i) for i in range(4)]
+    lens = [7 * block - 3] * 4
+    assert runs(torch.tensor(tables), torch.tensor(lens), block).tolist() == [[0, 4, 64]]
+    # An item of its own in the middle: two runs (each of two items or more).
+    mixed = [*tables[:2], own(7, 300), *tables[2:]]
+    got = runs(torch.tensor(mixed), torch.tensor([7 * block - 3] * 5), block).tolist()
+    assert got == [[0, 2, 64], [3, 2, 64]]
+    # An item whose last key lies in the shared blocks: only the blocks before it count, and
+    # the run's keys are every item's least (65 keys -> 4 whole blocks -> 64).
+    short = [[*base[:5], 0, 0, 0]] + [base[:7] + own(1, 400)] * 2  # the first padded
+    got = runs(torch.tensor(short), torch.tensor([65, 7 * block + 5, 7 * block + 5]), block)
+    assert got.tolist() == [[0, 3, 64]]
+    # Under 64 shared keys, or a single item: no run.
+    few = [base[:3] + own(4, 500 + 10 * i) for i in range(3)]
+    assert runs(torch.tensor(few), torch.tensor([7 * block] * 3), block).numel() == 0
+    assert runs(torch.tensor(tables[:1]), torch.tensor(lens[:1]), block).numel() == 0
+    with pytest.raises(RuntimeError, match="lens"):
+        runs(torch.tensor(tables), torch.tensor(lens, dtype=torch.int32), block)
+    with pytest.raises(RuntimeError, match="within its table"):
+        runs(torch.tensor(tables), torch.tensor([20 * block] * 4), block)
