@@ -74,13 +74,14 @@ def _step(
     ("block", "kv_heads", "heads", "head_dim", "prefix", "sharing", "others"),
     # W1's shapes under w2-prefix's shared prompt; a prefix that is no multiple of 32 keys (its
     # last 8 read per item); 128-wide heads with more query rows than a tile; one KV head for
-    # all (G = 4) with 4-token blocks and a partial last tile of rows; no GQA.
+    # all (G = 4) with 4-token blocks and a partial last tile of rows; no GQA, over a chunk
+    # of 256 keys and a last one of 64 (320 shared).
     [
         (16, 4, 12, 64, 1024, 16, 3),
         (8, 2, 8, 128, 200, 5, 0),
         (16, 8, 32, 128, 512, 9, 1),
         (4, 1, 4, 32, 64, 3, 4),
-        (16, 4, 4, 64, 128, 4, 0),
+        (16, 4, 4, 64, 336, 4, 0),
     ],
 )
 # A peaked softmax too: the shared keys' max and an item's own far apart when merged.

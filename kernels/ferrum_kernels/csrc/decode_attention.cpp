@@ -539,7 +539,7 @@ inline float softmax16(float* s, int64_t ctx, uint16_t* bits, float* max_out) {
 // each (prefix, KV head) has its keys and values packed, once, as the prefill kernel packs a
 // chunk's; then units of 16 query rows (an item's query heads on one KV head, item after item)
 // go to the threads: scores on the tiles, the softmax's numerators rounded to bfloat16 (as the
-// per-item kernel rounds its own), then the values on the tiles.
+// per-item kernel rounds its own), then the values on the tiles, kChunkKeys keys at a time.
 template <int D>
 void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* rows,
                      const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* tables,
@@ -548,13 +548,17 @@ void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* row
                      PrefixPartials& partials) {
   static_assert(D % 32 == 0, "whole pairs of 16 dimensions on the tiles");
   constexpr int64_t kRows = 16, kPiece = 256;  // query rows a unit; keys per packing piece
+  // Keys a unit scores at once, each chunk's softmax folded into the rows' running one: a
+  // thread's buffers stay 16 x 256 (in L1) however long the prompt, where all keys at once
+  // took 16 x keys (2 MB of scores at 32k keys). At w2-prefix's 1,024 keys the two tie
+  // (decode_attention_bench.py --ctx 1100 --shared-prefix 1024: 0.845 against 0.846 ms).
+  constexpr int64_t kChunkKeys = 256;
   const int64_t kv_row = n_kv_heads * D, heads = n_kv_heads * group;
   std::vector<int64_t> base(prefixes.size());
-  int64_t total = 0, most = 0;
+  int64_t total = 0;
   for (size_t g = 0; g < prefixes.size(); ++g) {
     base[g] = total;
     total += 2 * n_kv_heads * prefixes[g].keys * D;  // per KV head: keys, then values
-    most = std::max(most, prefixes[g].keys);
   }
   // Allocated per call (the server keeps freed heap memory: host_memory.py), so it holds no
   // more than the step's shared keys' K/V: 1 MB for 1,024 keys at W1's 4 KV heads of 64.
@@ -600,10 +604,10 @@ void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* row
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     ferrum::load_attention_tiles();
-    std::vector<float> scores(kRows * most);
-    std::vector<uint16_t> probs(kRows * most);
+    std::vector<float> scores(kRows * kChunkKeys);
+    std::vector<uint16_t> probs(kRows * kChunkKeys);
     alignas(64) uint16_t q_block[kRows * D];
-    alignas(64) float o_block[kRows * D];
+    alignas(64) float o_block[kRows * D], o_run[kRows * D];
     for (int64_t u = next++; u < n_units; u = next++) {
       const auto [g, h, r0] = units[u];
       const SharedPrefix& prefix = prefixes[g];
@@ -614,7 +618,6 @@ void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* row
         uint16_t* dst = q_block + r * D;
         if (r >= nr) {  // past the prefix's last item: zero rows, their outputs unused
           std::memset(dst, 0, D * sizeof(uint16_t));
-          std::memset(probs.data() + r * keys, 0, keys * sizeof(uint16_t));
           continue;
         }
         const int64_t item = prefix.first + (r0 + r) / group;
@@ -623,19 +626,44 @@ void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* row
         at[r] = item * heads + head;
       }
       const uint16_t* kp = packed_at(g, h);
-      ferrum::amx_scores(q_block, D, kp, ferrum::kKeyTile * D, keys / ferrum::kKeyTile,
-                         scores.data(), keys);
-      for (int r = 0; r < nr; ++r) {
-        const float* s = scores.data() + r * keys;
-        const float mx = ferrum::row_max(s, keys) * scale;  // scores are scaled: scale > 0
-        partials.max[at[r]] = mx;
-        partials.sum[at[r]] = ferrum::exp2_row<4>(s, probs.data() + r * keys, keys,
-                                                  _mm512_set1_ps(scale * kLog2e),
-                                                  _mm512_set1_ps(-mx * kLog2e));
+      const uint16_t* vp = kp + keys * D;
+      // The keys a chunk at a time, each chunk's softmax folded into the rows' running one.
+      float run_max[kRows], run_sum[kRows], rescale[kRows];
+      for (int64_t c0 = 0; c0 < keys; c0 += kChunkKeys) {
+        const int64_t n = std::min(kChunkKeys, keys - c0);  // a multiple of 32
+        ferrum::amx_scores(q_block, D, kp + c0 * D, ferrum::kKeyTile * D, n / ferrum::kKeyTile,
+                           scores.data(), n);
+        for (int r = 0; r < kRows; ++r) {
+          uint16_t* p = probs.data() + r * n;
+          if (r >= nr) {  // rows past the run's last item: zero weights, outputs unused
+            std::memset(p, 0, n * sizeof(uint16_t));
+            continue;
+          }
+          const float* s = scores.data() + r * n;
+          const float chunk_max = ferrum::row_max(s, n) * scale;  // scale > 0
+          const float m = c0 == 0 ? chunk_max : std::max(run_max[r], chunk_max);
+          const float sum = ferrum::exp2_row<4>(s, p, n, _mm512_set1_ps(scale * kLog2e),
+                                                _mm512_set1_ps(-m * kLog2e));
+          rescale[r] = c0 == 0 ? 0.f : std::exp(run_max[r] - m);
+          run_sum[r] = c0 == 0 ? sum : run_sum[r] * rescale[r] + sum;
+          run_max[r] = m;
+        }
+        ferrum::amx_values(probs.data(), n, vp + c0 * D, D, n, o_block);
+        for (int r = 0; r < nr; ++r) {
+          float* o = o_run + r * D;
+          const float* add = o_block + r * D;
+          const __m512 keep = _mm512_set1_ps(rescale[r]);
+          for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(o + d, c0 == 0 ? _mm512_loadu_ps(add + d)
+                                            : _mm512_fmadd_ps(_mm512_loadu_ps(o + d), keep,
+                                                              _mm512_loadu_ps(add + d)));
+        }
       }
-      ferrum::amx_values(probs.data(), keys, kp + keys * D, D, keys, o_block);
-      for (int r = 0; r < nr; ++r)
-        std::memcpy(partials.out.data() + at[r] * D, o_block + r * D, D * sizeof(float));
+      for (int r = 0; r < nr; ++r) {
+        partials.max[at[r]] = run_max[r];
+        partials.sum[at[r]] = run_sum[r];
+        std::memcpy(partials.out.data() + at[r] * D, o_run + r * D, D * sizeof(float));
+      }
     }
     _tile_release();
   }
