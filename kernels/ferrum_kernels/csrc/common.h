@@ -3,6 +3,7 @@
 // forms for 16 lanes.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -552,6 +553,54 @@ inline void amx_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, i
     if (nc > 1) _tile_stored(5, oc + 16, v_bytes);
     if (nc > 2) _tile_stored(6, oc + 32, v_bytes);
     if (nc > 3) _tile_stored(7, oc + 48, v_bytes);
+  }
+}
+
+// Attention partials of up to 16 query rows over `keys` keys every one of them sees (a shared
+// prompt's, a multiple of 32), packed as pack_key_tile and pack_value_pair lay them out (kp and
+// vp, [keys][D] each), on the tiles (load_attention_tiles first): for each row r < nr, max[r]
+// (of its scores times scale), sum[r] (of e^(score * scale - max)) and out[r * D ..] (those
+// numerators, rounded to bfloat16, times V: unnormalised), float32. q_block holds the 16 rows
+// ([16][D] bfloat16, zero past nr). The keys go kSharedKeyChunk at a time, each chunk's softmax
+// folded into the running one, so the caller's buffers stay 16 x kSharedKeyChunk (in L1)
+// however long the prompt: scores and probs, and o_block ([16][D] float32).
+constexpr int64_t kSharedKeyChunk = 256;
+
+inline void shared_key_partials(const uint16_t* q_block, int nr, const uint16_t* kp,
+                                const uint16_t* vp, int64_t keys, int64_t head_dim, float scale,
+                                float* scores, uint16_t* probs, float* o_block, float* max,
+                                float* sum, float* out) {
+  constexpr float kLog2e = 1.44269504f;
+  float rescale[16];
+  for (int64_t c0 = 0; c0 < keys; c0 += kSharedKeyChunk) {
+    const int64_t n = std::min(kSharedKeyChunk, keys - c0);  // a multiple of 32
+    amx_scores(q_block, head_dim, kp + c0 * head_dim, kKeyTile * head_dim, n / kKeyTile, scores,
+               n);
+    for (int r = 0; r < 16; ++r) {
+      uint16_t* p = probs + r * n;
+      if (r >= nr) {  // rows past the caller's: zero weights, outputs unused
+        std::memset(p, 0, n * sizeof(uint16_t));
+        continue;
+      }
+      const float* s = scores + r * n;
+      const float chunk_max = row_max(s, n) * scale;  // scale > 0
+      const float m = c0 == 0 ? chunk_max : std::max(max[r], chunk_max);
+      const float chunk_sum =
+          exp2_row<4>(s, p, n, _mm512_set1_ps(scale * kLog2e), _mm512_set1_ps(-m * kLog2e));
+      rescale[r] = c0 == 0 ? 0.f : std::exp(max[r] - m);
+      sum[r] = c0 == 0 ? chunk_sum : sum[r] * rescale[r] + chunk_sum;
+      max[r] = m;
+    }
+    amx_values(probs, n, vp + c0 * head_dim, head_dim, n, o_block);
+    for (int r = 0; r < nr; ++r) {
+      float* o = out + r * head_dim;
+      const float* add = o_block + r * head_dim;
+      const __m512 keep = _mm512_set1_ps(rescale[r]);
+      for (int64_t d = 0; d < head_dim; d += 16)
+        _mm512_storeu_ps(o + d, c0 == 0 ? _mm512_loadu_ps(add + d)
+                                        : _mm512_fmadd_ps(_mm512_loadu_ps(o + d), keep,
+                                                          _mm512_loadu_ps(add + d)));
+    }
   }
 }
 #endif

@@ -539,7 +539,7 @@ inline float softmax16(float* s, int64_t ctx, uint16_t* bits, float* max_out) {
 // each (prefix, KV head) has its keys and values packed, once, as the prefill kernel packs a
 // chunk's; then units of 16 query rows (an item's query heads on one KV head, item after item)
 // go to the threads: scores on the tiles, the softmax's numerators rounded to bfloat16 (as the
-// per-item kernel rounds its own), then the values on the tiles, kChunkKeys keys at a time.
+// per-item kernel rounds its own), then the values on the tiles (ferrum::shared_key_partials).
 template <int D>
 void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* rows,
                      const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* tables,
@@ -548,11 +548,6 @@ void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* row
                      PrefixPartials& partials) {
   static_assert(D % 32 == 0, "whole pairs of 16 dimensions on the tiles");
   constexpr int64_t kRows = 16, kPiece = 256;  // query rows a unit; keys per packing piece
-  // Keys a unit scores at once, each chunk's softmax folded into the rows' running one: a
-  // thread's buffers stay 16 x 256 (in L1) however long the prompt, where all keys at once
-  // took 16 x keys (2 MB of scores at 32k keys). At w2-prefix's 1,024 keys the two tie
-  // (decode_attention_bench.py --ctx 1100 --shared-prefix 1024: 0.845 against 0.846 ms).
-  constexpr int64_t kChunkKeys = 256;
   const int64_t kv_row = n_kv_heads * D, heads = n_kv_heads * group;
   std::vector<int64_t> base(prefixes.size());
   int64_t total = 0;
@@ -600,12 +595,11 @@ void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* row
         units.push_back({static_cast<int64_t>(g), h, r});
   std::atomic<int64_t> next{0};
   const int64_t n_units = static_cast<int64_t>(units.size());
-  constexpr float kLog2e = 1.44269504f;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     ferrum::load_attention_tiles();
-    std::vector<float> scores(kRows * kChunkKeys);
-    std::vector<uint16_t> probs(kRows * kChunkKeys);
+    std::vector<float> scores(kRows * ferrum::kSharedKeyChunk);
+    std::vector<uint16_t> probs(kRows * ferrum::kSharedKeyChunk);
     alignas(64) uint16_t q_block[kRows * D];
     alignas(64) float o_block[kRows * D], o_run[kRows * D];
     for (int64_t u = next++; u < n_units; u = next++) {
@@ -626,42 +620,12 @@ void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* row
         at[r] = item * heads + head;
       }
       const uint16_t* kp = packed_at(g, h);
-      const uint16_t* vp = kp + keys * D;
-      // The keys a chunk at a time, each chunk's softmax folded into the rows' running one.
-      float run_max[kRows], run_sum[kRows], rescale[kRows];
-      for (int64_t c0 = 0; c0 < keys; c0 += kChunkKeys) {
-        const int64_t n = std::min(kChunkKeys, keys - c0);  // a multiple of 32
-        ferrum::amx_scores(q_block, D, kp + c0 * D, ferrum::kKeyTile * D, n / ferrum::kKeyTile,
-                           scores.data(), n);
-        for (int r = 0; r < kRows; ++r) {
-          uint16_t* p = probs.data() + r * n;
-          if (r >= nr) {  // rows past the run's last item: zero weights, outputs unused
-            std::memset(p, 0, n * sizeof(uint16_t));
-            continue;
-          }
-          const float* s = scores.data() + r * n;
-          const float chunk_max = ferrum::row_max(s, n) * scale;  // scale > 0
-          const float m = c0 == 0 ? chunk_max : std::max(run_max[r], chunk_max);
-          const float sum = ferrum::exp2_row<4>(s, p, n, _mm512_set1_ps(scale * kLog2e),
-                                                _mm512_set1_ps(-m * kLog2e));
-          rescale[r] = c0 == 0 ? 0.f : std::exp(run_max[r] - m);
-          run_sum[r] = c0 == 0 ? sum : run_sum[r] * rescale[r] + sum;
-          run_max[r] = m;
-        }
-        ferrum::amx_values(probs.data(), n, vp + c0 * D, D, n, o_block);
-        for (int r = 0; r < nr; ++r) {
-          float* o = o_run + r * D;
-          const float* add = o_block + r * D;
-          const __m512 keep = _mm512_set1_ps(rescale[r]);
-          for (int d = 0; d < D; d += 16)
-            _mm512_storeu_ps(o + d, c0 == 0 ? _mm512_loadu_ps(add + d)
-                                            : _mm512_fmadd_ps(_mm512_loadu_ps(o + d), keep,
-                                                              _mm512_loadu_ps(add + d)));
-        }
-      }
+      float max[kRows], sum[kRows];
+      ferrum::shared_key_partials(q_block, nr, kp, kp + keys * D, keys, D, scale, scores.data(),
+                                  probs.data(), o_block, max, sum, o_run);
       for (int r = 0; r < nr; ++r) {
-        partials.max[at[r]] = run_max[r];
-        partials.sum[at[r]] = run_sum[r];
+        partials.max[at[r]] = max[r];
+        partials.sum[at[r]] = sum[r];
         std::memcpy(partials.out.data() + at[r] * D, o_run + r * D, D * sizeof(float));
       }
     }

@@ -509,6 +509,134 @@ inline int64_t packed_keys(int64_t ctx, int64_t n, int64_t window) {
   return (ctx - first_packed(ctx, n, window) + kTile - 1) / kTile * kTile;
 }
 
+// Chunks of a step that continue a cached prompt they share: runs of consecutive chunks whose
+// block tables start with the same blocks (prefix caching: a system prompt ahead of each
+// request's own tokens). Each chunk would pack and score those keys itself (w2-prefix: about
+// 16 chunks a step, each over the same 1,024 keys). On AMX the prompt's part of every such
+// row's softmax is computed once for all of them (shared_key_partials, as the decode kernel
+// does for items sharing one), and each chunk packs and scores only its own keys after it.
+// Only whole blocks before every chunk's first query count (all its rows see them), in
+// multiples of 32 keys, at least kMinPromptKeys of them, shared by two chunks or more.
+struct PromptRun {
+  int64_t first, count, keys;  // chunks [first, first + count) share keys [0, keys)
+};
+constexpr int64_t kMinPromptKeys = 64;
+
+std::vector<PromptRun> prompt_runs(const int64_t* info, const int64_t* tables, int64_t n_chunks,
+                                   int64_t table_width, int64_t block_size) {
+  std::vector<PromptRun> runs;
+  auto blocks_before = [&](int64_t c) {  // whole blocks before the chunk's first query
+    return (info[3 * c + 2] - (info[3 * c + 1] - info[3 * c])) / block_size;
+  };
+  for (int64_t i = 0; i < n_chunks;) {
+    const int64_t* first = tables + i * table_width;
+    int64_t blocks = blocks_before(i);
+    int64_t j = i + 1;
+    for (; j < n_chunks; ++j) {
+      const int64_t* table = tables + j * table_width;
+      const int64_t most = std::min(blocks, blocks_before(j));
+      int64_t b = 0;
+      while (b < most && table[b] == first[b]) ++b;
+      if (b * block_size < kMinPromptKeys) break;
+      blocks = b;
+    }
+    const int64_t keys = blocks * block_size / 32 * 32;
+    if (j - i >= 2 && keys >= kMinPromptKeys) runs.push_back({i, j - i, keys});
+    i = j;
+  }
+  return runs;
+}
+
+#if defined(FERRUM_AMX)
+// The shared prompt's partials of every row of every chunk of `runs` (bfloat16 on the tiles):
+// each run's keys and values packed once per KV head (pack_kv), then units of 16 rows (a
+// chunk's positions x the query heads of one KV head, chunk after chunk) through
+// shared_key_partials, into max, sum [token row][H] and out [token row][H][D].
+void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t* k_pool,
+                     const uint16_t* v_pool, const int64_t* info, const int64_t* tables,
+                     int64_t table_width, int64_t block_size, int64_t n_kv_heads, int64_t group,
+                     int64_t head_dim, float scale, const std::vector<PromptRun>& runs,
+                     float* max, float* sum, float* out) {
+  constexpr int kRows = 16;
+  const int64_t kv_row = n_kv_heads * head_dim, heads = n_kv_heads * group;
+  std::vector<int64_t> base(runs.size());
+  int64_t total = 0;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    base[r] = total;
+    total += 2 * n_kv_heads * runs[r].keys * head_dim;  // per KV head: keys, then values
+  }
+  std::vector<uint16_t> packed(total);  // per call: no more than the runs' prompts' K/V
+  auto packed_at = [&](size_t r, int64_t h) {
+    return packed.data() + base[r] + h * 2 * runs[r].keys * head_dim;
+  };
+  std::vector<std::array<int64_t, 3>> pieces;  // (run, KV head, first key)
+  for (size_t r = 0; r < runs.size(); ++r)
+    for (int64_t h = 0; h < n_kv_heads; ++h)
+      for (int64_t t = 0; t < runs[r].keys; t += kPackKeys)
+        pieces.push_back({static_cast<int64_t>(r), h, t});
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [r, h, t] = pieces[i];
+      const PromptRun& run = runs[r];
+      uint16_t* kp = packed_at(r, h);
+      pack_kv<uint16_t, uint16_t>(k_pool, v_pool, tables + run.first * table_width, block_size,
+                                  kv_row, h * head_dim, head_dim, 0, run.keys, t,
+                                  std::min(run.keys, t + kPackKeys), kp,
+                                  kp + run.keys * head_dim);
+    }
+  });
+  // Each run's rows as (token row, query head within the KV head's group), in order.
+  std::vector<std::vector<std::array<int64_t, 2>>> rows(runs.size());
+  std::vector<std::array<int64_t, 3>> units;  // (run, KV head, first row)
+  for (size_t r = 0; r < runs.size(); ++r) {
+    for (int64_t c = runs[r].first; c < runs[r].first + runs[r].count; ++c)
+      for (int64_t t = info[3 * c]; t < info[3 * c + 1]; ++t)
+        for (int64_t g = 0; g < group; ++g) rows[r].push_back({t, g});
+    const int64_t n = static_cast<int64_t>(rows[r].size());
+    for (int64_t h = 0; h < n_kv_heads; ++h)
+      for (int64_t i = 0; i < n; i += kRows) units.push_back({static_cast<int64_t>(r), h, i});
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t n_units = static_cast<int64_t>(units.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    load_attention_tiles();
+    std::vector<float> scores(kRows * ferrum::kSharedKeyChunk), o_block(kRows * head_dim);
+    std::vector<float> o_run(kRows * head_dim);
+    std::vector<uint16_t> probs(kRows * ferrum::kSharedKeyChunk), q_block(kRows * head_dim);
+    for (int64_t u = next++; u < n_units; u = next++) {
+      const auto [r, h, i0] = units[u];
+      const auto& run_rows = rows[r];
+      const int nr =
+          static_cast<int>(std::min<int64_t>(kRows, static_cast<int64_t>(run_rows.size()) - i0));
+      int64_t at[kRows];
+      for (int i = 0; i < kRows; ++i) {
+        uint16_t* dst = q_block.data() + i * head_dim;
+        if (i >= nr) {
+          std::memset(dst, 0, head_dim * sizeof(uint16_t));
+          continue;
+        }
+        const auto [t, g] = run_rows[i0 + i];
+        const int64_t head = h * group + g;
+        std::memcpy(dst, q + t * q_stride + head * head_dim, head_dim * sizeof(uint16_t));
+        at[i] = t * heads + head;
+      }
+      const uint16_t* kp = packed_at(r, h);
+      float row_max[kRows], row_sum[kRows];
+      ferrum::shared_key_partials(q_block.data(), nr, kp, kp + runs[r].keys * head_dim,
+                                  runs[r].keys, head_dim, scale, scores.data(), probs.data(),
+                                  o_block.data(), row_max, row_sum, o_run.data());
+      for (int i = 0; i < nr; ++i) {
+        max[at[i]] = row_max[i];
+        sum[at[i]] = row_sum[i];
+        std::memcpy(out + at[i] * head_dim, o_run.data() + i * head_dim,
+                    head_dim * sizeof(float));
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // S: the element type of q, the pools and out; T: the one the loops run in (S, or float32 for
 // bfloat16 on a CPU whose SIMD loops are float32 only: q rows, keys and values are widened
 // exactly as they are packed or loaded, and each output row is rounded to bfloat16 once).
@@ -520,14 +648,48 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
   constexpr int w = Ops<T>::kPerWord;
   const int64_t kv_row = n_kv_heads * head_dim;
   const int64_t tile_elems = kTile * head_dim;
+  constexpr bool widen = !std::is_same<S, T>::value;
+#if defined(FERRUM_AMX)
+  constexpr bool kBf16 = std::is_same<T, uint16_t>::value && !widen;
+  const bool amx = kBf16 && head_dim % 32 == 0 && ferrum::amx_wanted.load() &&
+                   ferrum::amx_permitted();
+#else
+  constexpr bool amx = false;
+#endif
+  const int64_t heads = n_kv_heads * group;
+  // Chunks continuing a cached prompt they share: its keys' partials, once (prompt_runs).
+  std::vector<int64_t> prompt_keys(n_chunks, 0);  // keys left to the partials, per chunk
+  std::vector<float> prompt_max, prompt_sum, prompt_out;  // [token row][H] (x D)
+#if defined(FERRUM_AMX)
+  if constexpr (kBf16) {
+    if (amx && window == 0) {
+      const std::vector<PromptRun> runs =
+          prompt_runs(info, tables, n_chunks, table_width, block_size);
+      if (!runs.empty()) {
+        int64_t rows = 0;
+        for (int64_t c = 0; c < n_chunks; ++c) rows = std::max(rows, info[3 * c + 1]);
+        prompt_max.resize(rows * heads);
+        prompt_sum.resize(rows * heads);
+        prompt_out.resize(rows * heads * head_dim);
+        for (const PromptRun& run : runs)
+          std::fill_n(prompt_keys.begin() + run.first, run.count, run.keys);
+        prompt_partials(reinterpret_cast<const uint16_t*>(q), q_stride,
+                        reinterpret_cast<const uint16_t*>(k_pool),
+                        reinterpret_cast<const uint16_t*>(v_pool), info, tables, table_width,
+                        block_size, n_kv_heads, group, head_dim, scale, runs, prompt_max.data(),
+                        prompt_sum.data(), prompt_out.data());
+      }
+    }
+  }
+#endif
   // Where each chunk's packed K/V starts in the scratch: [C][Hkv][K pad*D, V pad*D], and the
   // position of its packed key 0.
   std::vector<int64_t> base(n_chunks), pad(n_chunks), first(n_chunks);
   int64_t total = 0, max_pad = 0;
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int64_t n = info[3 * c + 1] - info[3 * c], ctx = info[3 * c + 2];
-    first[c] = first_packed(ctx, n, window);
-    pad[c] = packed_keys(ctx, n, window);
+    first[c] = prompt_keys[c] > 0 ? prompt_keys[c] : first_packed(ctx, n, window);
+    pad[c] = (ctx - first[c] + kTile - 1) / kTile * kTile;
     max_pad = std::max(max_pad, pad[c]);
     base[c] = total;
     total += pad[c] * head_dim * 2 * n_kv_heads;
@@ -556,7 +718,8 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
     const int64_t n = info[3 * c + 1] - info[3 * c], offset = info[3 * c + 2] - n;
     for (int64_t q0 = 0; q0 < n; q0 += per_unit) {
       const int64_t q1 = std::min(n, q0 + per_unit);
-      int64_t keys = offset + q1;  // the unit's last row sees these, its first row fewer
+      // The unit's last row sees these (past a shared prompt's), its first row fewer.
+      int64_t keys = offset + q1 - prompt_keys[c];
       if (window) keys = std::min(keys, window + q1 - q0);
       for (int64_t h = 0; h < n_kv_heads; ++h)
         units.push_back({c, h, q0, q1, (q1 - q0) * (keys + 8)});
@@ -570,14 +733,6 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
   std::atomic<int64_t> next{0};
   const int64_t n_units = static_cast<int64_t>(units.size());
   const int threads = at::get_num_threads();
-  constexpr bool widen = !std::is_same<S, T>::value;
-#if defined(FERRUM_AMX)
-  constexpr bool kBf16 = std::is_same<T, uint16_t>::value && !widen;
-  const bool amx = kBf16 && head_dim % 32 == 0 && ferrum::amx_wanted.load() &&
-                   ferrum::amx_permitted();
-#else
-  constexpr bool amx = false;
-#endif
   const int group_rows = amx ? kMaxGroupRows : kGroupRows;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(kMaxGroupRows * span);
@@ -588,8 +743,8 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
     // Widened q rows and float32 output rows of a group, when S is not T.
     std::vector<T> qwide(widen ? kMaxGroupRows * head_dim : 0), owide(qwide.size());
     S* out_rows[kMaxGroupRows];
-    // Row r sees packed keys [lo[r], hi[r]).
-    int64_t lo[kMaxGroupRows], hi[kMaxGroupRows];
+    // Row r sees packed keys [lo[r], hi[r]); at[r]: its (token row, query head).
+    int64_t lo[kMaxGroupRows], hi[kMaxGroupRows], at[kMaxGroupRows];
     // AMX: the group's q rows as one block (zero past its rows), a tile's float32 outputs.
     std::vector<T> q_block(amx ? kMaxGroupRows * head_dim : 0);
     std::vector<float> o_tile(amx ? kTile * head_dim : 0);
@@ -620,8 +775,10 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
             orows[r] = out_rows[r];
           }
           const int64_t p = offset + pos;  // keys (p - window, p] are visible, or [0, p]
-          lo[r] = (window ? std::max<int64_t>(0, p - window + 1) : 0) - first[c];
+          // (A chunk continuing a shared prompt sees its own packed keys from there, first[c].)
+          lo[r] = (window ? std::max<int64_t>(0, p - window + 1) : first[c]) - first[c];
           hi[r] = p + 1 - first[c];
+          at[r] = (start + pos) * heads + head;
         }
         // Rows go by position, so a block's first row sees the earliest keys and its last row
         // the latest; each block goes from the tile holding the first to the last. Scores and
@@ -678,8 +835,24 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
               amx_values(probs.data() + b * span + k0, span, vp + (g0 + k0) * head_dim,
                          head_dim, k1 - k0, o_tile.data());
               for (int r = 0; r < m; ++r) {
-                const __m512 scale_r = _mm512_set1_ps(inv[b + r]);
                 const float* o = o_tile.data() + r * head_dim;
+                if (prompt_keys[c] > 0) {  // merged with the shared prompt's partial softmax
+                  const int64_t a = lo[b + r] - g0, id = at[b + r];
+                  const float own = ferrum::row_max(scores.data() + (b + r) * span + a,
+                                                    hi[b + r] - g0 - a) * scale;
+                  const float mx = std::max(own, prompt_max[id]);
+                  const float keep = std::exp(own - mx), take = std::exp(prompt_max[id] - mx);
+                  const float norm = 1.f / (keep / inv[b + r] + take * prompt_sum[id]);
+                  const __m512 own_w = _mm512_set1_ps(keep * norm);
+                  const __m512 shared_w = _mm512_set1_ps(take * norm);
+                  const float* po = prompt_out.data() + id * head_dim;
+                  for (int64_t d = 0; d < head_dim; d += kTile)
+                    store16(orows[b + r] + d,
+                            _mm512_fmadd_ps(_mm512_loadu_ps(o + d), own_w,
+                                            _mm512_mul_ps(_mm512_loadu_ps(po + d), shared_w)));
+                  continue;
+                }
+                const __m512 scale_r = _mm512_set1_ps(inv[b + r]);
                 for (int64_t d = 0; d < head_dim; d += kTile)
                   store16(orows[b + r] + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), scale_r));
               }

@@ -141,3 +141,87 @@ def test_the_shared_runs_are_whole_blocks_before_every_items_last_key() -> None:
         runs(torch.tensor(tables), torch.tensor(lens, dtype=torch.int32), block)
     with pytest.raises(RuntimeError, match="within its table"):
         runs(torch.tensor(tables), torch.tensor([20 * block] * 4), block)
+
+
+def _prefill_case(
+    block: int, kv_heads: int, group: int, head_dim: int, prompt: int, suffixes: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """Prompt chunks (bfloat16), each a request's own `suffix` tokens after a cached prompt of
+    `prompt` tokens whose blocks every chunk's table starts with; the last chunk has a cached
+    prompt of its own (no sharing). Returns q [T, H, D], the pools, chunks [C, 3], tables and
+    the float64 causal answer."""
+    torch.manual_seed(1)
+    heads = kv_heads * group
+    contexts = [prompt + s for s in suffixes] + [prompt // 2 + suffixes[-1]]
+    sizes = [*suffixes, suffixes[-1]]
+    blocks = [math.ceil(c / block) for c in contexts]
+    shared = prompt // block
+    pool_blocks = shared + sum(b - shared for b in blocks) + shared + 2
+    k_pool = torch.randn(pool_blocks, block, kv_heads, head_dim).to(torch.bfloat16)
+    v_pool = torch.randn(pool_blocks, block, kv_heads, head_dim).to(torch.bfloat16)
+    free = iter(range(shared, pool_blocks))
+    tables = [list(range(shared)) + [next(free) for _ in range(b - shared)] for b in blocks[:-1]]
+    tables.append([next(free) for _ in range(blocks[-1])])
+    width = max(blocks)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(sum(sizes), heads, head_dim).to(torch.bfloat16)
+    chunks, want, start = [], torch.zeros(q.shape, dtype=torch.float64), 0
+    for table_row, ctx, n in zip(tables, contexts, sizes, strict=True):
+        chunks.append([start, start + n, ctx])
+        slots = torch.tensor([table_row[t // block] * block + t % block for t in range(ctx)])
+        keys = k_pool.view(-1, kv_heads, head_dim)[slots].double()  # [ctx, Hkv, D]
+        values = v_pool.view(-1, kv_heads, head_dim)[slots].double()
+        for i in range(n):
+            pos = ctx - n + i
+            rows = q[start + i].double().view(kv_heads, group, head_dim)
+            scores = torch.einsum("hgd,khd->hgk", rows, keys[: pos + 1]) * head_dim**-0.5
+            weights = scores.softmax(-1)
+            want[start + i] = torch.einsum("hgk,khd->hgd", weights, values[: pos + 1]).reshape(
+                heads, head_dim
+            )
+        start += n
+    return q, k_pool, v_pool, torch.tensor(chunks), table, want
+
+
+@pytest.mark.parametrize(
+    ("block", "kv_heads", "group", "head_dim", "prompt", "suffixes"),
+    # w2-prefix's shape (a 1,024-token prompt, W1's heads); a prompt that is no multiple of 32
+    # keys (its last 16 stay with each chunk); 128-wide heads, one KV head for all.
+    [
+        (16, 4, 3, 64, 1024, [37, 80, 5]),
+        (16, 2, 2, 64, 336, [20, 33]),
+        (8, 1, 4, 128, 200, [17, 9, 40]),
+    ],
+)
+def test_prompt_chunks_sharing_a_cached_prompt_match_the_reference(
+    amx_restored: None,
+    block: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    prompt: int,
+    suffixes: list[int],
+) -> None:
+    """Prefill chunks continuing one cached prompt: on AMX its keys' part of every chunk row's
+    softmax is computed once and merged; the chunks' own keys, causal, as before."""
+    q, k_pool, v_pool, chunks, table, want = _prefill_case(
+        block, kv_heads, group, head_dim, prompt, suffixes
+    )
+    module = native.load()
+
+    def run() -> torch.Tensor:
+        out = torch.zeros_like(q)
+        keys = sum(-(-int(c) // 16) * 16 for c in chunks[:, 2])  # every chunk's, in tiles
+        scratch = torch.empty(keys * kv_heads * head_dim * 2, dtype=torch.bfloat16)
+        module.prefill_attention(
+            q, k_pool, v_pool, out, chunks, table, scratch, block, kv_heads, head_dim**-0.5, 0
+        )
+        return out
+
+    got = run()
+    module.set_amx(False)  # every chunk over all its keys, on the register tiles
+    alone = run()
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
+    torch.testing.assert_close(alone.double(), want, atol=2e-2, rtol=0)
+    if module.amx_available():  # the shared prompt went through the partials
+        assert not torch.equal(got, alone)
