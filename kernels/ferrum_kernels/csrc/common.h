@@ -3,13 +3,17 @@
 // forms for 16 lanes.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -602,6 +606,114 @@ inline void shared_key_partials(const uint16_t* q_block, int nr, const uint16_t*
                                                           _mm512_loadu_ps(add + d)));
     }
   }
+}
+
+// Keys [t_begin, t_end) of one KV head (head_offset) of a block table's keys and values, packed
+// as pack_key_tile and pack_value_pair lay them out (k_out, v_out: [keys][D] each, key t at t *
+// D); whole tiles and pairs, the keys all in the table.
+inline void pack_prompt(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* table,
+                        int64_t block_size, int64_t kv_row, int64_t head_offset, int64_t head_dim,
+                        int64_t t_begin, int64_t t_end, uint16_t* k_out, uint16_t* v_out) {
+  auto row = [&](const uint16_t* pool, int64_t t) {
+    return pool + (table[t / block_size] * block_size + t % block_size) * kv_row + head_offset;
+  };
+  const uint16_t* tile[kKeyTile];
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kKeyTile) {
+    for (int j = 0; j < kKeyTile; ++j) tile[j] = row(k_pool, t0 + j);
+    pack_key_tile<uint16_t>(tile, head_dim / 2, reinterpret_cast<uint32_t*>(k_out + t0 * head_dim));
+  }
+  for (int64_t t = t_begin; t < t_end; t += 2)
+    pack_value_pair(row(v_pool, t), row(v_pool, t + 1), head_dim, v_out + t * head_dim);
+}
+
+// Query rows that all see one cached prompt's keys [0, keys) (a multiple of 32): the decode
+// items, or the prompt chunks' rows, of a run sharing its blocks. table: the run's first block
+// table (its first keys / block_size blocks are every row's); rows: (q row, query head within
+// its KV head's group) pairs, in order.
+struct PromptRows {
+  const int64_t* table;
+  int64_t keys;
+  std::vector<std::array<int64_t, 2>> rows;
+};
+
+// Every run's prompt part of its rows' softmax, on the tiles: each run's keys and values packed
+// once per KV head (pack_prompt, in pieces over the threads), then units of 16 rows on one KV
+// head through shared_key_partials, into max and sum ([q row][H]) and out ([q row][H][D]),
+// float32, for the merge that follows (both attention kernels).
+inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t* k_pool,
+                            const uint16_t* v_pool, int64_t block_size, int64_t n_kv_heads,
+                            int64_t group, int64_t head_dim, float scale,
+                            const std::vector<PromptRows>& runs, float* max, float* sum,
+                            float* out) {
+  constexpr int kRows = 16;
+  constexpr int64_t kPiece = 256;  // keys per packing piece
+  const int64_t kv_row = n_kv_heads * head_dim, heads = n_kv_heads * group;
+  std::vector<int64_t> base(runs.size());
+  int64_t total = 0;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    base[r] = total;
+    total += 2 * n_kv_heads * runs[r].keys * head_dim;  // per KV head: keys, then values
+  }
+  // Per call (a server keeps freed heap memory: host_memory.py): no more than the prompts'
+  // K/V, 1 MB for 1,024 keys of W1's 4 KV heads of 64.
+  std::vector<uint16_t> packed(total);
+  auto packed_at = [&](size_t r, int64_t h) {
+    return packed.data() + base[r] + h * 2 * runs[r].keys * head_dim;
+  };
+  std::vector<std::array<int64_t, 3>> pieces, units;  // (run, KV head, first key or row)
+  for (size_t r = 0; r < runs.size(); ++r)
+    for (int64_t h = 0; h < n_kv_heads; ++h) {
+      for (int64_t t = 0; t < runs[r].keys; t += kPiece)
+        pieces.push_back({static_cast<int64_t>(r), h, t});
+      for (int64_t i = 0; i < static_cast<int64_t>(runs[r].rows.size()); i += kRows)
+        units.push_back({static_cast<int64_t>(r), h, i});
+    }
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [r, h, t] = pieces[i];
+      uint16_t* kp = packed_at(r, h);
+      pack_prompt(k_pool, v_pool, runs[r].table, block_size, kv_row, h * head_dim, head_dim, t,
+                  std::min(runs[r].keys, t + kPiece), kp, kp + runs[r].keys * head_dim);
+    }
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t n_units = static_cast<int64_t>(units.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    load_attention_tiles();
+    std::vector<float> scores(kRows * kSharedKeyChunk), o_block(kRows * head_dim);
+    std::vector<float> o_run(kRows * head_dim);
+    std::vector<uint16_t> probs(kRows * kSharedKeyChunk), q_block(kRows * head_dim);
+    for (int64_t u = next++; u < n_units; u = next++) {
+      const auto [r, h, i0] = units[u];
+      const PromptRows& run = runs[r];
+      const int nr = static_cast<int>(
+          std::min<int64_t>(kRows, static_cast<int64_t>(run.rows.size()) - i0));
+      int64_t at[kRows];  // each row's (q row, query head) in the outputs
+      for (int i = 0; i < kRows; ++i) {
+        uint16_t* dst = q_block.data() + i * head_dim;
+        if (i >= nr) {  // past the run's rows: zero, their outputs unused
+          std::memset(dst, 0, head_dim * sizeof(uint16_t));
+          continue;
+        }
+        const auto [row, g] = run.rows[i0 + i];
+        const int64_t head = h * group + g;
+        std::memcpy(dst, q + row * q_stride + head * head_dim, head_dim * sizeof(uint16_t));
+        at[i] = row * heads + head;
+      }
+      const uint16_t* kp = packed_at(r, h);
+      float row_max[kRows], row_sum[kRows];
+      shared_key_partials(q_block.data(), nr, kp, kp + run.keys * head_dim, run.keys, head_dim,
+                          scale, scores.data(), probs.data(), o_block.data(), row_max, row_sum,
+                          o_run.data());
+      for (int i = 0; i < nr; ++i) {
+        max[at[i]] = row_max[i];
+        sum[at[i]] = row_sum[i];
+        std::memcpy(out + at[i] * head_dim, o_run.data() + i * head_dim,
+                    head_dim * sizeof(float));
+      }
+    }
+    _tile_release();
+  });
 }
 #endif
 

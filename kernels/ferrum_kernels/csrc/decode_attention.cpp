@@ -8,7 +8,8 @@
 //
 // Items that share a cached prompt's blocks (prefix caching: shared_prefixes) have, on AMX in
 // bfloat16, the shared keys' part of their softmax computed for all of them at once on the tiles
-// (prefix_partials); each then reads only its own keys and merges the two (decode_items_avx512).
+// (ferrum::prompt_partials); each then reads only its own keys and merges the two
+// (decode_items_avx512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -216,8 +217,9 @@ inline int64_t claim_next(std::atomic<int64_t>& claimed, RowFetches& next_rows, 
 // The per-item kernel reads those keys once per item, at its per-row cost even from L2: in
 // w2-prefix (64 items sharing 1,024 of about 1,150 keys) the decode attention was about two
 // thirds of a step. On AMX the shared keys' part of every such item's softmax is computed for
-// all their query heads at once (prefix_partials), as a prefill chunk's rows are (the keys
-// packed once; amx_scores, amx_values), and each item then reads only its own keys.
+// all their query heads at once (ferrum::prompt_partials, as the prefill kernel does for chunks
+// continuing a shared prompt: the keys packed once; amx_scores, amx_values), and each item then
+// reads only its own keys.
 struct SharedPrefix {
   int64_t first, count, keys;  // items [first, first + count) share keys [0, keys)
 };
@@ -253,10 +255,10 @@ std::vector<SharedPrefix> shared_prefixes(const int64_t* tables, const int64_t* 
 
 // What the per-item kernel merges in: for every query head of an item of a shared prefix, the
 // max of its scores over the prefix's keys, the sum of e^(score - max) and the unnormalised
-// output sum over them of e^(score - max) v (float32).
+// output sum over them of e^(score - max) v (float32; ferrum::prompt_partials).
 struct PrefixPartials {
   std::vector<int64_t> starts;       // [items]: the first key each item reads itself (0: all)
-  std::vector<float> max, sum, out;  // [items][H], [items][H], [items][H][D]
+  std::vector<float> max, sum, out;  // [q rows][H], [q rows][H], [q rows][H][D]
 };
 
 #if defined(__AVX512F__)
@@ -534,106 +536,6 @@ inline float softmax16(float* s, int64_t ctx, uint16_t* bits, float* max_out) {
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
-#if defined(FERRUM_AMX)
-// The shared keys' partials of every item of `prefixes` (bfloat16, D a multiple of 32). First
-// each (prefix, KV head) has its keys and values packed, once, as the prefill kernel packs a
-// chunk's; then units of 16 query rows (an item's query heads on one KV head, item after item)
-// go to the threads: scores on the tiles, the softmax's numerators rounded to bfloat16 (as the
-// per-item kernel rounds its own), then the values on the tiles (ferrum::shared_key_partials).
-template <int D>
-void prefix_partials(const uint16_t* q, int64_t q_row_stride, const int64_t* rows,
-                     const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* tables,
-                     int64_t table_width, int64_t block_size, int64_t n_kv_heads, int64_t group,
-                     float scale, const std::vector<SharedPrefix>& prefixes,
-                     PrefixPartials& partials) {
-  static_assert(D % 32 == 0, "whole pairs of 16 dimensions on the tiles");
-  constexpr int64_t kRows = 16, kPiece = 256;  // query rows a unit; keys per packing piece
-  const int64_t kv_row = n_kv_heads * D, heads = n_kv_heads * group;
-  std::vector<int64_t> base(prefixes.size());
-  int64_t total = 0;
-  for (size_t g = 0; g < prefixes.size(); ++g) {
-    base[g] = total;
-    total += 2 * n_kv_heads * prefixes[g].keys * D;  // per KV head: keys, then values
-  }
-  // Allocated per call (the server keeps freed heap memory: host_memory.py), so it holds no
-  // more than the step's shared keys' K/V: 1 MB for 1,024 keys at W1's 4 KV heads of 64.
-  std::vector<uint16_t> scratch(total);
-  uint16_t* const packed = scratch.data();
-  auto packed_at = [&](size_t g, int64_t h) {
-    return packed + base[g] + h * 2 * prefixes[g].keys * D;
-  };
-  std::vector<std::array<int64_t, 3>> pieces;  // (prefix, KV head, first key)
-  for (size_t g = 0; g < prefixes.size(); ++g)
-    for (int64_t h = 0; h < n_kv_heads; ++h)
-      for (int64_t t = 0; t < prefixes[g].keys; t += kPiece)
-        pieces.push_back({static_cast<int64_t>(g), h, t});
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [g, h, t_begin] = pieces[i];
-      const SharedPrefix& prefix = prefixes[g];
-      const int64_t* table = tables + prefix.first * table_width;
-      const int64_t t_end = std::min(prefix.keys, t_begin + kPiece);
-      uint16_t* k_out = packed_at(g, h);
-      uint16_t* v_out = k_out + prefix.keys * D;
-      auto row = [&](const uint16_t* pool, int64_t t) {
-        return pool + (table[t / block_size] * block_size + t % block_size) * kv_row + h * D;
-      };
-      const uint16_t* tile[ferrum::kKeyTile];
-      for (int64_t t0 = t_begin; t0 < t_end; t0 += ferrum::kKeyTile) {
-        for (int j = 0; j < ferrum::kKeyTile; ++j) tile[j] = row(k_pool, t0 + j);
-        ferrum::pack_key_tile<uint16_t>(tile, D / 2,
-                                        reinterpret_cast<uint32_t*>(k_out + t0 * D));
-      }
-      for (int64_t t = t_begin; t < t_end; t += 2)
-        ferrum::pack_value_pair(row(v_pool, t), row(v_pool, t + 1), D, v_out + t * D);
-    }
-  });
-  std::vector<std::array<int64_t, 3>> units;  // (prefix, KV head, first query row)
-  for (size_t g = 0; g < prefixes.size(); ++g)
-    for (int64_t h = 0; h < n_kv_heads; ++h)
-      for (int64_t r = 0; r < prefixes[g].count * group; r += kRows)
-        units.push_back({static_cast<int64_t>(g), h, r});
-  std::atomic<int64_t> next{0};
-  const int64_t n_units = static_cast<int64_t>(units.size());
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    ferrum::load_attention_tiles();
-    std::vector<float> scores(kRows * ferrum::kSharedKeyChunk);
-    std::vector<uint16_t> probs(kRows * ferrum::kSharedKeyChunk);
-    alignas(64) uint16_t q_block[kRows * D];
-    alignas(64) float o_block[kRows * D], o_run[kRows * D];
-    for (int64_t u = next++; u < n_units; u = next++) {
-      const auto [g, h, r0] = units[u];
-      const SharedPrefix& prefix = prefixes[g];
-      const int64_t keys = prefix.keys;
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, prefix.count * group - r0));
-      int64_t at[kRows];  // each row's (item, query head) in the partials
-      for (int r = 0; r < kRows; ++r) {
-        uint16_t* dst = q_block + r * D;
-        if (r >= nr) {  // past the prefix's last item: zero rows, their outputs unused
-          std::memset(dst, 0, D * sizeof(uint16_t));
-          continue;
-        }
-        const int64_t item = prefix.first + (r0 + r) / group;
-        const int64_t head = h * group + (r0 + r) % group;
-        std::memcpy(dst, q + rows[item] * q_row_stride + head * D, D * sizeof(uint16_t));
-        at[r] = item * heads + head;
-      }
-      const uint16_t* kp = packed_at(g, h);
-      float max[kRows], sum[kRows];
-      ferrum::shared_key_partials(q_block, nr, kp, kp + keys * D, keys, D, scale, scores.data(),
-                                  probs.data(), o_block, max, sum, o_run);
-      for (int r = 0; r < nr; ++r) {
-        partials.max[at[r]] = max[r];
-        partials.sum[at[r]] = sum[r];
-        std::memcpy(partials.out.data() + at[r] * D, o_run + r * D, D * sizeof(float));
-      }
-    }
-    _tile_release();
-  }
-}
-#endif
-
 // One work unit is a whole item: its blocks are read front to back, every KV head of a token
 // row at once (a row is contiguous in the pool), 16 tokens per tile. The K pass takes a tile's
 // rows one at a time, each front to back (every query head's partial sums of a row, then the
@@ -761,7 +663,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
       T* orow = out + item * heads * D;
       if (first > 0) {  // merged with the shared prefix's partial softmax (prefix_partials)
         for (int64_t hq = 0; hq < heads; ++hq) {
-          const int64_t at = item * heads + hq;
+          const int64_t at = rows[item] * heads + hq;
           const float m = std::max(maxes[hq], prefix->max[at]);
           const float own = std::exp(maxes[hq] - m), shared_part = std::exp(prefix->max[at] - m);
           const float norm = 1.f / (own / inv[hq] + shared_part * prefix->sum[at]);
@@ -1039,19 +941,28 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
             shared_prefixes(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), n_items,
                             tables.size(1), block_size);
         if (!prefixes.empty()) {
+          const int64_t* item_rows = rows.data_ptr<int64_t>();
+          std::vector<ferrum::PromptRows> runs;
           partials.starts.assign(n_items, 0);
-          for (const SharedPrefix& p : prefixes)
+          for (const SharedPrefix& p : prefixes) {
             std::fill_n(partials.starts.begin() + p.first, p.count, p.keys);
-          partials.max.resize(n_items * heads);
-          partials.sum.resize(n_items * heads);
-          partials.out.resize(n_items * heads * D);
+            ferrum::PromptRows run{tables.data_ptr<int64_t>() + p.first * tables.size(1), p.keys,
+                                   {}};
+            for (int64_t item = p.first; item < p.first + p.count; ++item)
+              for (int64_t g = 0; g < group; ++g) run.rows.push_back({item_rows[item], g});
+            runs.push_back(std::move(run));
+          }
+          const int64_t q_rows = q.size(0);  // the partials go by q row and query head
+          partials.max.resize(q_rows * heads);
+          partials.sum.resize(q_rows * heads);
+          partials.out.resize(q_rows * heads * D);
           auto bits = [](const torch::Tensor& t) {
             return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
           };
-          prefix_partials<D>(bits(q), q.stride(0), rows.data_ptr<int64_t>(), bits(k_pool),
-                             bits(v_pool), tables.data_ptr<int64_t>(), tables.size(1),
-                             block_size, n_kv_heads, group, static_cast<float>(scale), prefixes,
-                             partials);
+          ferrum::prompt_partials(bits(q), q.stride(0), bits(k_pool), bits(v_pool), block_size,
+                                  n_kv_heads, group, D, static_cast<float>(scale), runs,
+                                  partials.max.data(), partials.sum.data(),
+                                  partials.out.data());
           prefix = &partials;
         }
       }

@@ -513,7 +513,7 @@ inline int64_t packed_keys(int64_t ctx, int64_t n, int64_t window) {
 // block tables start with the same blocks (prefix caching: a system prompt ahead of each
 // request's own tokens). Each chunk would pack and score those keys itself (w2-prefix: about
 // 16 chunks a step, each over the same 1,024 keys). On AMX the prompt's part of every such
-// row's softmax is computed once for all of them (shared_key_partials, as the decode kernel
+// row's softmax is computed once for all of them (ferrum::prompt_partials, as the decode kernel
 // does for items sharing one), and each chunk packs and scores only its own keys after it.
 // Only whole blocks before every chunk's first query count (all its rows see them), in
 // multiples of 32 keys, at least kMinPromptKeys of them, shared by two chunks or more.
@@ -546,96 +546,6 @@ std::vector<PromptRun> prompt_runs(const int64_t* info, const int64_t* tables, i
   }
   return runs;
 }
-
-#if defined(FERRUM_AMX)
-// The shared prompt's partials of every row of every chunk of `runs` (bfloat16 on the tiles):
-// each run's keys and values packed once per KV head (pack_kv), then units of 16 rows (a
-// chunk's positions x the query heads of one KV head, chunk after chunk) through
-// shared_key_partials, into max, sum [token row][H] and out [token row][H][D].
-void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t* k_pool,
-                     const uint16_t* v_pool, const int64_t* info, const int64_t* tables,
-                     int64_t table_width, int64_t block_size, int64_t n_kv_heads, int64_t group,
-                     int64_t head_dim, float scale, const std::vector<PromptRun>& runs,
-                     float* max, float* sum, float* out) {
-  constexpr int kRows = 16;
-  const int64_t kv_row = n_kv_heads * head_dim, heads = n_kv_heads * group;
-  std::vector<int64_t> base(runs.size());
-  int64_t total = 0;
-  for (size_t r = 0; r < runs.size(); ++r) {
-    base[r] = total;
-    total += 2 * n_kv_heads * runs[r].keys * head_dim;  // per KV head: keys, then values
-  }
-  std::vector<uint16_t> packed(total);  // per call: no more than the runs' prompts' K/V
-  auto packed_at = [&](size_t r, int64_t h) {
-    return packed.data() + base[r] + h * 2 * runs[r].keys * head_dim;
-  };
-  std::vector<std::array<int64_t, 3>> pieces;  // (run, KV head, first key)
-  for (size_t r = 0; r < runs.size(); ++r)
-    for (int64_t h = 0; h < n_kv_heads; ++h)
-      for (int64_t t = 0; t < runs[r].keys; t += kPackKeys)
-        pieces.push_back({static_cast<int64_t>(r), h, t});
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [r, h, t] = pieces[i];
-      const PromptRun& run = runs[r];
-      uint16_t* kp = packed_at(r, h);
-      pack_kv<uint16_t, uint16_t>(k_pool, v_pool, tables + run.first * table_width, block_size,
-                                  kv_row, h * head_dim, head_dim, 0, run.keys, t,
-                                  std::min(run.keys, t + kPackKeys), kp,
-                                  kp + run.keys * head_dim);
-    }
-  });
-  // Each run's rows as (token row, query head within the KV head's group), in order.
-  std::vector<std::vector<std::array<int64_t, 2>>> rows(runs.size());
-  std::vector<std::array<int64_t, 3>> units;  // (run, KV head, first row)
-  for (size_t r = 0; r < runs.size(); ++r) {
-    for (int64_t c = runs[r].first; c < runs[r].first + runs[r].count; ++c)
-      for (int64_t t = info[3 * c]; t < info[3 * c + 1]; ++t)
-        for (int64_t g = 0; g < group; ++g) rows[r].push_back({t, g});
-    const int64_t n = static_cast<int64_t>(rows[r].size());
-    for (int64_t h = 0; h < n_kv_heads; ++h)
-      for (int64_t i = 0; i < n; i += kRows) units.push_back({static_cast<int64_t>(r), h, i});
-  }
-  std::atomic<int64_t> next{0};
-  const int64_t n_units = static_cast<int64_t>(units.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    load_attention_tiles();
-    std::vector<float> scores(kRows * ferrum::kSharedKeyChunk), o_block(kRows * head_dim);
-    std::vector<float> o_run(kRows * head_dim);
-    std::vector<uint16_t> probs(kRows * ferrum::kSharedKeyChunk), q_block(kRows * head_dim);
-    for (int64_t u = next++; u < n_units; u = next++) {
-      const auto [r, h, i0] = units[u];
-      const auto& run_rows = rows[r];
-      const int nr =
-          static_cast<int>(std::min<int64_t>(kRows, static_cast<int64_t>(run_rows.size()) - i0));
-      int64_t at[kRows];
-      for (int i = 0; i < kRows; ++i) {
-        uint16_t* dst = q_block.data() + i * head_dim;
-        if (i >= nr) {
-          std::memset(dst, 0, head_dim * sizeof(uint16_t));
-          continue;
-        }
-        const auto [t, g] = run_rows[i0 + i];
-        const int64_t head = h * group + g;
-        std::memcpy(dst, q + t * q_stride + head * head_dim, head_dim * sizeof(uint16_t));
-        at[i] = t * heads + head;
-      }
-      const uint16_t* kp = packed_at(r, h);
-      float row_max[kRows], row_sum[kRows];
-      ferrum::shared_key_partials(q_block.data(), nr, kp, kp + runs[r].keys * head_dim,
-                                  runs[r].keys, head_dim, scale, scores.data(), probs.data(),
-                                  o_block.data(), row_max, row_sum, o_run.data());
-      for (int i = 0; i < nr; ++i) {
-        max[at[i]] = row_max[i];
-        sum[at[i]] = row_sum[i];
-        std::memcpy(out + at[i] * head_dim, o_run.data() + i * head_dim,
-                    head_dim * sizeof(float));
-      }
-    }
-    _tile_release();
-  });
-}
-#endif
 
 // S: the element type of q, the pools and out; T: the one the loops run in (S, or float32 for
 // bfloat16 on a CPU whose SIMD loops are float32 only: q rows, keys and values are widened
@@ -671,13 +581,20 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
         prompt_max.resize(rows * heads);
         prompt_sum.resize(rows * heads);
         prompt_out.resize(rows * heads * head_dim);
-        for (const PromptRun& run : runs)
+        std::vector<ferrum::PromptRows> prompts;
+        for (const PromptRun& run : runs) {
           std::fill_n(prompt_keys.begin() + run.first, run.count, run.keys);
-        prompt_partials(reinterpret_cast<const uint16_t*>(q), q_stride,
-                        reinterpret_cast<const uint16_t*>(k_pool),
-                        reinterpret_cast<const uint16_t*>(v_pool), info, tables, table_width,
-                        block_size, n_kv_heads, group, head_dim, scale, runs, prompt_max.data(),
-                        prompt_sum.data(), prompt_out.data());
+          ferrum::PromptRows rows_of{tables + run.first * table_width, run.keys, {}};
+          for (int64_t c = run.first; c < run.first + run.count; ++c)
+            for (int64_t t = info[3 * c]; t < info[3 * c + 1]; ++t)
+              for (int64_t g = 0; g < group; ++g) rows_of.rows.push_back({t, g});
+          prompts.push_back(std::move(rows_of));
+        }
+        ferrum::prompt_partials(reinterpret_cast<const uint16_t*>(q), q_stride,
+                                reinterpret_cast<const uint16_t*>(k_pool),
+                                reinterpret_cast<const uint16_t*>(v_pool), block_size,
+                                n_kv_heads, group, head_dim, scale, prompts, prompt_max.data(),
+                                prompt_sum.data(), prompt_out.data());
       }
     }
   }
