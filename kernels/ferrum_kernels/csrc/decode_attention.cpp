@@ -661,7 +661,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
         }
       }
       T* orow = out + item * heads * D;
-      if (first > 0) {  // merged with the shared prefix's partial softmax (prefix_partials)
+      if (first > 0) {  // merged with the shared prefix's partial softmax (prompt_partials)
         for (int64_t hq = 0; hq < heads; ++hq) {
           const int64_t at = rows[item] * heads + hq;
           const float m = std::max(maxes[hq], prefix->max[at]);
