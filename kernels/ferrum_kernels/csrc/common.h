@@ -370,6 +370,51 @@ inline void load_tile_shapes(const uint8_t (&rows)[8], const uint16_t (&bytes)[8
 }
 #endif
 
+// Runs of consecutive decode items, or prompt chunks, whose block tables start with the same
+// blocks: a cached prompt they share (prefix caching), whose keys both attention kernels then
+// take once for the whole run (prompt_partials). Only whole blocks before each one's
+// blocks_before(i) count (all its query rows see them), in multiples of 32 keys (a step of
+// amx_values), and only a prompt of kMinSharedKeys keys or more shared by two or more.
+struct SharedRun {
+  int64_t first, count, keys;  // [first, first + count) share keys [0, keys)
+};
+constexpr int64_t kMinSharedKeys = 64;
+
+template <typename BlocksBefore>
+std::vector<SharedRun> shared_runs(const int64_t* tables, int64_t n, int64_t table_width,
+                                   int64_t block_size, const BlocksBefore& blocks_before) {
+  std::vector<SharedRun> found;
+  for (int64_t i = 0; i < n;) {
+    const int64_t* first = tables + i * table_width;
+    int64_t blocks = blocks_before(i);
+    int64_t j = i + 1;
+    for (; j < n; ++j) {
+      const int64_t* table = tables + j * table_width;
+      const int64_t most = std::min(blocks, blocks_before(j));
+      int64_t b = 0;
+      while (b < most && table[b] == first[b]) ++b;
+      if (b * block_size < kMinSharedKeys) break;
+      blocks = b;
+    }
+    const int64_t keys = blocks * block_size / 32 * 32;
+    if (j - i >= 2 && keys >= kMinSharedKeys) found.push_back({i, j - i, keys});
+    i = j;
+  }
+  return found;
+}
+
+// Two parts of one row's softmax merged (a shared prompt's keys and the row's own): each part
+// kept as the max m of its scores, the sum l of e^(score - m) and its unnormalised output o.
+// The row's output is (o1 a1 + o2 a2) * norm.
+struct SoftmaxMerge {
+  float a1, a2, norm;
+};
+inline SoftmaxMerge merge_softmax(float m1, float l1, float m2, float l2) {
+  const float m = std::max(m1, m2);
+  const float a1 = std::exp(m1 - m), a2 = std::exp(m2 - m);
+  return {a1, a2, 1.f / (l1 * a1 + l2 * a2)};
+}
+
 // Attention's packed operands, shared by the prefill kernel (every chunk's keys and values) and
 // the decode kernel (a shared prompt's, for every item reading it): keys in tiles of kKeyTile
 // tokens transposed by 32-bit words (a score vector's lanes; on AMX, TDPBF16PS's B operand),
@@ -460,6 +505,59 @@ inline void pack_value_pair(const uint16_t* a, const uint16_t* b, int64_t head_d
     out[2 * d + 1] = b == nullptr ? 0 : b[d];
   }
 #endif
+}
+
+// Keys [pad / 16][D / w][16][w] and values [pad / w][D][w] of one (chunk, KV head): packed
+// key t is position first + t; padded with zeros past ctx to pad (a multiple of 16) so tiles
+// and pairs can run past ctx. This call packs keys [t_begin, t_end) (multiples of 16). S is the
+// pool's element type, T the packed one: the same, or bfloat16 widened to float32 (exactly).
+template <typename S, typename T>
+void pack_kv(const S* k_pool, const S* v_pool, const int64_t* table, int64_t block_size,
+             int64_t kv_row, int64_t head_offset, int64_t head_dim, int64_t first, int64_t ctx,
+             int64_t t_begin, int64_t t_end, T* k_out, T* v_out) {
+  constexpr int w = std::is_same<T, float>::value ? 1 : 2;  // elements per 32-bit word
+  constexpr bool widen = !std::is_same<S, T>::value;
+  static_assert(!widen || (std::is_same<S, uint16_t>::value && std::is_same<T, float>::value),
+                "only bfloat16 widens (to float32)");
+  const int64_t words = head_dim / w;
+  // Packed key t's row of this head in a pool plane, or nullptr past the context.
+  auto row = [&](const S* pool, int64_t t) -> const S* {
+    const int64_t p = first + t;
+    if (p >= ctx) return nullptr;
+    return pool + (table[p / block_size] * block_size + p % block_size) * kv_row + head_offset;
+  };
+  // Widened rows of one key tile, when the pool is bfloat16 and the kernel runs float32.
+  std::vector<T> wide(widen ? kKeyTile * head_dim : 0);
+  const T* rows[kKeyTile];
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kKeyTile) {
+    for (int j = 0; j < kKeyTile; ++j) {
+      const S* src = row(k_pool, t0 + j);
+      if constexpr (widen) {
+        if (src != nullptr)
+          for (int64_t d = 0; d < head_dim; ++d)
+            wide[j * head_dim + d] = bf16_to_float(src[d]);
+        rows[j] = src == nullptr ? nullptr : wide.data() + j * head_dim;
+      } else {
+        rows[j] = src;
+      }
+    }
+    pack_key_tile<T>(rows, words, reinterpret_cast<uint32_t*>(k_out + t0 * head_dim));
+  }
+  for (int64_t t = t_begin; t < t_end; t += w) {
+    if constexpr (w == 2) {
+      pack_value_pair(row(v_pool, t), row(v_pool, t + 1), head_dim, v_out + t * head_dim);
+    } else {
+      const S* src = row(v_pool, t);
+      T* dst = v_out + t * head_dim;
+      if (src == nullptr) {
+        std::memset(dst, 0, head_dim * sizeof(T));
+      } else if constexpr (widen) {
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = bf16_to_float(src[d]);
+      } else {
+        std::memcpy(dst, src, head_dim * sizeof(T));
+      }
+    }
+  }
 }
 
 #if defined(FERRUM_AMX)
@@ -608,24 +706,6 @@ inline void shared_key_partials(const uint16_t* q_block, int nr, const uint16_t*
   }
 }
 
-// Keys [t_begin, t_end) of one KV head (head_offset) of a block table's keys and values, packed
-// as pack_key_tile and pack_value_pair lay them out (k_out, v_out: [keys][D] each, key t at t *
-// D); whole tiles and pairs, the keys all in the table.
-inline void pack_prompt(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* table,
-                        int64_t block_size, int64_t kv_row, int64_t head_offset, int64_t head_dim,
-                        int64_t t_begin, int64_t t_end, uint16_t* k_out, uint16_t* v_out) {
-  auto row = [&](const uint16_t* pool, int64_t t) {
-    return pool + (table[t / block_size] * block_size + t % block_size) * kv_row + head_offset;
-  };
-  const uint16_t* tile[kKeyTile];
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += kKeyTile) {
-    for (int j = 0; j < kKeyTile; ++j) tile[j] = row(k_pool, t0 + j);
-    pack_key_tile<uint16_t>(tile, head_dim / 2, reinterpret_cast<uint32_t*>(k_out + t0 * head_dim));
-  }
-  for (int64_t t = t_begin; t < t_end; t += 2)
-    pack_value_pair(row(v_pool, t), row(v_pool, t + 1), head_dim, v_out + t * head_dim);
-}
-
 // Query rows that all see one cached prompt's keys [0, keys) (a multiple of 32): the decode
 // items, or the prompt chunks' rows, of a run sharing its blocks. table: the run's first block
 // table (its first keys / block_size blocks are every row's); rows: (q row, query head within
@@ -637,7 +717,7 @@ struct PromptRows {
 };
 
 // Every run's prompt part of its rows' softmax, on the tiles: each run's keys and values packed
-// once per KV head (pack_prompt, in pieces over the threads), then units of 16 rows on one KV
+// once per KV head (pack_kv, in pieces over the threads), then units of 16 rows on one KV
 // head through shared_key_partials, into max and sum ([q row][H]) and out ([q row][H][D]),
 // float32, for the merge that follows (both attention kernels).
 inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t* k_pool,
@@ -672,8 +752,10 @@ inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t*
     for (int64_t i = begin; i < end; ++i) {
       const auto [r, h, t] = pieces[i];
       uint16_t* kp = packed_at(r, h);
-      pack_prompt(k_pool, v_pool, runs[r].table, block_size, kv_row, h * head_dim, head_dim, t,
-                  std::min(runs[r].keys, t + kPiece), kp, kp + runs[r].keys * head_dim);
+      pack_kv<uint16_t, uint16_t>(k_pool, v_pool, runs[r].table, block_size, kv_row,
+                                  h * head_dim, head_dim, 0, runs[r].keys, t,
+                                  std::min(runs[r].keys, t + kPiece), kp,
+                                  kp + runs[r].keys * head_dim);
     }
   });
   std::atomic<int64_t> next{0};

@@ -193,8 +193,9 @@ inline void k_tile(const T** tile, RowFetches& fetches, const T* k_pool, const T
 }
 
 // Claims the calling thread's next item (n_items or more when none is left) and queues its
-// first K rows (from its start: starts, or 0 without) in next_rows, to be fetched during the current item's V pass (none of them when
-// they are shared with the item before it: shared_tokens).
+// first K rows (from starts[item], or 0 without starts) in next_rows, to be fetched during the
+// current item's V pass (none of them when they are shared with the item before it:
+// shared_tokens).
 template <typename T>
 inline int64_t claim_next(std::atomic<int64_t>& claimed, RowFetches& next_rows, const T* k_pool,
                           const int64_t* tables, const int64_t* lens, const int64_t* starts,
@@ -212,45 +213,19 @@ inline int64_t claim_next(std::atomic<int64_t>& claimed, RowFetches& next_rows, 
   return next;
 }
 
-// Items of a decode step that read the same cached prompt: runs of consecutive items whose
-// block tables start with the same blocks (prefix caching shares a system prompt's blocks).
-// The per-item kernel reads those keys once per item, at its per-row cost even from L2: in
-// w2-prefix (64 items sharing 1,024 of about 1,150 keys) the decode attention was about two
-// thirds of a step. On AMX the shared keys' part of every such item's softmax is computed for
-// all their query heads at once (ferrum::prompt_partials, as the prefill kernel does for chunks
-// continuing a shared prompt: the keys packed once; amx_scores, amx_values), and each item then
-// reads only its own keys.
-struct SharedPrefix {
-  int64_t first, count, keys;  // items [first, first + count) share keys [0, keys)
-};
-
-// Only whole blocks before every item's last key count (an item's last block is its own, and
-// its last key is the one just written), in multiples of 32 keys (a step of amx_values), and
-// only a prefix of kMinSharedKeys keys or more that kMinSharedItems items or more read.
-constexpr int64_t kMinSharedKeys = 64;
-constexpr int64_t kMinSharedItems = 2;
-
-std::vector<SharedPrefix> shared_prefixes(const int64_t* tables, const int64_t* lens,
-                                          int64_t n_items, int64_t table_width,
-                                          int64_t block_size) {
-  std::vector<SharedPrefix> found;
-  for (int64_t i = 0; i < n_items;) {
-    const int64_t* first = tables + i * table_width;
-    int64_t blocks = std::max<int64_t>(lens[i] - 1, 0) / block_size;  // whole blocks before
-    int64_t j = i + 1;
-    for (; j < n_items; ++j) {
-      const int64_t* table = tables + j * table_width;
-      const int64_t most = std::min(blocks, std::max<int64_t>(lens[j] - 1, 0) / block_size);
-      int64_t b = 0;
-      while (b < most && table[b] == first[b]) ++b;
-      if (b * block_size < kMinSharedKeys) break;
-      blocks = b;
-    }
-    const int64_t keys = blocks * block_size / 32 * 32;
-    if (j - i >= kMinSharedItems && keys >= kMinSharedKeys) found.push_back({i, j - i, keys});
-    i = j;
-  }
-  return found;
+// Items of a decode step that read the same cached prompt (ferrum::shared_runs): the blocks
+// before each item's last key count (an item's last block is its own, and its last key the one
+// just written). The per-item kernel reads those keys once per item, at its per-row cost even
+// from L2: in w2-prefix (64 items sharing 1,024 of about 1,150 keys) the decode attention was
+// about two thirds of a step. On AMX the shared keys' part of every such item's softmax is
+// computed for all their query heads at once (ferrum::prompt_partials, as the prefill kernel
+// does for chunks continuing a shared prompt), and each item then reads only its own keys.
+std::vector<ferrum::SharedRun> shared_prefixes(const int64_t* tables, const int64_t* lens,
+                                               int64_t n_items, int64_t table_width,
+                                               int64_t block_size) {
+  return ferrum::shared_runs(tables, n_items, table_width, block_size, [&](int64_t i) {
+    return std::max<int64_t>(lens[i] - 1, 0) / block_size;
+  });
 }
 
 // What the per-item kernel merges in: for every query head of an item of a shared prefix, the
@@ -500,8 +475,8 @@ inline void accumulate_heads(int h, const float* const* p, const uint16_t* const
 
 // Softmax numerators of one head's scores, e^(s - max): in place, or when bits is given, as
 // bfloat16 bits there (the paired V pass's weights, rounded once) with s left as it was.
-// Returns 1 / their sum (of the float32 values), and the max in max_out. Inline exponentials: std::exp vectorises to a
-// glibc call per 16 lanes, and max and sum were two more passes.
+// Returns 1 / their sum (of the float32 values), and the max in max_out. Inline exponentials:
+// std::exp vectorises to a glibc call per 16 lanes, and max and sum were two more passes.
 inline float softmax16(float* s, int64_t ctx, uint16_t* bits, float* max_out) {
   const __mmask16 tail = ferrum::first_lanes(ctx % 16);
   const int64_t whole = ctx / 16 * 16;
@@ -664,13 +639,12 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
       if (first > 0) {  // merged with the shared prefix's partial softmax (prompt_partials)
         for (int64_t hq = 0; hq < heads; ++hq) {
           const int64_t at = rows[item] * heads + hq;
-          const float m = std::max(maxes[hq], prefix->max[at]);
-          const float own = std::exp(maxes[hq] - m), shared_part = std::exp(prefix->max[at] - m);
-          const float norm = 1.f / (own / inv[hq] + shared_part * prefix->sum[at]);
+          const ferrum::SoftmaxMerge w =
+              ferrum::merge_softmax(maxes[hq], 1.f / inv[hq], prefix->max[at], prefix->sum[at]);
           const float* po = prefix->out.data() + at * D;
           for (int d = 0; d < D; ++d)
             orow[hq * D + d] = static_cast<T>(
-                (acc[hq * D + paired_lane<T, D>(d)] * own + po[d] * shared_part) * norm);
+                (acc[hq * D + paired_lane<T, D>(d)] * w.a1 + po[d] * w.a2) * w.norm);
         }
         continue;
       }
@@ -937,14 +911,14 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
     if constexpr (std::is_same<T, c10::BFloat16>::value && D % 32 == 0) {
       const int64_t n_items = rows.size(0), heads = q.size(1);
       if (ferrum::amx_wanted.load() && ferrum::amx_permitted()) {
-        const std::vector<SharedPrefix> prefixes =
+        const std::vector<ferrum::SharedRun> prefixes =
             shared_prefixes(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), n_items,
                             tables.size(1), block_size);
         if (!prefixes.empty()) {
           const int64_t* item_rows = rows.data_ptr<int64_t>();
           std::vector<ferrum::PromptRows> runs;
           partials.starts.assign(n_items, 0);
-          for (const SharedPrefix& p : prefixes) {
+          for (const ferrum::SharedRun& p : prefixes) {
             std::fill_n(partials.starts.begin() + p.first, p.count, p.keys);
             ferrum::PromptRows run{tables.data_ptr<int64_t>() + p.first * tables.size(1), p.keys,
                                    {}};
@@ -1037,7 +1011,7 @@ torch::Tensor decode_shared_prefixes(torch::Tensor tables, torch::Tensor lens,
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(lp[i] >= 1 && (lp[i] - 1) / block_size < std::max<int64_t>(width, 1),
                 "each length must be at least 1 and within its table");
-  const std::vector<SharedPrefix> found =
+  const std::vector<ferrum::SharedRun> found =
       shared_prefixes(tables.data_ptr<int64_t>(), lp, n, width, block_size);
   auto out = torch::empty({static_cast<int64_t>(found.size()), 3}, torch::kLong);
   for (size_t i = 0; i < found.size(); ++i) {

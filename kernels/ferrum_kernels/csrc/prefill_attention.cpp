@@ -68,6 +68,7 @@ constexpr int kTile = ferrum::kKeyTile;  // keys per packed K tile (the lanes of
 using ferrum::transpose16;
 #endif
 using ferrum::pack_key_tile;
+using ferrum::pack_kv;
 using ferrum::pack_value_pair;
 #if defined(FERRUM_AMX)
 using ferrum::amx_scores;
@@ -425,59 +426,6 @@ struct PV {
   }
 };
 
-// Keys [pad / 16][D / w][16][w] and values [pad / w][D][w] of one (chunk, KV head): packed
-// key t is position first + t; padded with zeros past ctx to pad (a multiple of 16) so tiles
-// and pairs can run past ctx. This call packs keys [t_begin, t_end) (multiples of 16). S is the
-// pool's element type, T the packed one: the same, or bfloat16 widened to float32 (exactly).
-template <typename S, typename T>
-void pack_kv(const S* k_pool, const S* v_pool, const int64_t* table, int64_t block_size,
-             int64_t kv_row, int64_t head_offset, int64_t head_dim, int64_t first, int64_t ctx,
-             int64_t t_begin, int64_t t_end, T* k_out, T* v_out) {
-  constexpr int w = Ops<T>::kPerWord;
-  constexpr bool widen = !std::is_same<S, T>::value;
-  static_assert(!widen || (std::is_same<S, uint16_t>::value && std::is_same<T, float>::value),
-                "only bfloat16 widens (to float32)");
-  const int64_t words = head_dim / w;
-  // Packed key t's row of this head in a pool plane, or nullptr past the context.
-  auto row = [&](const S* pool, int64_t t) -> const S* {
-    const int64_t p = first + t;
-    if (p >= ctx) return nullptr;
-    return pool + (table[p / block_size] * block_size + p % block_size) * kv_row + head_offset;
-  };
-  // Widened rows of one key tile, when the pool is bfloat16 and the kernel runs float32.
-  std::vector<T> wide(widen ? kTile * head_dim : 0);
-  const T* rows[kTile];
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
-    for (int j = 0; j < kTile; ++j) {
-      const S* src = row(k_pool, t0 + j);
-      if constexpr (widen) {
-        if (src != nullptr)
-          for (int64_t d = 0; d < head_dim; ++d)
-            wide[j * head_dim + d] = ferrum::bf16_to_float(src[d]);
-        rows[j] = src == nullptr ? nullptr : wide.data() + j * head_dim;
-      } else {
-        rows[j] = src;
-      }
-    }
-    pack_key_tile<T>(rows, words, reinterpret_cast<uint32_t*>(k_out + t0 * head_dim));
-  }
-  for (int64_t t = t_begin; t < t_end; t += w) {
-    if constexpr (w == 2) {
-      pack_value_pair(row(v_pool, t), row(v_pool, t + 1), head_dim, v_out + t * head_dim);
-    } else {
-      const S* src = row(v_pool, t);
-      T* dst = v_out + t * head_dim;
-      if (src == nullptr) {
-        std::memset(dst, 0, head_dim * sizeof(T));
-      } else if constexpr (widen) {
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = ferrum::bf16_to_float(src[d]);
-      } else {
-        std::memcpy(dst, src, head_dim * sizeof(T));
-      }
-    }
-  }
-}
-
 constexpr int kAmxTileRows = 16;  // query rows per AMX tile
 #if defined(FERRUM_AMX)
 // The bfloat16 products on AMX tiles (FERRUM_AMX, head_dim a multiple of 32): the packed keys
@@ -509,42 +457,18 @@ inline int64_t packed_keys(int64_t ctx, int64_t n, int64_t window) {
   return (ctx - first_packed(ctx, n, window) + kTile - 1) / kTile * kTile;
 }
 
-// Chunks of a step that continue a cached prompt they share: runs of consecutive chunks whose
-// block tables start with the same blocks (prefix caching: a system prompt ahead of each
-// request's own tokens). Each chunk would pack and score those keys itself (w2-prefix: about
-// 16 chunks a step, each over the same 1,024 keys). On AMX the prompt's part of every such
-// row's softmax is computed once for all of them (ferrum::prompt_partials, as the decode kernel
-// does for items sharing one), and each chunk packs and scores only its own keys after it.
-// Only whole blocks before every chunk's first query count (all its rows see them), in
-// multiples of 32 keys, at least kMinPromptKeys of them, shared by two chunks or more.
-struct PromptRun {
-  int64_t first, count, keys;  // chunks [first, first + count) share keys [0, keys)
-};
-constexpr int64_t kMinPromptKeys = 64;
-
-std::vector<PromptRun> prompt_runs(const int64_t* info, const int64_t* tables, int64_t n_chunks,
-                                   int64_t table_width, int64_t block_size) {
-  std::vector<PromptRun> runs;
-  auto blocks_before = [&](int64_t c) {  // whole blocks before the chunk's first query
+// Chunks of a step that continue a cached prompt they share (ferrum::shared_runs: a system
+// prompt ahead of each request's own tokens), counting the blocks before each chunk's first
+// query. Each chunk would pack and score those keys itself (w2-prefix: about 16 chunks a step,
+// each over the same 1,024 keys). On AMX the prompt's part of every such row's softmax is
+// computed once for all of them (ferrum::prompt_partials, as the decode kernel does for items
+// sharing one), and each chunk packs and scores only its own keys after it.
+std::vector<ferrum::SharedRun> prompt_runs(const int64_t* info, const int64_t* tables,
+                                           int64_t n_chunks, int64_t table_width,
+                                           int64_t block_size) {
+  return ferrum::shared_runs(tables, n_chunks, table_width, block_size, [&](int64_t c) {
     return (info[3 * c + 2] - (info[3 * c + 1] - info[3 * c])) / block_size;
-  };
-  for (int64_t i = 0; i < n_chunks;) {
-    const int64_t* first = tables + i * table_width;
-    int64_t blocks = blocks_before(i);
-    int64_t j = i + 1;
-    for (; j < n_chunks; ++j) {
-      const int64_t* table = tables + j * table_width;
-      const int64_t most = std::min(blocks, blocks_before(j));
-      int64_t b = 0;
-      while (b < most && table[b] == first[b]) ++b;
-      if (b * block_size < kMinPromptKeys) break;
-      blocks = b;
-    }
-    const int64_t keys = blocks * block_size / 32 * 32;
-    if (j - i >= 2 && keys >= kMinPromptKeys) runs.push_back({i, j - i, keys});
-    i = j;
-  }
-  return runs;
+  });
 }
 
 // S: the element type of q, the pools and out; T: the one the loops run in (S, or float32 for
@@ -573,7 +497,7 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
 #if defined(FERRUM_AMX)
   if constexpr (kBf16) {
     if (amx && window == 0) {
-      const std::vector<PromptRun> runs =
+      const std::vector<ferrum::SharedRun> runs =
           prompt_runs(info, tables, n_chunks, table_width, block_size);
       if (!runs.empty()) {
         int64_t rows = 0;
@@ -582,7 +506,7 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
         prompt_sum.resize(rows * heads);
         prompt_out.resize(rows * heads * head_dim);
         std::vector<ferrum::PromptRows> prompts;
-        for (const PromptRun& run : runs) {
+        for (const ferrum::SharedRun& run : runs) {
           std::fill_n(prompt_keys.begin() + run.first, run.count, run.keys);
           ferrum::PromptRows rows_of{tables + run.first * table_width, run.keys, {}};
           for (int64_t c = run.first; c < run.first + run.count; ++c)
@@ -757,11 +681,10 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
                   const int64_t a = lo[b + r] - g0, id = at[b + r];
                   const float own = ferrum::row_max(scores.data() + (b + r) * span + a,
                                                     hi[b + r] - g0 - a) * scale;
-                  const float mx = std::max(own, prompt_max[id]);
-                  const float keep = std::exp(own - mx), take = std::exp(prompt_max[id] - mx);
-                  const float norm = 1.f / (keep / inv[b + r] + take * prompt_sum[id]);
-                  const __m512 own_w = _mm512_set1_ps(keep * norm);
-                  const __m512 shared_w = _mm512_set1_ps(take * norm);
+                  const ferrum::SoftmaxMerge w =
+                      ferrum::merge_softmax(own, 1.f / inv[b + r], prompt_max[id], prompt_sum[id]);
+                  const __m512 own_w = _mm512_set1_ps(w.a1 * w.norm);
+                  const __m512 shared_w = _mm512_set1_ps(w.a2 * w.norm);
                   const float* po = prompt_out.data() + id * head_dim;
                   for (int64_t d = 0; d < head_dim; d += kTile)
                     store16(orows[b + r] + d,
