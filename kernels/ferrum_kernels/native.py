@@ -56,6 +56,8 @@ _SOURCES = (
 _FUNCTIONS = [
     "decode_attention",
     "decode_shared_prefixes",
+    "shared_prompt_available",
+    "set_shared_prompt",
     "rms_norm",
     "add_rms_norm_",
     "silu_and_mul",

@@ -1,7 +1,8 @@
 """The native decode attention over items that share a cached prompt's blocks (prefix caching):
-on AMX in bfloat16 the shared keys' part of every such item's softmax runs on the tiles for all
-of them at once, and each item reads only its own keys after them. Checked against the torch
-reference and against the per-item path (AMX off), and the rule that picks the runs."""
+in bfloat16 the shared keys' part of every such item's softmax runs for all of them at once (on
+AMX tiles where the CPU has them, else on vdpbf16ps register tiles), and each item reads only
+its own keys after them. Checked against the torch reference and against the per-item path
+(set_shared_prompt off), and the rule that picks the runs."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ toolchain
 def amx_restored() -> Iterator[None]:
     module = native.load()
     before = module.set_amx(True)
+    shared = module.set_shared_prompt(True)
     try:
         yield
     finally:
         module.set_amx(before)
+        module.set_shared_prompt(shared)
 
 
 def _step(
@@ -86,8 +89,11 @@ def _step(
 )
 # A peaked softmax too: the shared keys' max and an item's own far apart when merged.
 @pytest.mark.parametrize("query_scale", [1.0, 60.0])
+# The shared keys on AMX tiles where the CPU has them, and on the register tiles (everywhere).
+@pytest.mark.parametrize("amx", [True, False])
 def test_items_sharing_a_prompt_match_the_reference(
     amx_restored: None,
+    amx: bool,
     block: int,
     kv_heads: int,
     heads: int,
@@ -101,14 +107,16 @@ def test_items_sharing_a_prompt_match_the_reference(
         0, block, kv_heads, heads, head_dim, prefix, sharing, others, query_scale
     )
     rows = torch.arange(len(lens))
+    module = native.load()
+    module.set_amx(amx)
     got = decode_attention(query, kv, table, lens, rows, head_dim**-0.5)
-    native.load().set_amx(False)  # every item reads all its keys itself
+    assert module.set_shared_prompt(False)  # every item reads all its keys itself
     alone = decode_attention(query, kv, table, lens, rows, head_dim**-0.5)
     assert got is not None and alone is not None
     # bfloat16 outputs (and probabilities rounded to bfloat16 in both kernels): a few ulps.
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(got.float(), alone.float(), atol=2e-2, rtol=0)
-    if native.load().amx_available():  # the shared keys went through the tiles
+    if module.shared_prompt_available():  # the shared keys went through the partials
         assert not torch.equal(got, alone)
 
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -22,6 +23,11 @@
 #define FERRUM_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+// A cached prompt's keys taken once for every decode item or prompt chunk reading them
+// (prompt_partials): on AMX tiles where there are some, else on vdpbf16ps register tiles.
+#if defined(__AVX512BF16__)
+#define FERRUM_SHARED_PROMPT 1
 #endif
 
 namespace ferrum {
@@ -332,6 +338,11 @@ __attribute__((noinline)) inline GreedyChoice combine_greedy(const GreedyRow* se
 // Whether the bfloat16 GEMM and prefill attention take AMX tiles where they can (set_amx): on by
 // default; benchmarks and tests turn it off to compare with the register tiles.
 inline std::atomic<bool> amx_wanted{true};
+
+// Whether bfloat16 decode items sharing a cached prompt's blocks take its keys once for all of
+// them (prompt_partials; set_shared_prompt): on by default; tests and benchmarks turn it off to
+// compare with every item reading all its keys itself.
+inline std::atomic<bool> shared_prompt_wanted{true};
 
 // AMX: eight tile registers of up to 16 rows x 64 bytes, and TDPBF16PS (a tile of float32 sums
 // += a tile of bfloat16 pairs times another). The bfloat16 GEMM and prefill attention use them
@@ -658,9 +669,93 @@ inline void amx_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, i
   }
 }
 
+#endif
+
+#if defined(FERRUM_SHARED_PROMPT)
+// The register-tile forms of amx_scores and amx_values, for a CPU with vdpbf16ps but no AMX:
+// the same packed operands and outputs, each sum over its pairs of products in order.
+// Scores: 8 q rows x NT key tiles of sums at a time, so each key vector loaded serves 8 rows.
+template <int NT>
+inline void reg_score_block(const uint16_t* q, int64_t head_dim, const uint16_t* k,
+                            int64_t tile_elems, float* s, int64_t s_stride) {
+  constexpr int kR = 8;
+  __m512 acc[kR][NT];
+  for (int r = 0; r < kR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < head_dim / 2; ++i) {  // word i: dimensions 2i and 2i + 1
+    __m512bh keys[NT];
+    for (int t = 0; t < NT; ++t)
+      keys[t] = (__m512bh)_mm512_loadu_si512(k + t * tile_elems + i * 2 * kKeyTile);
+    for (int r = 0; r < kR; ++r) {
+      int32_t word;
+      std::memcpy(&word, q + r * head_dim + 2 * i, sizeof word);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(word);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], x, keys[t]);
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(s + r * s_stride + t * kKeyTile, acc[r][t]);
+}
+
+// Scores of 16 q rows over `tiles` packed key tiles (as amx_scores).
+inline void reg_scores(const uint16_t* q, int64_t head_dim, const uint16_t* k, int64_t tile_elems,
+                       int64_t tiles, float* s, int64_t s_stride) {
+  for (int r0 = 0; r0 < 16; r0 += 8) {
+    const uint16_t* qr = q + r0 * head_dim;
+    float* sr = s + r0 * s_stride;
+    int64_t t = 0;
+    for (; t + 2 <= tiles; t += 2)
+      reg_score_block<2>(qr, head_dim, k + t * tile_elems, tile_elems, sr + t * kKeyTile,
+                         s_stride);
+    if (t < tiles)
+      reg_score_block<1>(qr, head_dim, k + t * tile_elems, tile_elems, sr + t * kKeyTile,
+                         s_stride);
+  }
+}
+
+// o's columns [16 c0, 16 (c0 + C)) of 4 rows = their probabilities over `pairs` pairs of keys
+// times the packed value pairs: 4 x C accumulators, each value vector loaded serving 4 rows.
+template <int C>
+inline void reg_value_block(const uint16_t* p, int64_t p_stride, const uint16_t* v,
+                            int64_t head_dim, int64_t pairs, int64_t c0, float* o) {
+  constexpr int kR = 4;
+  __m512 acc[kR][C];
+  for (int r = 0; r < kR; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {  // keys 2i and 2i + 1
+    __m512bh values[C];
+    const uint16_t* vi = v + i * 2 * head_dim + 32 * c0;
+    for (int c = 0; c < C; ++c) values[c] = (__m512bh)_mm512_loadu_si512(vi + 32 * c);
+    for (int r = 0; r < kR; ++r) {
+      int32_t word;
+      std::memcpy(&word, p + r * p_stride + 2 * i, sizeof word);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(word);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, values[c]);
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * head_dim + 16 * (c0 + c), acc[r][c]);
+}
+
+// o[16][D] (float32, D apart) = 16 rows of probabilities over `keys` keys (an even count) times
+// the packed value pairs (as amx_values); head_dim a multiple of 32.
+inline void reg_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, int64_t head_dim,
+                       int64_t keys, float* o) {
+  const int64_t columns = head_dim / 16;  // 16-lane output vectors a row (even)
+  for (int r0 = 0; r0 < 16; r0 += 4) {
+    const uint16_t* pr = p + r0 * p_stride;
+    float* orow = o + r0 * head_dim;
+    int64_t c0 = 0;
+    for (; c0 + 4 <= columns; c0 += 4)
+      reg_value_block<4>(pr, p_stride, v, head_dim, keys / 2, c0, orow);
+    if (c0 < columns) reg_value_block<2>(pr, p_stride, v, head_dim, keys / 2, c0, orow);
+  }
+}
+
 // Attention partials of up to 16 query rows over `keys` keys every one of them sees (a shared
 // prompt's, a multiple of 32), packed as pack_key_tile and pack_value_pair lay them out (kp and
-// vp, [keys][D] each), on the tiles (load_attention_tiles first): for each row r < nr, max[r]
+// vp, [keys][D] each), on AMX tiles where `amx` (load_attention_tiles first), else on register
+// tiles: for each row r < nr, max[r]
 // (of its scores times scale), sum[r] (of e^(score * scale - max)) and out[r * D ..] (those
 // numerators, rounded to bfloat16, times V: unnormalised), float32. q_block holds the 16 rows
 // ([16][D] bfloat16, zero past nr). The keys go kSharedKeyChunk at a time, each chunk's softmax
@@ -671,13 +766,18 @@ constexpr int64_t kSharedKeyChunk = 256;
 inline void shared_key_partials(const uint16_t* q_block, int nr, const uint16_t* kp,
                                 const uint16_t* vp, int64_t keys, int64_t head_dim, float scale,
                                 float* scores, uint16_t* probs, float* o_block, float* max,
-                                float* sum, float* out) {
+                                float* sum, float* out, bool amx) {
   constexpr float kLog2e = 1.44269504f;
   float rescale[16];
   for (int64_t c0 = 0; c0 < keys; c0 += kSharedKeyChunk) {
     const int64_t n = std::min(kSharedKeyChunk, keys - c0);  // a multiple of 32
-    amx_scores(q_block, head_dim, kp + c0 * head_dim, kKeyTile * head_dim, n / kKeyTile, scores,
-               n);
+    const uint16_t* kc = kp + c0 * head_dim;
+#if defined(FERRUM_AMX)
+    if (amx)
+      amx_scores(q_block, head_dim, kc, kKeyTile * head_dim, n / kKeyTile, scores, n);
+    else
+#endif
+      reg_scores(q_block, head_dim, kc, kKeyTile * head_dim, n / kKeyTile, scores, n);
     for (int r = 0; r < 16; ++r) {
       uint16_t* p = probs + r * n;
       if (r >= nr) {  // rows past the caller's: zero weights, outputs unused
@@ -693,7 +793,12 @@ inline void shared_key_partials(const uint16_t* q_block, int nr, const uint16_t*
       sum[r] = c0 == 0 ? chunk_sum : sum[r] * rescale[r] + chunk_sum;
       max[r] = m;
     }
-    amx_values(probs, n, vp + c0 * head_dim, head_dim, n, o_block);
+#if defined(FERRUM_AMX)
+    if (amx)
+      amx_values(probs, n, vp + c0 * head_dim, head_dim, n, o_block);
+    else
+#endif
+      reg_values(probs, n, vp + c0 * head_dim, head_dim, n, o_block);
     for (int r = 0; r < nr; ++r) {
       float* o = out + r * head_dim;
       const float* add = o_block + r * head_dim;
@@ -716,15 +821,16 @@ struct PromptRows {
   std::vector<std::array<int64_t, 2>> rows;
 };
 
-// Every run's prompt part of its rows' softmax, on the tiles: each run's keys and values packed
-// once per KV head (pack_kv, in pieces over the threads), then units of 16 rows on one KV
-// head through shared_key_partials, into max and sum ([q row][H]) and out ([q row][H][D]),
-// float32, for the merge that follows (both attention kernels).
+// Every run's prompt part of its rows' softmax, on AMX tiles where `amx`, else on register
+// tiles: each run's keys and values packed once per KV head (pack_kv, in pieces over the
+// threads), then units of 16 rows on one KV head through shared_key_partials, into max and sum
+// ([q row][H]) and out ([q row][H][D]), float32, for the merge that follows (both attention
+// kernels). head_dim a multiple of 32.
 inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t* k_pool,
                             const uint16_t* v_pool, int64_t block_size, int64_t n_kv_heads,
                             int64_t group, int64_t head_dim, float scale,
                             const std::vector<PromptRows>& runs, float* max, float* sum,
-                            float* out) {
+                            float* out, bool amx) {
   constexpr int kRows = 16;
   constexpr int64_t kPiece = 256;  // keys per packing piece
   const int64_t kv_row = n_kv_heads * head_dim, heads = n_kv_heads * group;
@@ -736,9 +842,10 @@ inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t*
   }
   // Per call (a server keeps freed heap memory: host_memory.py): no more than the prompts'
   // K/V, 1 MB for 1,024 keys of W1's 4 KV heads of 64.
-  std::vector<uint16_t> packed(total);
+  // Left uninitialised: the pieces below write all of it.
+  const std::unique_ptr<uint16_t[]> packed(new uint16_t[total]);
   auto packed_at = [&](size_t r, int64_t h) {
-    return packed.data() + base[r] + h * 2 * runs[r].keys * head_dim;
+    return packed.get() + base[r] + h * 2 * runs[r].keys * head_dim;
   };
   std::vector<std::array<int64_t, 3>> pieces, units;  // (run, KV head, first key or row)
   for (size_t r = 0; r < runs.size(); ++r)
@@ -761,7 +868,9 @@ inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t*
   std::atomic<int64_t> next{0};
   const int64_t n_units = static_cast<int64_t>(units.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    load_attention_tiles();
+#if defined(FERRUM_AMX)
+    if (amx) load_attention_tiles();
+#endif
     std::vector<float> scores(kRows * kSharedKeyChunk), o_block(kRows * head_dim);
     std::vector<float> o_run(kRows * head_dim);
     std::vector<uint16_t> probs(kRows * kSharedKeyChunk), q_block(kRows * head_dim);
@@ -786,7 +895,7 @@ inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t*
       float row_max[kRows], row_sum[kRows];
       shared_key_partials(q_block.data(), nr, kp, kp + run.keys * head_dim, run.keys, head_dim,
                           scale, scores.data(), probs.data(), o_block.data(), row_max, row_sum,
-                          o_run.data());
+                          o_run.data(), amx);
       for (int i = 0; i < nr; ++i) {
         max[at[i]] = row_max[i];
         sum[at[i]] = row_sum[i];
@@ -794,7 +903,9 @@ inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t*
                     head_dim * sizeof(float));
       }
     }
-    _tile_release();
+#if defined(FERRUM_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 #endif

@@ -905,12 +905,18 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
     constexpr int D = decltype(dim_tag)::value;
 #if defined(__AVX512F__)
     const PrefixPartials* prefix = nullptr;
-#if defined(FERRUM_AMX)
-    // Items sharing a cached prompt: its keys' part of their softmax on the tiles, once.
+#if defined(FERRUM_SHARED_PROMPT)
+    // Items sharing a cached prompt: its keys' part of their softmax once, on AMX tiles where
+    // there are some, else on register tiles.
     PrefixPartials partials;
     if constexpr (std::is_same<T, c10::BFloat16>::value && D % 32 == 0) {
       const int64_t n_items = rows.size(0), heads = q.size(1);
-      if (ferrum::amx_wanted.load() && ferrum::amx_permitted()) {
+#if defined(FERRUM_AMX)
+      const bool amx = ferrum::amx_wanted.load() && ferrum::amx_permitted();
+#else
+      constexpr bool amx = false;
+#endif
+      if (ferrum::shared_prompt_wanted.load()) {
         const std::vector<ferrum::SharedRun> prefixes =
             shared_prefixes(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), n_items,
                             tables.size(1), block_size);
@@ -936,7 +942,7 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
           ferrum::prompt_partials(bits(q), q.stride(0), bits(k_pool), bits(v_pool), block_size,
                                   n_kv_heads, group, D, static_cast<float>(scale), runs,
                                   partials.max.data(), partials.sum.data(),
-                                  partials.out.data());
+                                  partials.out.data(), amx);
           prefix = &partials;
         }
       }
@@ -1021,3 +1027,17 @@ torch::Tensor decode_shared_prefixes(torch::Tensor tables, torch::Tensor lens,
   }
   return out;
 }
+
+// True where bfloat16 decode items sharing a cached prompt can take its keys once for all of
+// them (prompt_partials: a CPU with vdpbf16ps, on AMX tiles where it has them).
+bool shared_prompt_available() {
+#if defined(FERRUM_SHARED_PROMPT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether they do (the default) or every item reads all its keys itself; returns the previous
+// setting. For benchmarks and tests that compare the two; a server leaves it on.
+bool set_shared_prompt(bool on) { return ferrum::shared_prompt_wanted.exchange(on); }

@@ -518,7 +518,7 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
                                 reinterpret_cast<const uint16_t*>(k_pool),
                                 reinterpret_cast<const uint16_t*>(v_pool), block_size,
                                 n_kv_heads, group, head_dim, scale, prompts, prompt_max.data(),
-                                prompt_sum.data(), prompt_out.data());
+                                prompt_sum.data(), prompt_out.data(), /*amx=*/true);
       }
     }
   }
