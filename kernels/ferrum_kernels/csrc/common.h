@@ -24,8 +24,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-// A cached prompt's keys taken once for every decode item or prompt chunk reading them
-// (prompt_partials): on AMX tiles where there are some, else on vdpbf16ps register tiles.
+// A cached prompt's keys taken once for every decode item reading them (prompt_partials): on
+// AMX tiles where there are some, else on vdpbf16ps register tiles. Prompt chunks take them once
+// on AMX only (on register tiles that measured level with each chunk scoring them itself).
 #if defined(__AVX512BF16__)
 #define FERRUM_SHARED_PROMPT 1
 #endif
@@ -339,9 +340,9 @@ __attribute__((noinline)) inline GreedyChoice combine_greedy(const GreedyRow* se
 // default; benchmarks and tests turn it off to compare with the register tiles.
 inline std::atomic<bool> amx_wanted{true};
 
-// Whether bfloat16 decode items sharing a cached prompt's blocks take its keys once for all of
-// them (prompt_partials; set_shared_prompt): on by default; tests and benchmarks turn it off to
-// compare with every item reading all its keys itself.
+// Whether bfloat16 decode items (and, on AMX, prompt chunks) sharing a cached prompt's blocks
+// take its keys once for all of them (prompt_partials; set_shared_prompt): on by default; tests
+// and benchmarks turn it off to compare with each one reading all its keys itself.
 inline std::atomic<bool> shared_prompt_wanted{true};
 
 // AMX: eight tile registers of up to 16 rows x 64 bytes, and TDPBF16PS (a tile of float32 sums

@@ -1038,6 +1038,7 @@ bool shared_prompt_available() {
 #endif
 }
 
-// Whether they do (the default) or every item reads all its keys itself; returns the previous
-// setting. For benchmarks and tests that compare the two; a server leaves it on.
+// Whether they do (the default; on AMX prompt chunks continuing a shared prompt too) or each
+// reads all its keys itself; returns the previous setting. For benchmarks and tests that
+// compare the two; a server leaves it on.
 bool set_shared_prompt(bool on) { return ferrum::shared_prompt_wanted.exchange(on); }

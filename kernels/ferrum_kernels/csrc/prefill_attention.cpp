@@ -496,7 +496,7 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
   std::vector<float> prompt_max, prompt_sum, prompt_out;  // [token row][H] (x D)
 #if defined(FERRUM_AMX)
   if constexpr (kBf16) {
-    if (amx && window == 0) {
+    if (amx && window == 0 && ferrum::shared_prompt_wanted.load()) {
       const std::vector<ferrum::SharedRun> runs =
           prompt_runs(info, tables, n_chunks, table_width, block_size);
       if (!runs.empty()) {
