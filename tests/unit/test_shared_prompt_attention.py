@@ -41,15 +41,17 @@ def _step(
     sharing: int,
     others: int,
     query_scale: float = 1.0,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, ...]:
-    """A bfloat16 decode step: `sharing` items whose tables start with the same prefix // block
-    blocks, with `others` items of their own in the middle of them (so two runs)."""
+    """A decode step (bfloat16 unless `dtype`): `sharing` items whose tables start with the same
+    prefix // block blocks, with `others` items of their own in the middle of them (so two
+    runs)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     contexts = [prefix + rng.randint(1, 40) for _ in range(sharing)]
     contexts += [rng.randint(1, 90) for _ in range(others)]
     num_blocks = sum(math.ceil(c / block) for c in contexts) + 3
-    kv = torch.randn(2, num_blocks, block, kv_heads, head_dim).to(torch.bfloat16)
+    kv = torch.randn(2, num_blocks, block, kv_heads, head_dim).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = []
@@ -65,7 +67,7 @@ def _step(
     tables = [tables[i] for i in order]
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    query = (torch.randn(len(contexts), heads, head_dim) * query_scale).to(torch.bfloat16)
+    query = (torch.randn(len(contexts), heads, head_dim) * query_scale).to(dtype)
     slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block for t, c in
                           zip(tables, contexts, strict=True)])  # fmt: skip
     meta = AttentionMetadata.build(list(range(len(contexts) + 1)), contexts, table, slots)
@@ -116,7 +118,41 @@ def test_items_sharing_a_prompt_match_the_reference(
     # bfloat16 outputs (and probabilities rounded to bfloat16 in both kernels): a few ulps.
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(got.float(), alone.float(), atol=2e-2, rtol=0)
-    if module.shared_prompt_available():  # the shared keys went through the partials
+    if module.shared_prompt_available(True):  # the shared keys went through the partials
+        assert not torch.equal(got, alone)
+
+
+@pytest.mark.parametrize(
+    ("block", "kv_heads", "heads", "head_dim", "prefix", "sharing", "others"),
+    [(16, 4, 12, 64, 1024, 16, 3), (8, 2, 8, 128, 200, 5, 0), (4, 1, 4, 32, 64, 3, 4)],
+)
+@pytest.mark.parametrize("query_scale", [1.0, 60.0])
+def test_float32_items_sharing_a_prompt_match_the_reference(
+    amx_restored: None,
+    block: int,
+    kv_heads: int,
+    heads: int,
+    head_dim: int,
+    prefix: int,
+    sharing: int,
+    others: int,
+    query_scale: float,
+) -> None:
+    """float32 items of a shared prompt: its keys once on register tiles with FMAs (AVX-512)."""
+    query, kv, table, lens, want = _step(
+        0, block, kv_heads, heads, head_dim, prefix, sharing, others, query_scale, torch.float32
+    )
+    rows = torch.arange(len(lens))
+    module = native.load()
+    got = decode_attention(query, kv, table, lens, rows, head_dim**-0.5)
+    assert module.set_shared_prompt(False)
+    alone = decode_attention(query, kv, table, lens, rows, head_dim**-0.5)
+    assert got is not None and alone is not None
+    # float32 throughout: the sums differ from the per-item path's only in their order (a
+    # peaked softmax's scores are large, so their last bits weigh up to 1e-4 there).
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, alone, atol=1e-4, rtol=1e-4)
+    if module.shared_prompt_available(False):
         assert not torch.equal(got, alone)
 
 

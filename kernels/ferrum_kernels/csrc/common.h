@@ -24,10 +24,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-// A cached prompt's keys taken once for every decode item reading them (prompt_partials): on
-// AMX tiles where there are some, else on vdpbf16ps register tiles. Prompt chunks take them once
-// on AMX only (on register tiles that measured level with each chunk scoring them itself).
-#if defined(__AVX512BF16__)
+// A cached prompt's keys taken once for every decode item reading them (prompt_partials): in
+// bfloat16 on AMX tiles where there are some, else on vdpbf16ps register tiles; in float32 on
+// register tiles with FMAs. Prompt chunks take them once on AMX only (on register tiles that
+// measured level with each chunk scoring them itself).
+#if defined(__AVX512F__)
 #define FERRUM_SHARED_PROMPT 1
 #endif
 
@@ -340,9 +341,9 @@ __attribute__((noinline)) inline GreedyChoice combine_greedy(const GreedyRow* se
 // default; benchmarks and tests turn it off to compare with the register tiles.
 inline std::atomic<bool> amx_wanted{true};
 
-// Whether bfloat16 decode items (and, on AMX, prompt chunks) sharing a cached prompt's blocks
-// take its keys once for all of them (prompt_partials; set_shared_prompt): on by default; tests
-// and benchmarks turn it off to compare with each one reading all its keys itself.
+// Whether decode items (and, on AMX, prompt chunks) sharing a cached prompt's blocks take its
+// keys once for all of them (prompt_partials; set_shared_prompt): on by default; tests and
+// benchmarks turn it off to compare with each one reading all its keys itself.
 inline std::atomic<bool> shared_prompt_wanted{true};
 
 // AMX: eight tile registers of up to 16 rows x 64 bytes, and TDPBF16PS (a tile of float32 sums
@@ -673,25 +674,55 @@ inline void amx_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, i
 #endif
 
 #if defined(FERRUM_SHARED_PROMPT)
-// The register-tile forms of amx_scores and amx_values, for a CPU with vdpbf16ps but no AMX:
-// the same packed operands and outputs, each sum over its pairs of products in order.
+// The register-tile forms of amx_scores and amx_values, for a CPU without AMX, in bfloat16
+// (vdpbf16ps) or float32 (FMAs): the same packed operands and outputs (packed as pack_kv<T, T>
+// lays them out), each sum over its products in order. A "word" is 32 bits of a row: a bfloat16
+// pair or a float.
+template <typename T>
+constexpr int kWordElems = std::is_same<T, float>::value ? 1 : 2;
+#if defined(__AVX512BF16__)
+constexpr bool kSharedPromptBf16 = true;
+#else
+constexpr bool kSharedPromptBf16 = false;  // the float32 forms only
+#endif
+
+// acc + the products of one broadcast word x of a row with a vector of 16 words y.
+template <typename T>
+inline __m512 word_madd(__m512 acc, __m512i x, __m512i y) {
+  if constexpr (std::is_same<T, float>::value) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(y), acc);
+  } else {
+#if defined(__AVX512BF16__)
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y);
+#else
+    static_assert(std::is_same<T, float>::value, "bfloat16 needs vdpbf16ps");
+    return acc;
+#endif
+  }
+}
+
+// Row r's word i, broadcast.
+template <typename T>
+inline __m512i word_of(const T* row, int64_t i) {
+  int32_t word;
+  std::memcpy(&word, row + kWordElems<T> * i, sizeof word);
+  return _mm512_set1_epi32(word);
+}
+
 // Scores: 8 q rows x NT key tiles of sums at a time, so each key vector loaded serves 8 rows.
-template <int NT>
-inline void reg_score_block(const uint16_t* q, int64_t head_dim, const uint16_t* k,
-                            int64_t tile_elems, float* s, int64_t s_stride) {
-  constexpr int kR = 8;
+template <typename T, int NT>
+inline void reg_score_block(const T* q, int64_t head_dim, const T* k, int64_t tile_elems,
+                            float* s, int64_t s_stride) {
+  constexpr int kR = 8, w = kWordElems<T>;
   __m512 acc[kR][NT];
   for (int r = 0; r < kR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < head_dim / 2; ++i) {  // word i: dimensions 2i and 2i + 1
-    __m512bh keys[NT];
-    for (int t = 0; t < NT; ++t)
-      keys[t] = (__m512bh)_mm512_loadu_si512(k + t * tile_elems + i * 2 * kKeyTile);
+  for (int64_t i = 0; i < head_dim / w; ++i) {  // word i of every key of the tiles
+    __m512i keys[NT];
+    for (int t = 0; t < NT; ++t) keys[t] = _mm512_loadu_si512(k + t * tile_elems + i * w * kKeyTile);
     for (int r = 0; r < kR; ++r) {
-      int32_t word;
-      std::memcpy(&word, q + r * head_dim + 2 * i, sizeof word);
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(word);
-      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], x, keys[t]);
+      const __m512i x = word_of(q + r * head_dim, i);
+      for (int t = 0; t < NT; ++t) acc[r][t] = word_madd<T>(acc[r][t], x, keys[t]);
     }
   }
   for (int r = 0; r < kR; ++r)
@@ -699,39 +730,39 @@ inline void reg_score_block(const uint16_t* q, int64_t head_dim, const uint16_t*
 }
 
 // Scores of 16 q rows over `tiles` packed key tiles (as amx_scores).
-inline void reg_scores(const uint16_t* q, int64_t head_dim, const uint16_t* k, int64_t tile_elems,
+template <typename T>
+inline void reg_scores(const T* q, int64_t head_dim, const T* k, int64_t tile_elems,
                        int64_t tiles, float* s, int64_t s_stride) {
   for (int r0 = 0; r0 < 16; r0 += 8) {
-    const uint16_t* qr = q + r0 * head_dim;
+    const T* qr = q + r0 * head_dim;
     float* sr = s + r0 * s_stride;
     int64_t t = 0;
     for (; t + 2 <= tiles; t += 2)
-      reg_score_block<2>(qr, head_dim, k + t * tile_elems, tile_elems, sr + t * kKeyTile,
-                         s_stride);
+      reg_score_block<T, 2>(qr, head_dim, k + t * tile_elems, tile_elems, sr + t * kKeyTile,
+                            s_stride);
     if (t < tiles)
-      reg_score_block<1>(qr, head_dim, k + t * tile_elems, tile_elems, sr + t * kKeyTile,
-                         s_stride);
+      reg_score_block<T, 1>(qr, head_dim, k + t * tile_elems, tile_elems, sr + t * kKeyTile,
+                            s_stride);
   }
 }
 
-// o's columns [16 c0, 16 (c0 + C)) of 4 rows = their probabilities over `pairs` pairs of keys
-// times the packed value pairs: 4 x C accumulators, each value vector loaded serving 4 rows.
-template <int C>
-inline void reg_value_block(const uint16_t* p, int64_t p_stride, const uint16_t* v,
-                            int64_t head_dim, int64_t pairs, int64_t c0, float* o) {
-  constexpr int kR = 4;
+// o's columns [16 c0, 16 (c0 + C)) of 4 rows = their probabilities over `steps` words of keys
+// (pairs of keys in bfloat16) times the packed values: 4 x C accumulators, each value vector
+// loaded serving 4 rows.
+template <typename T, int C>
+inline void reg_value_block(const T* p, int64_t p_stride, const T* v, int64_t head_dim,
+                            int64_t steps, int64_t c0, float* o) {
+  constexpr int kR = 4, w = kWordElems<T>;
   __m512 acc[kR][C];
   for (int r = 0; r < kR; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < pairs; ++i) {  // keys 2i and 2i + 1
-    __m512bh values[C];
-    const uint16_t* vi = v + i * 2 * head_dim + 32 * c0;
-    for (int c = 0; c < C; ++c) values[c] = (__m512bh)_mm512_loadu_si512(vi + 32 * c);
+  for (int64_t i = 0; i < steps; ++i) {
+    __m512i values[C];
+    const T* vi = v + i * w * head_dim + 16 * w * c0;
+    for (int c = 0; c < C; ++c) values[c] = _mm512_loadu_si512(vi + 16 * w * c);
     for (int r = 0; r < kR; ++r) {
-      int32_t word;
-      std::memcpy(&word, p + r * p_stride + 2 * i, sizeof word);
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(word);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, values[c]);
+      const __m512i x = word_of(p + r * p_stride, i);
+      for (int c = 0; c < C; ++c) acc[r][c] = word_madd<T>(acc[r][c], x, values[c]);
     }
   }
   for (int r = 0; r < kR; ++r)
@@ -739,17 +770,18 @@ inline void reg_value_block(const uint16_t* p, int64_t p_stride, const uint16_t*
 }
 
 // o[16][D] (float32, D apart) = 16 rows of probabilities over `keys` keys (an even count) times
-// the packed value pairs (as amx_values); head_dim a multiple of 32.
-inline void reg_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, int64_t head_dim,
-                       int64_t keys, float* o) {
-  const int64_t columns = head_dim / 16;  // 16-lane output vectors a row (even)
+// the packed values (as amx_values); head_dim a multiple of 32.
+template <typename T>
+inline void reg_values(const T* p, int64_t p_stride, const T* v, int64_t head_dim, int64_t keys,
+                       float* o) {
+  const int64_t columns = head_dim / 16, steps = keys / kWordElems<T>;  // columns: even
   for (int r0 = 0; r0 < 16; r0 += 4) {
-    const uint16_t* pr = p + r0 * p_stride;
+    const T* pr = p + r0 * p_stride;
     float* orow = o + r0 * head_dim;
     int64_t c0 = 0;
     for (; c0 + 4 <= columns; c0 += 4)
-      reg_value_block<4>(pr, p_stride, v, head_dim, keys / 2, c0, orow);
-    if (c0 < columns) reg_value_block<2>(pr, p_stride, v, head_dim, keys / 2, c0, orow);
+      reg_value_block<T, 4>(pr, p_stride, v, head_dim, steps, c0, orow);
+    if (c0 < columns) reg_value_block<T, 2>(pr, p_stride, v, head_dim, steps, c0, orow);
   }
 }
 
@@ -764,42 +796,46 @@ inline void reg_values(const uint16_t* p, int64_t p_stride, const uint16_t* v, i
 // however long the prompt: scores and probs, and o_block ([16][D] float32).
 constexpr int64_t kSharedKeyChunk = 256;
 
-inline void shared_key_partials(const uint16_t* q_block, int nr, const uint16_t* kp,
-                                const uint16_t* vp, int64_t keys, int64_t head_dim, float scale,
-                                float* scores, uint16_t* probs, float* o_block, float* max,
-                                float* sum, float* out, bool amx) {
+template <typename T>
+inline void shared_key_partials(const T* q_block, int nr, const T* kp, const T* vp, int64_t keys,
+                                int64_t head_dim, float scale, float* scores, T* probs,
+                                float* o_block, float* max, float* sum, float* out, bool amx) {
   constexpr float kLog2e = 1.44269504f;
+  constexpr bool kFloat = std::is_same<T, float>::value;
+  constexpr int kDegree = kFloat ? 5 : 4;  // exp2_nonpositive's fit: to T's precision
   float rescale[16];
   for (int64_t c0 = 0; c0 < keys; c0 += kSharedKeyChunk) {
     const int64_t n = std::min(kSharedKeyChunk, keys - c0);  // a multiple of 32
-    const uint16_t* kc = kp + c0 * head_dim;
+    const T* kc = kp + c0 * head_dim;
 #if defined(FERRUM_AMX)
-    if (amx)
-      amx_scores(q_block, head_dim, kc, kKeyTile * head_dim, n / kKeyTile, scores, n);
-    else
+    if constexpr (!kFloat) {
+      if (amx) amx_scores(q_block, head_dim, kc, kKeyTile * head_dim, n / kKeyTile, scores, n);
+    }
+    if (kFloat || !amx)
 #endif
-      reg_scores(q_block, head_dim, kc, kKeyTile * head_dim, n / kKeyTile, scores, n);
+      reg_scores<T>(q_block, head_dim, kc, kKeyTile * head_dim, n / kKeyTile, scores, n);
     for (int r = 0; r < 16; ++r) {
-      uint16_t* p = probs + r * n;
+      T* p = probs + r * n;
       if (r >= nr) {  // rows past the caller's: zero weights, outputs unused
-        std::memset(p, 0, n * sizeof(uint16_t));
+        std::memset(p, 0, n * sizeof(T));
         continue;
       }
       const float* s = scores + r * n;
       const float chunk_max = row_max(s, n) * scale;  // scale > 0
       const float m = c0 == 0 ? chunk_max : std::max(max[r], chunk_max);
-      const float chunk_sum =
-          exp2_row<4>(s, p, n, _mm512_set1_ps(scale * kLog2e), _mm512_set1_ps(-m * kLog2e));
+      const float chunk_sum = exp2_row<kDegree>(s, p, n, _mm512_set1_ps(scale * kLog2e),
+                                                _mm512_set1_ps(-m * kLog2e));
       rescale[r] = c0 == 0 ? 0.f : std::exp(max[r] - m);
       sum[r] = c0 == 0 ? chunk_sum : sum[r] * rescale[r] + chunk_sum;
       max[r] = m;
     }
 #if defined(FERRUM_AMX)
-    if (amx)
-      amx_values(probs, n, vp + c0 * head_dim, head_dim, n, o_block);
-    else
+    if constexpr (!kFloat) {
+      if (amx) amx_values(probs, n, vp + c0 * head_dim, head_dim, n, o_block);
+    }
+    if (kFloat || !amx)
 #endif
-      reg_values(probs, n, vp + c0 * head_dim, head_dim, n, o_block);
+      reg_values<T>(probs, n, vp + c0 * head_dim, head_dim, n, o_block);
     for (int r = 0; r < nr; ++r) {
       float* o = out + r * head_dim;
       const float* add = o_block + r * head_dim;
@@ -826,9 +862,10 @@ struct PromptRows {
 // tiles: each run's keys and values packed once per KV head (pack_kv, in pieces over the
 // threads), then units of 16 rows on one KV head through shared_key_partials, into max and sum
 // ([q row][H]) and out ([q row][H][D]), float32, for the merge that follows (both attention
-// kernels). head_dim a multiple of 32.
-inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t* k_pool,
-                            const uint16_t* v_pool, int64_t block_size, int64_t n_kv_heads,
+// kernels). T: bfloat16 bits (on AMX where `amx`) or float; head_dim a multiple of 32.
+template <typename T>
+void prompt_partials(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool,
+                            int64_t block_size, int64_t n_kv_heads,
                             int64_t group, int64_t head_dim, float scale,
                             const std::vector<PromptRows>& runs, float* max, float* sum,
                             float* out, bool amx) {
@@ -842,9 +879,9 @@ inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t*
     total += 2 * n_kv_heads * runs[r].keys * head_dim;  // per KV head: keys, then values
   }
   // Per call (a server keeps freed heap memory: host_memory.py): no more than the prompts'
-  // K/V, 1 MB for 1,024 keys of W1's 4 KV heads of 64.
-  // Left uninitialised: the pieces below write all of it.
-  const std::unique_ptr<uint16_t[]> packed(new uint16_t[total]);
+  // K/V, 1 MB for 1,024 keys of W1's 4 KV heads of 64 in bfloat16. Left uninitialised: the
+  // pieces below write all of it.
+  const std::unique_ptr<T[]> packed(new T[total]);
   auto packed_at = [&](size_t r, int64_t h) {
     return packed.get() + base[r] + h * 2 * runs[r].keys * head_dim;
   };
@@ -859,11 +896,10 @@ inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t*
   at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto [r, h, t] = pieces[i];
-      uint16_t* kp = packed_at(r, h);
-      pack_kv<uint16_t, uint16_t>(k_pool, v_pool, runs[r].table, block_size, kv_row,
-                                  h * head_dim, head_dim, 0, runs[r].keys, t,
-                                  std::min(runs[r].keys, t + kPiece), kp,
-                                  kp + runs[r].keys * head_dim);
+      T* kp = packed_at(r, h);
+      pack_kv<T, T>(k_pool, v_pool, runs[r].table, block_size, kv_row, h * head_dim, head_dim, 0,
+                    runs[r].keys, t, std::min(runs[r].keys, t + kPiece), kp,
+                    kp + runs[r].keys * head_dim);
     }
   });
   std::atomic<int64_t> next{0};
@@ -874,7 +910,7 @@ inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t*
 #endif
     std::vector<float> scores(kRows * kSharedKeyChunk), o_block(kRows * head_dim);
     std::vector<float> o_run(kRows * head_dim);
-    std::vector<uint16_t> probs(kRows * kSharedKeyChunk), q_block(kRows * head_dim);
+    std::vector<T> probs(kRows * kSharedKeyChunk), q_block(kRows * head_dim);
     for (int64_t u = next++; u < n_units; u = next++) {
       const auto [r, h, i0] = units[u];
       const PromptRows& run = runs[r];
@@ -882,19 +918,19 @@ inline void prompt_partials(const uint16_t* q, int64_t q_stride, const uint16_t*
           std::min<int64_t>(kRows, static_cast<int64_t>(run.rows.size()) - i0));
       int64_t at[kRows];  // each row's (q row, query head) in the outputs
       for (int i = 0; i < kRows; ++i) {
-        uint16_t* dst = q_block.data() + i * head_dim;
+        T* dst = q_block.data() + i * head_dim;
         if (i >= nr) {  // past the run's rows: zero, their outputs unused
-          std::memset(dst, 0, head_dim * sizeof(uint16_t));
+          std::memset(dst, 0, head_dim * sizeof(T));
           continue;
         }
         const auto [row, g] = run.rows[i0 + i];
         const int64_t head = h * group + g;
-        std::memcpy(dst, q + row * q_stride + head * head_dim, head_dim * sizeof(uint16_t));
+        std::memcpy(dst, q + row * q_stride + head * head_dim, head_dim * sizeof(T));
         at[i] = row * heads + head;
       }
-      const uint16_t* kp = packed_at(r, h);
+      const T* kp = packed_at(r, h);
       float row_max[kRows], row_sum[kRows];
-      shared_key_partials(q_block.data(), nr, kp, kp + run.keys * head_dim, run.keys, head_dim,
+      shared_key_partials<T>(q_block.data(), nr, kp, kp + run.keys * head_dim, run.keys, head_dim,
                           scale, scores.data(), probs.data(), o_block.data(), row_max, row_sum,
                           o_run.data(), amx);
       for (int i = 0; i < nr; ++i) {

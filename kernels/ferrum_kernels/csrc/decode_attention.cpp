@@ -6,9 +6,10 @@
 // (decode_impl) works per (item, KV head), scoring the G query heads that share a KV head
 // together so each K/V row is converted to float32 once for all of them.
 //
-// Items that share a cached prompt's blocks (prefix caching: shared_prefixes) have, on AMX in
-// bfloat16, the shared keys' part of their softmax computed for all of them at once on the tiles
-// (ferrum::prompt_partials); each then reads only its own keys and merges the two
+// Items that share a cached prompt's blocks (prefix caching: shared_prefixes) have the shared
+// keys' part of their softmax computed for all of them at once (ferrum::prompt_partials: in
+// bfloat16 on AMX tiles, or vdpbf16ps register tiles on a CPU without AMX; in float32 on
+// register tiles with FMAs); each then reads only its own keys and merges the two
 // (decode_items_avx512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -217,9 +218,11 @@ inline int64_t claim_next(std::atomic<int64_t>& claimed, RowFetches& next_rows, 
 // before each item's last key count (an item's last block is its own, and its last key the one
 // just written). The per-item kernel reads those keys once per item, at its per-row cost even
 // from L2: in w2-prefix (64 items sharing 1,024 of about 1,150 keys) the decode attention was
-// about two thirds of a step. On AMX the shared keys' part of every such item's softmax is
-// computed for all their query heads at once (ferrum::prompt_partials, as the prefill kernel
-// does for chunks continuing a shared prompt), and each item then reads only its own keys.
+// about two thirds of a step. The shared keys' part of every such item's softmax is computed
+// for all their query heads at once (ferrum::prompt_partials; on AMX as the prefill kernel does
+// for chunks continuing a shared prompt), and each item then reads only its own keys. On a Zen 5
+// (twelve pools, 64 items sharing 1,024 of 1,100 keys) that took a layer from 0.97 to 0.57 ms
+// in bfloat16 and from 2.03 to 1.27 in float32 (docs/benchmarks.md, forty-seventh session).
 std::vector<ferrum::SharedRun> shared_prefixes(const int64_t* tables, const int64_t* lens,
                                                int64_t n_items, int64_t table_width,
                                                int64_t block_size) {
@@ -909,10 +912,11 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
     // Items sharing a cached prompt: its keys' part of their softmax once, on AMX tiles where
     // there are some, else on register tiles.
     PrefixPartials partials;
-    if constexpr (std::is_same<T, c10::BFloat16>::value && D % 32 == 0) {
+    constexpr bool kFloat = std::is_same<T, float>::value;
+    if constexpr (D % 32 == 0 && (kFloat || ferrum::kSharedPromptBf16)) {
       const int64_t n_items = rows.size(0), heads = q.size(1);
 #if defined(FERRUM_AMX)
-      const bool amx = ferrum::amx_wanted.load() && ferrum::amx_permitted();
+      const bool amx = !kFloat && ferrum::amx_wanted.load() && ferrum::amx_permitted();
 #else
       constexpr bool amx = false;
 #endif
@@ -936,10 +940,12 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
           partials.max.resize(q_rows * heads);
           partials.sum.resize(q_rows * heads);
           partials.out.resize(q_rows * heads * D);
+          // The elements as prompt_partials takes them: float, or bfloat16 bits.
+          using E = std::conditional_t<kFloat, float, uint16_t>;
           auto bits = [](const torch::Tensor& t) {
-            return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
+            return reinterpret_cast<const E*>(t.data_ptr<T>());
           };
-          ferrum::prompt_partials(bits(q), q.stride(0), bits(k_pool), bits(v_pool), block_size,
+          ferrum::prompt_partials<E>(bits(q), q.stride(0), bits(k_pool), bits(v_pool), block_size,
                                   n_kv_heads, group, D, static_cast<float>(scale), runs,
                                   partials.max.data(), partials.sum.data(),
                                   partials.out.data(), amx);
@@ -1028,11 +1034,12 @@ torch::Tensor decode_shared_prefixes(torch::Tensor tables, torch::Tensor lens,
   return out;
 }
 
-// True where bfloat16 decode items sharing a cached prompt can take its keys once for all of
-// them (prompt_partials: a CPU with vdpbf16ps, on AMX tiles where it has them).
-bool shared_prompt_available() {
+// True where decode items sharing a cached prompt can take its keys once for all of them
+// (prompt_partials), in bfloat16 (a CPU with vdpbf16ps; on AMX tiles where it has them) or in
+// float32 (AVX-512), and head_dim a multiple of 32.
+bool shared_prompt_available(bool bfloat16) {
 #if defined(FERRUM_SHARED_PROMPT)
-  return true;
+  return !bfloat16 || ferrum::kSharedPromptBf16;
 #else
   return false;
 #endif

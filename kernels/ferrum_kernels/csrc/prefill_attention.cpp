@@ -514,7 +514,7 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
               for (int64_t g = 0; g < group; ++g) rows_of.rows.push_back({t, g});
           prompts.push_back(std::move(rows_of));
         }
-        ferrum::prompt_partials(reinterpret_cast<const uint16_t*>(q), q_stride,
+        ferrum::prompt_partials<uint16_t>(reinterpret_cast<const uint16_t*>(q), q_stride,
                                 reinterpret_cast<const uint16_t*>(k_pool),
                                 reinterpret_cast<const uint16_t*>(v_pool), block_size,
                                 n_kv_heads, group, head_dim, scale, prompts, prompt_max.data(),
