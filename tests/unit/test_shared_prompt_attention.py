@@ -91,11 +91,14 @@ def _step(
 )
 # A peaked softmax too: the shared keys' max and an item's own far apart when merged.
 @pytest.mark.parametrize("query_scale", [1.0, 60.0])
-# The shared keys on AMX tiles where the CPU has them, and on the register tiles (everywhere).
+# The shared keys on AMX tiles where the CPU has them, and on the register tiles (everywhere);
+# float32 on register tiles with FMAs.
 @pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_items_sharing_a_prompt_match_the_reference(
     amx_restored: None,
     amx: bool,
+    dtype: torch.dtype,
     block: int,
     kv_heads: int,
     heads: int,
@@ -106,7 +109,7 @@ def test_items_sharing_a_prompt_match_the_reference(
     query_scale: float,
 ) -> None:
     query, kv, table, lens, want = _step(
-        0, block, kv_heads, heads, head_dim, prefix, sharing, others, query_scale
+        0, block, kv_heads, heads, head_dim, prefix, sharing, others, query_scale, dtype
     )
     rows = torch.arange(len(lens))
     module = native.load()
@@ -115,44 +118,14 @@ def test_items_sharing_a_prompt_match_the_reference(
     assert module.set_shared_prompt(False)  # every item reads all its keys itself
     alone = decode_attention(query, kv, table, lens, rows, head_dim**-0.5)
     assert got is not None and alone is not None
+    bf16 = dtype == torch.bfloat16
     # bfloat16 outputs (and probabilities rounded to bfloat16 in both kernels): a few ulps.
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
-    torch.testing.assert_close(got.float(), alone.float(), atol=2e-2, rtol=0)
-    if module.shared_prompt_available(True):  # the shared keys went through the partials
-        assert not torch.equal(got, alone)
-
-
-@pytest.mark.parametrize(
-    ("block", "kv_heads", "heads", "head_dim", "prefix", "sharing", "others"),
-    [(16, 4, 12, 64, 1024, 16, 3), (8, 2, 8, 128, 200, 5, 0), (4, 1, 4, 32, 64, 3, 4)],
-)
-@pytest.mark.parametrize("query_scale", [1.0, 60.0])
-def test_float32_items_sharing_a_prompt_match_the_reference(
-    amx_restored: None,
-    block: int,
-    kv_heads: int,
-    heads: int,
-    head_dim: int,
-    prefix: int,
-    sharing: int,
-    others: int,
-    query_scale: float,
-) -> None:
-    """float32 items of a shared prompt: its keys once on register tiles with FMAs (AVX-512)."""
-    query, kv, table, lens, want = _step(
-        0, block, kv_heads, heads, head_dim, prefix, sharing, others, query_scale, torch.float32
-    )
-    rows = torch.arange(len(lens))
-    module = native.load()
-    got = decode_attention(query, kv, table, lens, rows, head_dim**-0.5)
-    assert module.set_shared_prompt(False)
-    alone = decode_attention(query, kv, table, lens, rows, head_dim**-0.5)
-    assert got is not None and alone is not None
-    # float32 throughout: the sums differ from the per-item path's only in their order (a
-    # peaked softmax's scores are large, so their last bits weigh up to 1e-4 there).
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got, alone, atol=1e-4, rtol=1e-4)
-    if module.shared_prompt_available(False):
+    # float32 throughout: the sums differ only in their order (a peaked softmax's scores are
+    # large, so their last bits weigh up to 1e-4 there).
+    tolerance = {"atol": 2e-2, "rtol": 0.0} if bf16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(got.float(), want.float(), **tolerance)
+    torch.testing.assert_close(got.float(), alone.float(), **tolerance)
+    if module.shared_prompt_available(bf16):  # the shared keys went through the partials
         assert not torch.equal(got, alone)
 
 
