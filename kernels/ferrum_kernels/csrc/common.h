@@ -719,7 +719,8 @@ inline void reg_score_block(const T* q, int64_t head_dim, const T* k, int64_t ti
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < head_dim / w; ++i) {  // word i of every key of the tiles
     __m512i keys[NT];
-    for (int t = 0; t < NT; ++t) keys[t] = _mm512_loadu_si512(k + t * tile_elems + i * w * kKeyTile);
+    for (int t = 0; t < NT; ++t)
+      keys[t] = _mm512_loadu_si512(k + t * tile_elems + i * w * kKeyTile);
     for (int r = 0; r < kR; ++r) {
       const __m512i x = word_of(q + r * head_dim, i);
       for (int t = 0; t < NT; ++t) acc[r][t] = word_madd<T>(acc[r][t], x, keys[t]);
@@ -786,12 +787,12 @@ inline void reg_values(const T* p, int64_t p_stride, const T* v, int64_t head_di
 }
 
 // Attention partials of up to 16 query rows over `keys` keys every one of them sees (a shared
-// prompt's, a multiple of 32), packed as pack_key_tile and pack_value_pair lay them out (kp and
-// vp, [keys][D] each), on AMX tiles where `amx` (load_attention_tiles first), else on register
-// tiles: for each row r < nr, max[r]
-// (of its scores times scale), sum[r] (of e^(score * scale - max)) and out[r * D ..] (those
-// numerators, rounded to bfloat16, times V: unnormalised), float32. q_block holds the 16 rows
-// ([16][D] bfloat16, zero past nr). The keys go kSharedKeyChunk at a time, each chunk's softmax
+// prompt's, a multiple of 32), packed as pack_kv<T, T> lays them out (kp and vp, [keys][D]
+// each), in T (bfloat16 bits, or float): on AMX tiles where `amx` (bfloat16 only;
+// load_attention_tiles first), else on register tiles. For each row r < nr: max[r] (of its
+// scores times scale), sum[r] (of e^(score * scale - max)) and out[r * D ..] (those numerators,
+// in T, so rounded to bfloat16 there, times V: unnormalised), float32. q_block holds the 16 rows
+// ([16][D] in T, zero past nr). The keys go kSharedKeyChunk at a time, each chunk's softmax
 // folded into the running one, so the caller's buffers stay 16 x kSharedKeyChunk (in L1)
 // however long the prompt: scores and probs, and o_block ([16][D] float32).
 constexpr int64_t kSharedKeyChunk = 256;
@@ -865,10 +866,9 @@ struct PromptRows {
 // kernels). T: bfloat16 bits (on AMX where `amx`) or float; head_dim a multiple of 32.
 template <typename T>
 void prompt_partials(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool,
-                            int64_t block_size, int64_t n_kv_heads,
-                            int64_t group, int64_t head_dim, float scale,
-                            const std::vector<PromptRows>& runs, float* max, float* sum,
-                            float* out, bool amx) {
+                     int64_t block_size, int64_t n_kv_heads, int64_t group, int64_t head_dim,
+                     float scale, const std::vector<PromptRows>& runs, float* max, float* sum,
+                     float* out, bool amx) {
   constexpr int kRows = 16;
   constexpr int64_t kPiece = 256;  // keys per packing piece
   const int64_t kv_row = n_kv_heads * head_dim, heads = n_kv_heads * group;
@@ -930,9 +930,9 @@ void prompt_partials(const T* q, int64_t q_stride, const T* k_pool, const T* v_p
       }
       const T* kp = packed_at(r, h);
       float row_max[kRows], row_sum[kRows];
-      shared_key_partials<T>(q_block.data(), nr, kp, kp + run.keys * head_dim, run.keys, head_dim,
-                          scale, scores.data(), probs.data(), o_block.data(), row_max, row_sum,
-                          o_run.data(), amx);
+      shared_key_partials<T>(q_block.data(), nr, kp, kp + run.keys * head_dim, run.keys,
+                             head_dim, scale, scores.data(), probs.data(), o_block.data(),
+                             row_max, row_sum, o_run.data(), amx);
       for (int i = 0; i < nr; ++i) {
         max[at[i]] = row_max[i];
         sum[at[i]] = row_sum[i];

@@ -945,10 +945,10 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
           auto bits = [](const torch::Tensor& t) {
             return reinterpret_cast<const E*>(t.data_ptr<T>());
           };
-          ferrum::prompt_partials<E>(bits(q), q.stride(0), bits(k_pool), bits(v_pool), block_size,
-                                  n_kv_heads, group, D, static_cast<float>(scale), runs,
-                                  partials.max.data(), partials.sum.data(),
-                                  partials.out.data(), amx);
+          ferrum::prompt_partials<E>(bits(q), q.stride(0), bits(k_pool), bits(v_pool),
+                                     block_size, n_kv_heads, group, D, static_cast<float>(scale),
+                                     runs, partials.max.data(), partials.sum.data(),
+                                     partials.out.data(), amx);
           prefix = &partials;
         }
       }
