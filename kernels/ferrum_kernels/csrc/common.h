@@ -416,6 +416,16 @@ std::vector<SharedRun> shared_runs(const int64_t* tables, int64_t n, int64_t tab
   return found;
 }
 
+// What the merges that follow read (both attention kernels): each member's (decode item's or
+// prompt chunk's) first key of its own pass (0 outside a run: all its keys), and by q row and
+// query head the runs' partials: max and sum [q rows][H], out [q rows][H][D], float32. Only
+// the rows of runs are written and read, so those are left uninitialised: zeroed, a unified
+// step's prompt rows cost a memset of megabytes at every layer.
+struct PromptPartials {
+  std::vector<int64_t> starts;
+  std::unique_ptr<float[]> max, sum, out;
+};
+
 // Two parts of one row's softmax merged (a shared prompt's keys and the row's own): each part
 // kept as the max m of its scores, the sum l of e^(score - m) and its unnormalised output o.
 // The row's output is (o1 a1 + o2 a2) * norm.
@@ -859,16 +869,35 @@ struct PromptRows {
   std::vector<std::array<int64_t, 2>> rows;
 };
 
-// Every run's prompt part of its rows' softmax, on AMX tiles where `amx`, else on register
-// tiles: each run's keys and values packed once per KV head (pack_kv, in pieces over the
-// threads), then units of 16 rows on one KV head through shared_key_partials, into max and sum
-// ([q row][H]) and out ([q row][H][D]), float32, for the merge that follows (both attention
-// kernels). T: bfloat16 bits (on AMX where `amx`) or float; head_dim a multiple of 32.
-template <typename T>
-void prompt_partials(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool,
-                     int64_t block_size, int64_t n_kv_heads, int64_t group, int64_t head_dim,
-                     float scale, const std::vector<PromptRows>& runs, float* max, float* sum,
-                     float* out, bool amx) {
+// The prompt part of the softmax of every row of the runs `found` among `members` (block
+// tables `tables`, table_width apart) into `partials`; rows_of(member, add) calls add(q row)
+// for each of a member's query rows, which then has all `group` query heads of every KV head.
+// On AMX tiles where `amx`, else on register tiles: each run's keys and values packed once per
+// KV head (pack_kv, in pieces over the threads), then units of 16 rows on one KV head through
+// shared_key_partials. T: bfloat16 bits (on AMX where `amx`) or float; head_dim a multiple of
+// 32. The outputs go by q row, of which q holds q_rows.
+template <typename T, typename RowsOf>
+void prompt_partials(const std::vector<SharedRun>& found, int64_t members, const int64_t* tables,
+                     int64_t table_width, const RowsOf& rows_of, const T* q, int64_t q_stride,
+                     int64_t q_rows, const T* k_pool, const T* v_pool, int64_t block_size,
+                     int64_t n_kv_heads, int64_t group, int64_t head_dim, float scale, bool amx,
+                     PromptPartials& partials) {
+  partials.starts.assign(members, 0);
+  std::vector<PromptRows> runs;
+  for (const SharedRun& run : found) {
+    std::fill_n(partials.starts.begin() + run.first, run.count, run.keys);
+    PromptRows of_run{tables + run.first * table_width, run.keys, {}};
+    for (int64_t m = run.first; m < run.first + run.count; ++m)
+      rows_of(m, [&](int64_t row) {
+        for (int64_t g = 0; g < group; ++g) of_run.rows.push_back({row, g});
+      });
+    runs.push_back(std::move(of_run));
+  }
+  const int64_t by_row = q_rows * n_kv_heads * group;
+  partials.max.reset(new float[by_row]);
+  partials.sum.reset(new float[by_row]);
+  partials.out.reset(new float[by_row * head_dim]);
+  float *max = partials.max.get(), *sum = partials.sum.get(), *out = partials.out.get();
   constexpr int kRows = 16;
   constexpr int64_t kPiece = 256;  // keys per packing piece
   const int64_t kv_row = n_kv_heads * head_dim, heads = n_kv_heads * group;

@@ -231,14 +231,6 @@ std::vector<ferrum::SharedRun> shared_prefixes(const int64_t* tables, const int6
   });
 }
 
-// What the per-item kernel merges in: for every query head of an item of a shared prefix, the
-// max of its scores over the prefix's keys, the sum of e^(score - max) and the unnormalised
-// output sum over them of e^(score - max) v (float32; ferrum::prompt_partials).
-struct PrefixPartials {
-  std::vector<int64_t> starts;       // [items]: the first key each item reads itself (0: all)
-  std::vector<float> max, sum, out;  // [q rows][H], [q rows][H], [q rows][H][D]
-};
-
 #if defined(__AVX512F__)
 // Sixteen 16-lane vectors -> one vector whose lane j is the sum of v[j]'s lanes. Four halving
 // stages (512 -> 256 -> 128 -> 64 -> 32 bits per input), 45 shuffles and adds for 16 dot
@@ -526,14 +518,16 @@ inline float softmax16(float* s, int64_t ctx, uint16_t* bits, float* max_out) {
 //
 // With `prefix` (items sharing a prompt's cached blocks: shared_prefixes), an item of a shared
 // prefix reads only its keys from prefix.starts[item] on, and its output merges their softmax
-// with the shared keys' partial one (prefix.max, sum, out) before it is normalised.
+// with the shared keys' partial one (prefix.max, sum, out: ferrum::prompt_partials) before it
+// is normalised.
 template <typename T, int D>
 void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
                          const T* __restrict v_pool, const int64_t* __restrict tables,
                          const int64_t* __restrict lens, const int64_t* __restrict rows,
                          T* __restrict out, int64_t n_items, int64_t table_width,
                          int64_t block_size, int64_t n_kv_heads, int64_t group,
-                         int64_t q_row_stride, float scale, const PrefixPartials* prefix) {
+                         int64_t q_row_stride, float scale,
+                         const ferrum::PromptPartials* prefix) {
   const int64_t* starts = prefix != nullptr ? prefix->starts.data() : nullptr;
   static_assert(D % 16 == 0, "rows are read 16 lanes at a time");
   const int64_t kv_row = n_kv_heads * D;
@@ -644,7 +638,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
           const int64_t at = rows[item] * heads + hq;
           const ferrum::SoftmaxMerge w =
               ferrum::merge_softmax(maxes[hq], 1.f / inv[hq], prefix->max[at], prefix->sum[at]);
-          const float* po = prefix->out.data() + at * D;
+          const float* po = prefix->out.get() + at * D;
           for (int d = 0; d < D; ++d)
             orow[hq * D + d] = static_cast<T>(
                 (acc[hq * D + paired_lane<T, D>(d)] * w.a1 + po[d] * w.a2) * w.norm);
@@ -907,50 +901,38 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::
   auto run = [&](auto dim_tag) {
     constexpr int D = decltype(dim_tag)::value;
 #if defined(__AVX512F__)
-    const PrefixPartials* prefix = nullptr;
+    const ferrum::PromptPartials* prefix = nullptr;
 #if defined(FERRUM_SHARED_PROMPT)
     // Items sharing a cached prompt: its keys' part of their softmax once, on AMX tiles where
     // there are some, else on register tiles.
-    PrefixPartials partials;
+    ferrum::PromptPartials partials;
     constexpr bool kFloat = std::is_same<T, float>::value;
     if constexpr (D % 32 == 0 && (kFloat || ferrum::kSharedPromptBf16)) {
-      const int64_t n_items = rows.size(0), heads = q.size(1);
+      const int64_t n_items = rows.size(0);
+      const int64_t* table_rows = tables.data_ptr<int64_t>();
+      const std::vector<ferrum::SharedRun> found =
+          ferrum::shared_prompt_wanted.load()
+              ? shared_prefixes(table_rows, lens.data_ptr<int64_t>(), n_items, tables.size(1),
+                                block_size)
+              : std::vector<ferrum::SharedRun>{};
+      if (!found.empty()) {
 #if defined(FERRUM_AMX)
-      const bool amx = !kFloat && ferrum::amx_wanted.load() && ferrum::amx_permitted();
+        const bool amx = !kFloat && ferrum::amx_wanted.load() && ferrum::amx_permitted();
 #else
-      constexpr bool amx = false;
+        constexpr bool amx = false;
 #endif
-      if (ferrum::shared_prompt_wanted.load()) {
-        const std::vector<ferrum::SharedRun> prefixes =
-            shared_prefixes(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), n_items,
-                            tables.size(1), block_size);
-        if (!prefixes.empty()) {
-          const int64_t* item_rows = rows.data_ptr<int64_t>();
-          std::vector<ferrum::PromptRows> runs;
-          partials.starts.assign(n_items, 0);
-          for (const ferrum::SharedRun& p : prefixes) {
-            std::fill_n(partials.starts.begin() + p.first, p.count, p.keys);
-            ferrum::PromptRows run{tables.data_ptr<int64_t>() + p.first * tables.size(1), p.keys,
-                                   {}};
-            for (int64_t item = p.first; item < p.first + p.count; ++item)
-              for (int64_t g = 0; g < group; ++g) run.rows.push_back({item_rows[item], g});
-            runs.push_back(std::move(run));
-          }
-          const int64_t q_rows = q.size(0);  // the partials go by q row and query head
-          partials.max.resize(q_rows * heads);
-          partials.sum.resize(q_rows * heads);
-          partials.out.resize(q_rows * heads * D);
-          // The elements as prompt_partials takes them: float, or bfloat16 bits.
-          using E = std::conditional_t<kFloat, float, uint16_t>;
-          auto bits = [](const torch::Tensor& t) {
-            return reinterpret_cast<const E*>(t.data_ptr<T>());
-          };
-          ferrum::prompt_partials<E>(bits(q), q.stride(0), bits(k_pool), bits(v_pool),
-                                     block_size, n_kv_heads, group, D, static_cast<float>(scale),
-                                     runs, partials.max.data(), partials.sum.data(),
-                                     partials.out.data(), amx);
-          prefix = &partials;
-        }
+        // The elements as prompt_partials takes them: float, or bfloat16 bits.
+        using E = std::conditional_t<kFloat, float, uint16_t>;
+        auto bits = [](const torch::Tensor& t) {
+          return reinterpret_cast<const E*>(t.data_ptr<T>());
+        };
+        const int64_t* item_rows = rows.data_ptr<int64_t>();
+        ferrum::prompt_partials<E>(
+            found, n_items, table_rows, tables.size(1),
+            [&](int64_t item, const auto& add) { add(item_rows[item]); }, bits(q), q.stride(0),
+            q.size(0), bits(k_pool), bits(v_pool), block_size, n_kv_heads, group, D,
+            static_cast<float>(scale), amx, partials);
+        prefix = &partials;
       }
     }
 #endif

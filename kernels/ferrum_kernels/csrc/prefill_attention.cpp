@@ -452,9 +452,10 @@ inline int64_t first_packed(int64_t ctx, int64_t n, int64_t window) {
   return std::max<int64_t>(0, ctx - n - window + 1) / kTile * kTile;
 }
 
-// Keys packed for a chunk: from first_packed to its context, padded to whole tiles.
-inline int64_t packed_keys(int64_t ctx, int64_t n, int64_t window) {
-  return (ctx - first_packed(ctx, n, window) + kTile - 1) / kTile * kTile;
+// Keys packed for a chunk: from position `first` (first_packed, or a shared prompt's end) to
+// its context, padded to whole tiles.
+inline int64_t packed_keys(int64_t ctx, int64_t first) {
+  return (ctx - first + kTile - 1) / kTile * kTile;
 }
 
 // Chunks of a step that continue a cached prompt they share (ferrum::shared_runs: a system
@@ -492,8 +493,7 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
 #endif
   const int64_t heads = n_kv_heads * group;
   // Chunks continuing a cached prompt they share: its keys' partials, once (prompt_runs).
-  std::vector<int64_t> prompt_keys(n_chunks, 0);  // keys left to the partials, per chunk
-  std::vector<float> prompt_max, prompt_sum, prompt_out;  // [token row][H] (x D)
+  ferrum::PromptPartials partials;  // starts: keys left to the partials, per chunk (0: none)
 #if defined(FERRUM_AMX)
   if constexpr (kBf16) {
     if (amx && window == 0 && ferrum::shared_prompt_wanted.load()) {
@@ -502,27 +502,20 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
       if (!runs.empty()) {
         int64_t rows = 0;
         for (int64_t c = 0; c < n_chunks; ++c) rows = std::max(rows, info[3 * c + 1]);
-        prompt_max.resize(rows * heads);
-        prompt_sum.resize(rows * heads);
-        prompt_out.resize(rows * heads * head_dim);
-        std::vector<ferrum::PromptRows> prompts;
-        for (const ferrum::SharedRun& run : runs) {
-          std::fill_n(prompt_keys.begin() + run.first, run.count, run.keys);
-          ferrum::PromptRows rows_of{tables + run.first * table_width, run.keys, {}};
-          for (int64_t c = run.first; c < run.first + run.count; ++c)
-            for (int64_t t = info[3 * c]; t < info[3 * c + 1]; ++t)
-              for (int64_t g = 0; g < group; ++g) rows_of.rows.push_back({t, g});
-          prompts.push_back(std::move(rows_of));
-        }
-        ferrum::prompt_partials<uint16_t>(reinterpret_cast<const uint16_t*>(q), q_stride,
-                                reinterpret_cast<const uint16_t*>(k_pool),
-                                reinterpret_cast<const uint16_t*>(v_pool), block_size,
-                                n_kv_heads, group, head_dim, scale, prompts, prompt_max.data(),
-                                prompt_sum.data(), prompt_out.data(), /*amx=*/true);
+        ferrum::prompt_partials<uint16_t>(
+            runs, n_chunks, tables, table_width,
+            [&](int64_t c, const auto& add) {
+              for (int64_t t = info[3 * c]; t < info[3 * c + 1]; ++t) add(t);
+            },
+            reinterpret_cast<const uint16_t*>(q), q_stride, rows,
+            reinterpret_cast<const uint16_t*>(k_pool), reinterpret_cast<const uint16_t*>(v_pool),
+            block_size, n_kv_heads, group, head_dim, scale, /*amx=*/true, partials);
       }
     }
   }
 #endif
+  if (partials.starts.empty()) partials.starts.assign(n_chunks, 0);
+  const std::vector<int64_t>& prompt_keys = partials.starts;
   // Where each chunk's packed K/V starts in the scratch: [C][Hkv][K pad*D, V pad*D], and the
   // position of its packed key 0.
   std::vector<int64_t> base(n_chunks), pad(n_chunks), first(n_chunks);
@@ -530,7 +523,7 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int64_t n = info[3 * c + 1] - info[3 * c], ctx = info[3 * c + 2];
     first[c] = prompt_keys[c] > 0 ? prompt_keys[c] : first_packed(ctx, n, window);
-    pad[c] = (ctx - first[c] + kTile - 1) / kTile * kTile;
+    pad[c] = packed_keys(ctx, first[c]);
     max_pad = std::max(max_pad, pad[c]);
     base[c] = total;
     total += pad[c] * head_dim * 2 * n_kv_heads;
@@ -682,10 +675,11 @@ void prefill_impl(const S* q, int64_t q_stride, const S* k_pool, const S* v_pool
                   const float own = ferrum::row_max(scores.data() + (b + r) * span + a,
                                                     hi[b + r] - g0 - a) * scale;
                   const ferrum::SoftmaxMerge w =
-                      ferrum::merge_softmax(own, 1.f / inv[b + r], prompt_max[id], prompt_sum[id]);
+                      ferrum::merge_softmax(own, 1.f / inv[b + r], partials.max[id],
+                                            partials.sum[id]);
                   const __m512 own_w = _mm512_set1_ps(w.a1 * w.norm);
                   const __m512 shared_w = _mm512_set1_ps(w.a2 * w.norm);
-                  const float* po = prompt_out.data() + id * head_dim;
+                  const float* po = partials.out.get() + id * head_dim;
                   for (int64_t d = 0; d < head_dim; d += kTile)
                     store16(orows[b + r] + d,
                             _mm512_fmadd_ps(_mm512_loadu_ps(o + d), own_w,
@@ -727,7 +721,7 @@ int64_t scratch_numel(const torch::Tensor& chunks, int64_t n_kv_heads, int64_t h
   int64_t total = 0;
   for (int64_t c = 0; c < chunks.size(0); ++c) {
     const int64_t n = info[3 * c + 1] - info[3 * c], ctx = info[3 * c + 2];
-    total += packed_keys(ctx, n, window) * head_dim * 2 * n_kv_heads;
+    total += packed_keys(ctx, first_packed(ctx, n, window)) * head_dim * 2 * n_kv_heads;
   }
   return total;
 }
