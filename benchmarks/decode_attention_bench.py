@@ -39,11 +39,21 @@ ITEMS, HEADS, KV_HEADS, DIM, BLOCK = 64, 12, 4, 64, 16  # a W1 decode step's lay
 CALLS = 20  # per timed round
 
 
-def _build(tag: str, source: str) -> object:
-    # The shared header ahead of the kernel, as the package builds it (an older revision's
-    # kernel that does not use it builds the same with it).
-    source = native.with_common_header(source)
+HEADER = "kernels/ferrum_kernels/csrc/common.h"
+
+
+def _build(tag: str, source: str, header: str) -> object:
+    # The shared header ahead of the kernel, as the package builds it: the same revision's (an
+    # older revision's kernel that does not use it builds the same with it).
+    source = native.with_common_header(source, header=header)
     return native.build_alone(f"decode_bench_{tag}", source, ["decode_attention"])
+
+
+def _at_revision(rev: str, path: str) -> str:
+    """The file at `path` as git revision `rev` has it."""
+    return subprocess.run(
+        ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
@@ -64,19 +74,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         parser.error("--ctx, --rounds and --layers must be at least 1")
     if not 0 <= args.shared_prefix <= args.ctx - 7:
         parser.error("--shared-prefix must be within every item's context (ctx - 7 at most)")
-    old = subprocess.run(
-        ["git", "show", f"{args.old}:{SOURCE}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    new = (ROOT / SOURCE).read_text()
+    old = (_at_revision(args.old, SOURCE), _at_revision(args.old, HEADER))
+    new = ((ROOT / SOURCE).read_text(), (ROOT / HEADER).read_text())
     module = native.load() if old == new else None
     if module is not None:  # one source: the package's own build serves as both
         mods: dict[str, Any] = {"old": module, "new": module}
     else:
-        mods = {tag: _build(tag, text) for tag, text in (("old", old), ("new", new))}
+        mods = {tag: _build(tag, *texts) for tag, texts in (("old", old), ("new", new))}
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     blocks = -(-args.ctx // BLOCK) + 1

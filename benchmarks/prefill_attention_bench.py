@@ -33,6 +33,7 @@ from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
 
 SOURCE = "kernels/ferrum_kernels/csrc/prefill_attention.cpp"
+HEADER = "kernels/ferrum_kernels/csrc/common.h"
 ROOT = Path(__file__).resolve().parents[1]
 
 # (query rows n, context length ctx): the chunk is the last n of ctx positions.
@@ -105,15 +106,19 @@ def _run(
 
 
 def _revision_module(rev: str) -> Any:
-    """The prefill kernel as it is at git revision `rev`, built alone (with the shared header)
-    into its own module (a rerun reuses the build); the package's own module where the
-    revision's source is the working tree's."""
-    text = subprocess.run(
-        ["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    if text == (ROOT / SOURCE).read_text():
+    """The prefill kernel as it is at git revision `rev`, built alone (with that revision's
+    shared header) into its own module (a rerun reuses the build); the package's own module
+    where the revision's kernel and header are the working tree's."""
+
+    def at_revision(path: str) -> str:
+        return subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+
+    text, header = at_revision(SOURCE), at_revision(HEADER)
+    if text == (ROOT / SOURCE).read_text() and header == (ROOT / HEADER).read_text():
         return native_kernels.load()
-    source = native_kernels.with_common_header(text)
+    source = native_kernels.with_common_header(text, header=header)
     return native_kernels.build_alone("prefill_bench", source, ["prefill_attention"])
 
 

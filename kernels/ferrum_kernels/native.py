@@ -105,12 +105,14 @@ def _cpu_tag() -> str:
     return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:8]
 
 
-def with_common_header(*sources: str) -> str:
+def with_common_header(*sources: str, header: str | None = None) -> str:
     """Kernel sources as one translation unit: ``csrc/common.h`` inlined once, ahead of them
     (their own ``#include "common.h"`` lines dropped), so a build's digest covers it too. Also
-    how a benchmark builds one kernel file of any revision on its own."""
+    how a benchmark builds one kernel file of any revision on its own, with `header` that
+    revision's ``common.h`` (the kernels and the header change together)."""
     include = '#include "common.h"'
-    parts = [(_CSRC / "common.h").read_text().replace("#pragma once", "")]
+    text = (_CSRC / "common.h").read_text() if header is None else header
+    parts = [text.replace("#pragma once", "")]
     parts += [text.replace(include, "") for text in sources]
     return "\n".join(parts)
 

@@ -65,3 +65,13 @@ def test_a_source_built_alone_exposes_its_functions_and_a_rebuild_reuses_it() ->
     module = native.build_alone("test_alone", source, ["bf16_bits"])
     assert [module.bf16_bits(x) for x in (1.0, -2.0, 1.00390625)] == [0x3F80, 0xC000, 0x3F80]
     assert native.build_alone("test_alone", source, ["bf16_bits"]).__name__ == module.__name__
+
+
+def test_the_shared_header_can_be_a_revisions_own() -> None:
+    """A benchmark's ``--old REV`` builds that revision's kernel ahead of that revision's
+    ``common.h`` (the two change together), given as `header`; by default the working tree's."""
+    kernel = '#include "common.h"\nint64_t answer() { return 42; }\n'
+    theirs = native.with_common_header(kernel, header="#pragma once\n// the revision's header\n")
+    assert "// the revision's header" in theirs and "namespace ferrum" not in theirs
+    assert '#include "common.h"' not in theirs and "#pragma once" not in theirs
+    assert "namespace ferrum" in native.with_common_header(kernel)
