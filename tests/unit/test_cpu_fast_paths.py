@@ -276,36 +276,23 @@ def test_native_decode_kernel_matches_reference(
     shared: bool,
     query_scale: float,
 ) -> None:
-    import math
     import random
 
-    from ferrum_kernels.attention import AttentionMetadata, paged_attention
     from ferrum_kernels.cpu_decode import decode_attention, native_available
+    from helpers_native import paged_decode_reference, scattered_tables
 
     if not native_available():
         pytest.skip("no C++ toolchain for the native kernel")
     torch.manual_seed(0)
     rng = random.Random(0)
     contexts = [rng.randint(1, 90) for _ in range(9)] + [1, 16, 17, 33]
-    num_blocks = sum(math.ceil(c / block) for c in contexts) + 3
+    tables, num_blocks = scattered_tables(contexts, block, rng)
     kv = torch.randn(2, num_blocks, block, kv_heads, head_dim, dtype=dtype)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = []
-    for c in contexts:
-        n = math.ceil(c / block)
-        tables.append(free[:n])
-        free = free[n:]
     if shared:  # every item of three blocks or more reads the first such item's first two
         first = next(t for t in tables if len(t) >= 3)
         tables = [first[:2] + t[2:] if len(t) >= 3 else t for t in tables]
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     query = (torch.randn(len(contexts), heads, head_dim) * query_scale).to(dtype)
-    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block for t, c in
-                          zip(tables, contexts, strict=True)])  # fmt: skip
-    meta = AttentionMetadata.build(list(range(len(contexts) + 1)), contexts, table, slots)
-    want = paged_attention(query, kv, meta, head_dim**-0.5)
+    table, want = paged_decode_reference(query, kv, tables, contexts, block)
     got = decode_attention(
         query, kv, table, torch.tensor(contexts), torch.arange(len(contexts)), head_dim**-0.5
     )

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from ferrum_kernels import native
-from ferrum_kernels.attention import AttentionMetadata, paged_attention
 from ferrum_kernels.cpu_decode import decode_attention, native_available
+from helpers_native import paged_decode_reference, scattered_tables
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ toolchain")
 
@@ -31,52 +31,37 @@ def amx_restored() -> Iterator[None]:
         module.set_shared_prompt(shared)
 
 
+# A step's shape: block, KV heads, query heads, head_dim, shared prompt tokens, items sharing
+# it, items of their own.
+Shape = tuple[int, int, int, int, int, int, int]
+
+
 def _step(
-    seed: int,
-    block: int,
-    kv_heads: int,
-    heads: int,
-    head_dim: int,
-    prefix: int,
-    sharing: int,
-    others: int,
-    query_scale: float = 1.0,
-    dtype: torch.dtype = torch.bfloat16,
+    shape: Shape, query_scale: float = 1.0, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, ...]:
     """A decode step (bfloat16 unless `dtype`): `sharing` items whose tables start with the same
     prefix // block blocks, with `others` items of their own in the middle of them (so two
     runs)."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
+    block, kv_heads, heads, head_dim, prefix, sharing, others = shape
+    torch.manual_seed(0)
+    rng = random.Random(0)
     contexts = [prefix + rng.randint(1, 40) for _ in range(sharing)]
     contexts += [rng.randint(1, 90) for _ in range(others)]
-    num_blocks = sum(math.ceil(c / block) for c in contexts) + 3
+    tables, num_blocks = scattered_tables(contexts, block, rng)
     kv = torch.randn(2, num_blocks, block, kv_heads, head_dim).to(dtype)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = []
-    for c in contexts:
-        n = math.ceil(c / block)
-        tables.append(free[:n])
-        free = free[n:]
     shared = prefix // block
     for i in range(1, sharing):
         tables[i] = tables[0][:shared] + tables[i][shared:]
     order = [*range(sharing // 2), *range(sharing, sharing + others), *range(sharing // 2, sharing)]
     contexts = [contexts[i] for i in order]
     tables = [tables[i] for i in order]
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     query = (torch.randn(len(contexts), heads, head_dim) * query_scale).to(dtype)
-    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block for t, c in
-                          zip(tables, contexts, strict=True)])  # fmt: skip
-    meta = AttentionMetadata.build(list(range(len(contexts) + 1)), contexts, table, slots)
-    want = paged_attention(query, kv, meta, head_dim**-0.5)
+    table, want = paged_decode_reference(query, kv, tables, contexts, block)
     return query, kv, table, torch.tensor(contexts), want
 
 
 @pytest.mark.parametrize(
-    ("block", "kv_heads", "heads", "head_dim", "prefix", "sharing", "others"),
+    "shape",
     # W1's shapes under w2-prefix's shared prompt; a prefix that is no multiple of 32 keys (its
     # last 8 read per item); 128-wide heads with more query rows than a tile; one KV head for
     # all (G = 4) with 4-token blocks and a partial last tile of rows; no GQA, over a chunk
@@ -96,21 +81,10 @@ def _step(
 @pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_items_sharing_a_prompt_match_the_reference(
-    amx_restored: None,
-    amx: bool,
-    dtype: torch.dtype,
-    block: int,
-    kv_heads: int,
-    heads: int,
-    head_dim: int,
-    prefix: int,
-    sharing: int,
-    others: int,
-    query_scale: float,
+    amx_restored: None, amx: bool, dtype: torch.dtype, shape: Shape, query_scale: float
 ) -> None:
-    query, kv, table, lens, want = _step(
-        0, block, kv_heads, heads, head_dim, prefix, sharing, others, query_scale, dtype
-    )
+    query, kv, table, lens, want = _step(shape, query_scale, dtype)
+    head_dim = shape[3]
     rows = torch.arange(len(lens))
     module = native.load()
     module.set_amx(amx)
