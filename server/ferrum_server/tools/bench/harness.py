@@ -86,10 +86,42 @@ def summarize(run: RunOutput, prompts: list[list[int]]) -> dict[str, Any]:
             "mean_tokens": round(
                 statistics.fmean(s["decodes"] + s["prefill_tokens"] for s in run.steps), 1
             ),
+            "by_kind": steps_by_kind(run.steps),
             # Every step of the run (a few hundred): what the step-cost fit saw, for analysis.
             "records": run.steps,
         }
     return out
+
+
+def step_kind(record: dict[str, Any]) -> str:
+    """A step record's kind: "prompt" (prompt chunks only), "decode" (decodes only) or
+    "mixed"."""
+    if not record["decodes"]:
+        return "prompt"
+    return "mixed" if record["prefill_tokens"] else "decode"
+
+
+def steps_by_kind(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The engine's steps split by kind (`step_kind`), the kinds that ran: how many, their
+    engine and forward seconds, their median engine time, and the prompt tokens and decodes
+    they ran. Where a run's time went between its prompt steps and its decode steps."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        kinds.setdefault(step_kind(record), []).append(record)
+    return {
+        kind: {
+            "count": len(group),
+            "engine_s": round(sum(r["engine_ms"] for r in group) / 1e3, 3),
+            "forward_s": round(sum(r["forward_ms"] + r["sample_ms"] for r in group) / 1e3, 3),
+            "step_ms_p50": round(percentile([r["engine_ms"] for r in group], 50), 1),
+            "prefill_tokens": sum(r["prefill_tokens"] for r in group),
+            "decodes": sum(r["decodes"] for r in group),
+        }
+        for kind, group in sorted(kinds.items(), key=lambda item: _KIND_ORDER[item[0]])
+    }
+
+
+_KIND_ORDER = {"prompt": 0, "mixed": 1, "decode": 2}
 
 
 def _gemm_dtype(dtype: str) -> Any:
@@ -431,6 +463,7 @@ def _derived(
             "ceiling_s": round(ceiling_s, 3),
             "ceiling_output_tok_s": round(ours["output_tokens"] / ceiling_s, 1),
             "fraction_of_ceiling": round(ceiling_s / ours["wall_s"], 3) if ours["wall_s"] else 0,
+            "by_step_kind": _ceiling_by_kind(ours.get("steps", {}), flops, best),
         }
     reference = runs["ferrum-grpc"].requests
     derived["output_match_vs_ferrum_grpc"] = {
@@ -439,6 +472,22 @@ def _derived(
         if name != "ferrum-grpc"
     }
     return derived
+
+
+def _ceiling_by_kind(
+    steps: dict[str, Any], flops: dict[str, float], best_gflops: float
+) -> dict[str, float]:
+    """Each step kind's share of the matmul ceiling over its own engine time: its rows'
+    linears (every prompt token and decode) and its decodes' LM head rows, at the best GEMM
+    rate, against the seconds its steps took. A prompt chunk that ends its prompt also sends
+    one row through the LM head, not counted here (one row in hundreds)."""
+    shares: dict[str, float] = {}
+    for kind, group in steps.get("by_kind", {}).items():
+        work = (group["prefill_tokens"] + group["decodes"]) * flops["linear_per_row"]
+        work += group["decodes"] * flops["lm_head_per_row"]
+        if group["engine_s"]:
+            shares[kind] = round(work / (best_gflops * 1e9) / group["engine_s"], 3)
+    return shares
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -497,6 +546,19 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{ceiling['best_gemm_gflops']} GFLOP/s; reached "
                 f"{100 * ceiling['fraction_of_ceiling']:.0f}%"
             )
+        by_kind = (section["results"].get("ferrum-grpc") or {}).get("steps", {}).get("by_kind")
+        if by_kind:
+            shares = (ceiling or {}).get("by_step_kind", {})
+            parts = []
+            for kind, group in by_kind.items():
+                share = f", {100 * shares[kind]:.0f}% of the ceiling" if kind in shares else ""
+                count = group["count"]
+                parts.append(
+                    f"{kind} {count} step{'' if count == 1 else 's'} {group['engine_s']:.2f} s "
+                    f"(p50 {group['step_ms_p50']:.1f} ms{share})"
+                )
+            idle = section["results"]["ferrum-grpc"]["steps"]["rpc_and_scheduling_s"]
+            lines.append(f"  ferrum-grpc engine time: {'; '.join(parts)}; idle {idle:.2f} s")
         if derived.get("output_match_vs_ferrum_grpc"):
             lines.append(
                 f"  identical outputs vs ferrum-grpc: {derived['output_match_vs_ferrum_grpc']}"

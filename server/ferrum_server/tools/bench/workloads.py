@@ -209,6 +209,10 @@ def matmul_flops(workload: Workload, prompts: list[list[int]]) -> dict[str, floa
         attention += 4 * c.num_layers * c.num_heads * d * keys
     linear = per_token * (prompt_tokens + fed_decodes)
     return {
+        # One row through every layer's linears, and one output row through the LM head:
+        # what the report's split by step kind charges a step for its rows.
+        "linear_per_row": float(per_token),
+        "lm_head_per_row": float(head),
         "linear": float(linear),
         "lm_head": float(head * outputs),
         "matmul": float(linear + head * outputs),

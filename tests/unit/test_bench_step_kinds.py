@@ -1,0 +1,102 @@
+"""The bench report's split of the engine's time by step kind (prompt, mixed, decode), and each
+kind's share of the matmul ceiling (harness.steps_by_kind, _ceiling_by_kind)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ferrum_server.tools.bench import harness
+from ferrum_server.tools.bench.runners import RequestTrace, RunOutput
+from ferrum_server.tools.bench.workloads import WORKLOADS, matmul_flops
+
+
+def _record(decodes: int, prefill: int, engine_ms: float) -> dict[str, Any]:
+    return {
+        "decodes": decodes,
+        "prefill_tokens": prefill,
+        "engine_ms": engine_ms,
+        "forward_ms": engine_ms - 1.0,
+        "sample_ms": 0.5,
+    }
+
+
+RECORDS = [
+    _record(0, 100, 10.0),
+    _record(4, 0, 2.0),  # kinds need not come in order
+    _record(0, 50, 6.0),
+    _record(2, 10, 4.0),
+    _record(4, 0, 3.0),
+    _record(4, 0, 4.0),
+]
+
+
+def _summary() -> dict[str, Any]:
+    run = RunOutput("ferrum-grpc", 0.05, [RequestTrace(0.0, [0.01, 0.02], [1, 2])], steps=RECORDS)
+    return harness.summarize(run, [[1, 2, 3]])
+
+
+def test_steps_split_by_kind() -> None:
+    assert harness.step_kind(_record(0, 3, 1.0)) == "prompt"
+    assert harness.step_kind(_record(3, 0, 1.0)) == "decode"
+    assert harness.step_kind(_record(1, 1, 1.0)) == "mixed"
+    by_kind = _summary()["steps"]["by_kind"]
+    assert list(by_kind) == ["prompt", "mixed", "decode"]
+    assert by_kind["prompt"] == {
+        "count": 2,
+        "engine_s": 0.016,
+        "forward_s": 0.015,  # (9 + 0.5) + (5 + 0.5) ms
+        "step_ms_p50": 8.0,
+        "prefill_tokens": 150,
+        "decodes": 0,
+    }
+    assert by_kind["mixed"]["count"] == 1 and by_kind["mixed"]["decodes"] == 2
+    assert by_kind["decode"]["engine_s"] == 0.009
+    assert by_kind["decode"]["step_ms_p50"] == 3.0
+    assert harness.steps_by_kind([]) == {}
+
+
+def test_each_kind_is_charged_its_rows_at_the_best_gemm_rate() -> None:
+    summary = _summary()
+    flops = {"matmul": 1e9, "linear_per_row": 1e9, "lm_head_per_row": 5e8}
+    derived = harness._derived(
+        {"ferrum-grpc": RunOutput("ferrum-grpc", 0.05, [])},
+        {"ferrum-grpc": summary},
+        flops,
+        {"packed": 10_000.0},
+    )
+    shares = derived["matmul_ceiling"]["by_step_kind"]
+    # prompt: 150 rows' linears over 0.016 s at 10 TFLOP/s; mixed: 12 rows and 2 LM head rows
+    # over 0.004 s; decode: 12 rows and their 12 LM head rows over 0.009 s.
+    assert shares["prompt"] == pytest.approx(150e9 / 1e13 / 0.016, abs=1e-3)
+    assert shares["mixed"] == pytest.approx(13e9 / 1e13 / 0.004, abs=1e-3)
+    assert shares["decode"] == pytest.approx(18e9 / 1e13 / 0.009, abs=1e-3)
+    report = {
+        "workload": "w1",
+        "requests": 1,
+        "prompt_tokens": 3,
+        "max_new_tokens": 2,
+        "mode": "offline",
+        "by_dtype": {
+            "bfloat16": {
+                "gemm_gflops": {"packed": 10_000.0},
+                "results": {"ferrum-grpc": summary},
+                "skipped": {},
+                "derived": derived,
+            }
+        },
+    }
+    text = harness.format_table(report)
+    assert "prompt 2 steps 0.02 s (p50 8.0 ms, 94% of the ceiling)" in text
+    assert "mixed 1 step 0.00 s (p50 4.0 ms, 32% of the ceiling)" in text
+    # idle: the 0.05 s wall less the steps' 0.029 s
+    assert "decode 3 steps 0.01 s (p50 3.0 ms, 20% of the ceiling); idle 0.02 s" in text
+
+
+def test_the_per_row_work_adds_up_to_the_workload_totals() -> None:
+    w1 = WORKLOADS["w1"]
+    prompts = w1.prompts()
+    flops = matmul_flops(w1, prompts)
+    rows = sum(len(p) for p in prompts) + len(prompts) * (w1.max_new_tokens - 1)
+    assert flops["linear"] == flops["linear_per_row"] * rows
+    assert flops["lm_head"] == flops["lm_head_per_row"] * len(prompts) * w1.max_new_tokens
