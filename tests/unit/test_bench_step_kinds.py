@@ -28,6 +28,7 @@ RECORDS = [
     _record(2, 10, 4.0),
     _record(4, 0, 3.0),
     _record(4, 0, 4.0),
+    _record(0, 0, 1.0),  # every item deferred: nothing ran
 ]
 
 
@@ -40,8 +41,10 @@ def test_steps_split_by_kind() -> None:
     assert harness.step_kind(_record(0, 3, 1.0)) == "prompt"
     assert harness.step_kind(_record(3, 0, 1.0)) == "decode"
     assert harness.step_kind(_record(1, 1, 1.0)) == "mixed"
+    assert harness.step_kind(_record(0, 0, 1.0)) == "empty"
     by_kind = _summary()["steps"]["by_kind"]
-    assert list(by_kind) == ["prompt", "mixed", "decode"]
+    assert list(by_kind) == ["prompt", "mixed", "decode", "empty"]
+    assert by_kind["empty"]["count"] == 1 and by_kind["empty"]["engine_s"] == 0.001
     assert by_kind["prompt"] == {
         "count": 2,
         "engine_s": 0.016,
@@ -71,6 +74,7 @@ def test_each_kind_is_charged_its_rows_at_the_best_gemm_rate() -> None:
     assert shares["prompt"] == pytest.approx(150e9 / 1e13 / 0.016, abs=1e-3)
     assert shares["mixed"] == pytest.approx(13e9 / 1e13 / 0.004, abs=1e-3)
     assert shares["decode"] == pytest.approx(18e9 / 1e13 / 0.009, abs=1e-3)
+    assert shares["empty"] == 0.0  # no work, some time
     report = {
         "workload": "w1",
         "requests": 1,
@@ -89,8 +93,9 @@ def test_each_kind_is_charged_its_rows_at_the_best_gemm_rate() -> None:
     text = harness.format_table(report)
     assert "prompt 2 steps 0.02 s (p50 8.0 ms, 94% of the ceiling)" in text
     assert "mixed 1 step 0.00 s (p50 4.0 ms, 32% of the ceiling)" in text
-    # idle: the 0.05 s wall less the steps' 0.029 s
-    assert "decode 3 steps 0.01 s (p50 3.0 ms, 20% of the ceiling); idle 0.02 s" in text
+    # idle: the 0.05 s wall less the steps' 0.030 s
+    assert "decode 3 steps 0.01 s (p50 3.0 ms, 20% of the ceiling); empty 1 step" in text
+    assert text.rstrip().endswith("idle 0.02 s")
 
 
 def test_the_per_row_work_adds_up_to_the_workload_totals() -> None:

@@ -93,11 +93,16 @@ def summarize(run: RunOutput, prompts: list[list[int]]) -> dict[str, Any]:
     return out
 
 
+# The kinds of step in the order the report lists them.
+_KIND_ORDER = {"prompt": 0, "mixed": 1, "decode": 2, "empty": 3}
+
+
 def step_kind(record: dict[str, Any]) -> str:
-    """A step record's kind: "prompt" (prompt chunks only), "decode" (decodes only) or
-    "mixed"."""
+    """A step record's kind: "prompt" (prompt chunks only), "decode" (decodes only), "mixed",
+    or "empty" (nothing ran: every item deferred or refused; its validation still took the
+    engine's time)."""
     if not record["decodes"]:
-        return "prompt"
+        return "prompt" if record["prefill_tokens"] else "empty"
     return "mixed" if record["prefill_tokens"] else "decode"
 
 
@@ -119,9 +124,6 @@ def steps_by_kind(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         }
         for kind, group in sorted(kinds.items(), key=lambda item: _KIND_ORDER[item[0]])
     }
-
-
-_KIND_ORDER = {"prompt": 0, "mixed": 1, "decode": 2}
 
 
 def _gemm_dtype(dtype: str) -> Any:
