@@ -221,7 +221,10 @@ def test_repeated_rounds_interleave_systems_and_report_the_median_round(
         return RunOutput(spec.system, wall, traces)
 
     monkeypatch.setattr(harness, "_run_worker", fake_worker)
-    monkeypatch.setattr(harness, "measure_gemm", lambda workload, dtype: {"packed": 1.0})
+    probes = iter([3.0, 5.0, 4.0])
+    monkeypatch.setattr(
+        harness, "measure_gemm", lambda workload, dtype: {"packed": next(probes), "onednn": 1.0}
+    )
     reads = iter([61.5, 44.0, 80.25])
     monkeypatch.setattr(harness, "measure_memory_read", lambda: next(reads))
     report = harness.run_bench(
@@ -233,6 +236,10 @@ def test_repeated_rounds_interleave_systems_and_report_the_median_round(
     # The memory read rate is taken before every round and kept round by round.
     assert report["by_dtype"]["float32"]["memory_read_gbs"] == [61.5, 44.0, 80.25]
     assert "memory read GB/s by round: [61.5, 44.0, 80.25]" in harness.format_table(report)
+    # So is the GEMM probe's best rate; the ceiling takes each kernel's best over the rounds.
+    assert report["by_dtype"]["float32"]["gemm_gflops_by_round"] == [3.0, 5.0, 4.0]
+    assert report["by_dtype"]["float32"]["gemm_gflops"] == {"packed": 5.0, "onednn": 1.0}
+    assert "best GEMM GFLOP/s by round: [3.0, 5.0, 4.0]" in harness.format_table(report)
     results = report["by_dtype"]["float32"]["results"]
     assert results["ferrum-grpc"]["rounds_output_tok_s"] == [1.5, 3.0, 2.0]
     assert results["ferrum-grpc"]["wall_s"] == 3.0  # the median round: 2.0 tok/s

@@ -378,11 +378,14 @@ def run_bench(
         # Rounds run the whole plan in turn, so a slow spell of a shared machine lands on every
         # system alike instead of on whichever ran during it; each row is the median round.
         gemm: dict[str, float] = {}
+        gemm_by_round: list[float] = []
         memory: list[float] = []
         rounds: dict[str, list[RunOutput]] = {label: [] for label, _ in plan}
         for round_index in range(repeat):
-            for name, rate_gflops in measure_gemm(workload, dtype).items():
+            probe = measure_gemm(workload, dtype)
+            for name, rate_gflops in probe.items():
                 gemm[name] = max(gemm.get(name, 0.0), rate_gflops)
+            gemm_by_round.append(max(probe.values(), default=0.0))
             memory.append(measure_memory_read())
             # Each round starts one system further along the plan, so no system always runs
             # first after the probes (the second of two rows with the same prompt steps ran
@@ -399,7 +402,10 @@ def run_bench(
                     continue
                 run.system = label
                 rounds[label].append(run)
-        section["gemm_gflops"] = gemm
+        section["gemm_gflops"] = gemm  # each kernel's best over the rounds: the ceiling's rate
+        # The best kernel's rate in each round, measured before it: on a shared machine it
+        # moves by several percent, and the ceiling's share with it.
+        section["gemm_gflops_by_round"] = gemm_by_round
         section["memory_read_gbs"] = memory  # one per round, measured before it
         # Which GEMM the executor's packed linears run here (its environment is this one's).
         section["packed_gemm_kernel"] = packed_gemm_kernel(dtype)
@@ -507,6 +513,11 @@ def format_table(report: dict[str, Any]) -> str:
             f"[{dtype}]  GEMM GFLOP/s: {section['gemm_gflops']} "
             f"(packed linears run {section.get('packed_gemm_kernel', '?')}); "
             f"memory read GB/s by round: {section.get('memory_read_gbs', [])}"
+            + (
+                f"; best GEMM GFLOP/s by round: {section['gemm_gflops_by_round']}"
+                if "gemm_gflops_by_round" in section
+                else ""
+            )
         )
         lines.append(
             f"{'system':<24}{'out tok/s':>10}{'prefill tok/s':>14}{'TTFT p50/p99 ms':>18}"
