@@ -1,5 +1,5 @@
-"""The bench report's split of the engine's time by step kind (prompt, mixed, decode), and each
-kind's share of the matmul ceiling (harness.steps_by_kind, _ceiling_by_kind)."""
+"""The bench report's split of the engine's time by step kind (prompt, mixed, decode, empty), and
+each kind's share of the matmul ceiling (harness.steps_by_kind, _ceiling_by_kind)."""
 
 from __future__ import annotations
 
