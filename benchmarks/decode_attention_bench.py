@@ -23,7 +23,6 @@ for a shared system prompt (``w2-prefix``: 1,024 of about 1,100 tokens).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,27 +32,25 @@ import torch
 from ferrum_kernels import native
 from ferrum_server.tools.bench.harness import measure_memory_read
 
-SOURCE = "kernels/ferrum_kernels/csrc/decode_attention.cpp"
+KERNEL = "decode_attention.cpp"  # in kernels/ferrum_kernels/csrc/
 ROOT = Path(__file__).resolve().parents[1]
 ITEMS, HEADS, KV_HEADS, DIM, BLOCK = 64, 12, 4, 64, 16  # a W1 decode step's layer
 CALLS = 20  # per timed round
 
 
-HEADER = "kernels/ferrum_kernels/csrc/common.h"
-
-
-def _build(tag: str, source: str, header: str) -> object:
-    # The shared header ahead of the kernel, as the package builds it: the same revision's (an
-    # older revision's kernel that does not use it builds the same with it).
-    source = native.with_common_header(source, header=header)
-    return native.build_alone(f"decode_bench_{tag}", source, ["decode_attention"])
-
-
-def _at_revision(rev: str, path: str) -> str:
-    """The file at `path` as git revision `rev` has it."""
-    return subprocess.run(
-        ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
+def _builds(rev: str) -> dict[str, Any]:
+    """The kernel as git revision `rev` had it ("old") and as the working tree has it ("new"),
+    each built alone after its own revision's shared header; the package's own build for both
+    where the revision's kernel and header are the working tree's."""
+    old = native.kernel_at_revision(rev, KERNEL)
+    if old is None:
+        module = native.load()
+        return {"old": module, "new": module}
+    new = native.with_common_header((ROOT / "kernels/ferrum_kernels/csrc" / KERNEL).read_text())
+    return {
+        tag: native.build_alone(f"decode_bench_{tag}", source, ["decode_attention"])
+        for tag, source in (("old", old), ("new", new))
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
@@ -74,13 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         parser.error("--ctx, --rounds and --layers must be at least 1")
     if not 0 <= args.shared_prefix <= args.ctx - 7:
         parser.error("--shared-prefix must be within every item's context (ctx - 7 at most)")
-    old = (_at_revision(args.old, SOURCE), _at_revision(args.old, HEADER))
-    new = ((ROOT / SOURCE).read_text(), (ROOT / HEADER).read_text())
-    module = native.load() if old == new else None
-    if module is not None:  # one source: the package's own build serves as both
-        mods: dict[str, Any] = {"old": module, "new": module}
-    else:
-        mods = {tag: _build(tag, *texts) for tag, texts in (("old", old), ("new", new))}
+    mods = _builds(args.old)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     blocks = -(-args.ctx // BLOCK) + 1

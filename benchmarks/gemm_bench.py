@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,8 +44,6 @@ SHAPES = {  # name -> (N, K) of W1's linears
 }
 
 
-ROOT = Path(__file__).resolve().parents[1]
-CSRC = "kernels/ferrum_kernels/csrc/"
 _GEMM_FUNCTIONS = [
     "pack_gemm_weight",
     "packed_gemm",
@@ -57,20 +53,12 @@ _GEMM_FUNCTIONS = [
 ]
 
 
-def _at_revision(rev: str, name: str) -> str:
-    return subprocess.run(
-        ["git", "show", f"{rev}:{CSRC}{name}"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
-
-
 def _revision_module(rev: str) -> Any:
     """The native GEMM as `rev` had it: its gemm.cpp after its common.h, built alone; the
     package's module where both files are as in the working tree."""
-    gemm, header = _at_revision(rev, "gemm.cpp"), _at_revision(rev, "common.h")
-    here = ROOT / CSRC
-    if gemm == (here / "gemm.cpp").read_text() and header == (here / "common.h").read_text():
+    source = native.kernel_at_revision(rev, "gemm.cpp")
+    if source is None:
         return native.load()
-    source = header.replace("#pragma once", "") + gemm.replace('#include "common.h"', "")
     return native.build_alone("gemm_bench_old", source, _GEMM_FUNCTIONS)
 
 

@@ -19,11 +19,9 @@ import json
 import math
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,10 +29,6 @@ from ferrum_kernels import cpu_attention
 from ferrum_kernels import native as native_kernels
 from ferrum_kernels.attention import AttentionMetadata
 from ferrum_kernels.cpu_attention import CpuAttentionPlan, Workspace, cpu_paged_attention
-
-SOURCE = "kernels/ferrum_kernels/csrc/prefill_attention.cpp"
-HEADER = "kernels/ferrum_kernels/csrc/common.h"
-ROOT = Path(__file__).resolve().parents[1]
 
 # (query rows n, context length ctx): the chunk is the last n of ctx positions.
 SHAPES = [(512, 512), (256, 256), (448, 448), (256, 512), (64, 400)]
@@ -109,16 +103,9 @@ def _revision_module(rev: str) -> Any:
     """The prefill kernel as it is at git revision `rev`, built alone (with that revision's
     shared header) into its own module (a rerun reuses the build); the package's own module
     where the revision's kernel and header are the working tree's."""
-
-    def at_revision(path: str) -> str:
-        return subprocess.run(
-            ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout
-
-    text, header = at_revision(SOURCE), at_revision(HEADER)
-    if text == (ROOT / SOURCE).read_text() and header == (ROOT / HEADER).read_text():
+    source = native_kernels.kernel_at_revision(rev, "prefill_attention.cpp")
+    if source is None:
         return native_kernels.load()
-    source = native_kernels.with_common_header(text, header=header)
     return native_kernels.build_alone("prefill_bench", source, ["prefill_attention"])
 
 

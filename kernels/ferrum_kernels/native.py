@@ -35,6 +35,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -113,8 +114,30 @@ def with_common_header(*sources: str, header: str | None = None) -> str:
     include = '#include "common.h"'
     text = (_CSRC / "common.h").read_text() if header is None else header
     parts = [text.replace("#pragma once", "")]
-    parts += [text.replace(include, "") for text in sources]
+    parts += [source.replace(include, "") for source in sources]
     return "\n".join(parts)
+
+
+def kernel_at_revision(rev: str, kernel: str) -> str | None:
+    """The kernel file `kernel` (a name in ``csrc/``) as git revision `rev` had it, after that
+    revision's ``common.h`` (the two change together), as one translation unit for
+    ``build_alone``; None where both files are as in the working tree (the package's own build
+    then serves). How a benchmark's ``--old REV`` gets the kernel it compares against."""
+
+    def at_revision(name: str) -> str:
+        # "./name": the path relative to csrc/, where git runs.
+        return subprocess.run(
+            ["git", "show", f"{rev}:./{name}"],
+            cwd=_CSRC,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+    source, header = at_revision(kernel), at_revision("common.h")
+    if source == (_CSRC / kernel).read_text() and header == (_CSRC / "common.h").read_text():
+        return None
+    return with_common_header(source, header=header)
 
 
 def build_alone(tag: str, source: str, functions: list[str]) -> Any:

@@ -75,3 +75,25 @@ def test_the_shared_header_can_be_a_revisions_own() -> None:
     assert "// the revision's header" in theirs and "namespace ferrum" not in theirs
     assert '#include "common.h"' not in theirs and "#pragma once" not in theirs
     assert "namespace ferrum" in native.with_common_header(kernel)
+
+
+_BEFORE_PROMPT_PARTIALS = "dad7ce16e711477707ab8569d0c3aab01ade4d4e"  # PrefixPartials in the kernel
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["git", *args], cwd=Path(native.__file__).parent, capture_output=True, text=True
+    )
+
+
+def test_a_kernel_at_a_revision_comes_with_that_revisions_header() -> None:
+    """``--old REV``'s source: the revision's kernel after the revision's ``common.h``, or None
+    where both are the working tree's (the package's build serves)."""
+    if _git("rev-parse", "--verify", "--quiet", _BEFORE_PROMPT_PARTIALS).returncode != 0:
+        pytest.skip("the revision is not in this clone's history")
+    old = native.kernel_at_revision(_BEFORE_PROMPT_PARTIALS, "decode_attention.cpp")
+    assert old is not None
+    assert "struct PrefixPartials" in old and "struct PromptPartials" not in old
+    assert "namespace ferrum" in old and '#include "common.h"' not in old
+    if _git("diff", "--quiet", "HEAD", "--", "csrc/gemm.cpp", "csrc/common.h").returncode == 0:
+        assert native.kernel_at_revision("HEAD", "gemm.cpp") is None
