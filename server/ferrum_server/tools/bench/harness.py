@@ -559,18 +559,18 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{ceiling['best_gemm_gflops']} GFLOP/s; reached "
                 f"{100 * ceiling['fraction_of_ceiling']:.0f}%"
             )
-        by_kind = (section["results"].get("ferrum-grpc") or {}).get("steps", {}).get("by_kind")
-        if by_kind:
+        grpc_steps = (section["results"].get("ferrum-grpc") or {}).get("steps") or {}
+        if grpc_steps.get("by_kind"):
             shares = (ceiling or {}).get("by_step_kind", {})
             parts = []
-            for kind, group in by_kind.items():
+            for kind, group in grpc_steps["by_kind"].items():
                 share = f", {100 * shares[kind]:.0f}% of the ceiling" if kind in shares else ""
                 count = group["count"]
                 parts.append(
                     f"{kind} {count} step{'' if count == 1 else 's'} {group['engine_s']:.2f} s "
                     f"(p50 {group['step_ms_p50']:.1f} ms{share})"
                 )
-            idle = section["results"]["ferrum-grpc"]["steps"]["rpc_and_scheduling_s"]
+            idle = grpc_steps["rpc_and_scheduling_s"]
             lines.append(f"  ferrum-grpc engine time: {'; '.join(parts)}; idle {idle:.2f} s")
         if derived.get("output_match_vs_ferrum_grpc"):
             lines.append(
