@@ -19,8 +19,9 @@ CUDA error raises, which the engine treats as an unrecoverable device fault) or 
 (the step answers UNAVAILABLE with nothing run or committed, as an executor that went away
 mid-call does: the process stays up and healthy). A rule fires for
 a forward holding any of its `request_ids` (all forwards when absent), at most `times` times
-(unlimited when absent); the counts restart when the file changes. A missing or unreadable plan
-injects nothing.
+(unlimited when absent); the counts restart when the file changes (its mtime or size), and a plan
+read while it is being rewritten is read again until it stands still. A missing or unreadable
+plan injects nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ _LOG = logs.get(__name__)
 ENABLE_ENV = "FERRUM_ENABLE_FAULT_INJECTION"
 PLAN_ENV = "FERRUM_FAULT_PLAN"
 _KINDS = ("oom", "slow", "crash", "fault", "unavailable")
+_READ_TRIES = 5  # reads of a plan that keeps changing under them before the last one is kept
 INJECTED_FAULT = "CUDA error: an illegal memory access was encountered (injected)"
 INJECTED_UNAVAILABLE = "the executor is unavailable (injected)"
 
@@ -87,18 +89,33 @@ class FaultInjector:
     _stamp: tuple[int, int] | None = None
 
     def _reload(self) -> None:
-        try:
-            info = os.stat(self.plan_path)
-        except OSError:
-            self.rules, self._stamp = [], None
-            return
-        stamp = (info.st_mtime_ns, info.st_size)
+        stamp = _stamp_of(self.plan_path)
         if stamp == self._stamp:
             return
+        # The stamp kept must be the one of the text parsed. A plan read while a test rewrites
+        # it (truncated, then written) could otherwise be parsed whole under the truncated
+        # file's stamp, and the next forward would take the same plan for a new one and
+        # restart its counts: a rule meant to fire once fired twice. So the file is read until
+        # it stands still across the read.
+        text: str | None = None
+        error: OSError | None = None
+        for _ in range(_READ_TRIES):
+            text, error = None, None
+            if stamp is not None:
+                try:
+                    with open(self.plan_path, encoding="utf-8") as handle:
+                        text = handle.read()
+                except OSError as exc:
+                    error = exc
+            after = _stamp_of(self.plan_path)
+            if after == stamp:
+                break
+            stamp = after
         self._stamp = stamp
         try:
-            with open(self.plan_path, encoding="utf-8") as handle:
-                raw = json.load(handle)
+            if error is not None:
+                raise error
+            raw = json.loads(text) if text is not None else {}  # no file: no rules
             self.rules = [_rule(r) for r in raw.get("rules", [])]
         except (OSError, ValueError, AttributeError) as exc:
             # A broken plan must not take the server down: it just injects nothing.
@@ -123,6 +140,15 @@ class FaultInjector:
             else:
                 _LOG.warning("fault_injected_crash")
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _stamp_of(path: str) -> tuple[int, int] | None:
+    """What tells one version of the plan from the next: its mtime and size (None: no file)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_size
 
 
 def from_environment() -> FaultInjector | None:
