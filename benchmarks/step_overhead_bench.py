@@ -31,7 +31,7 @@ device's own time lands where the host first waits for it, the token copy in ``c
 of microseconds for this one-layer model).
 
     python benchmarks/step_overhead_bench.py [--batches 64,256] [--steps 30] [--rounds 5]
-        [--layers 1] [--dtype float32|bfloat16] [--wire] [--device cpu|cuda]
+        [--layers 1] [--dtype float32|bfloat16] [--wire] [--continuation] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -150,14 +150,24 @@ def open_sequences(engine: Engine, count: int, vocab: int) -> Sequences:
 
 
 def decode_step(
-    engine: Engine, seqs: Sequences, clock: PhaseClock, wire: bool
+    engine: Engine, seqs: Sequences, clock: PhaseClock, wire: bool, continuation: bool = False
 ) -> tuple[float, int]:
     """One decode step of every sequence: its seconds from the request (serialized, with
-    `wire`) to the answer, and the model's nanoseconds (the forward less the plan)."""
+    `wire`) to the answer, and the model's nanoseconds (the forward less the plan). With
+    `continuation` each decode carries no token: it continues from the one its cache selected,
+    as the reference scheduler's decodes do by default."""
     count = len(seqs.caches)
+    tokens = [[] if continuation else [seqs.tokens[i]] for i in range(count)]
     if wire:
         planned = [
-            PlannedItem(WireKind.DECODE, "", seqs.caches[i], [seqs.tokens[i]], seqs.positions[i])
+            PlannedItem(
+                WireKind.DECODE,
+                "",
+                seqs.caches[i],
+                tokens[i],
+                seqs.positions[i],
+                continuation=continuation,
+            )
             for i in range(count)
         ]
         payload = pb.UnifiedBatchRequest(items=encode_items(planned)).SerializeToString()
@@ -169,7 +179,14 @@ def decode_step(
     else:
         step = Step(
             [
-                StepItem(ItemKind.DECODE, "", seqs.caches[i], [seqs.tokens[i]], seqs.positions[i])
+                StepItem(
+                    ItemKind.DECODE,
+                    "",
+                    seqs.caches[i],
+                    tokens[i],
+                    seqs.positions[i],
+                    continuation=continuation,
+                )
                 for i in range(count)
             ]
         )
@@ -189,13 +206,18 @@ def decode_step(
 
 
 def measure(
-    engine: Engine, seqs: Sequences, clock: PhaseClock, steps: int, wire: bool
+    engine: Engine,
+    seqs: Sequences,
+    clock: PhaseClock,
+    steps: int,
+    wire: bool,
+    continuation: bool = False,
 ) -> dict[str, float]:
     """Milliseconds per step of each phase (and the step itself) over `steps` decode steps."""
     clock.seconds.clear()
     model_ns, total = 0, 0.0
     for _ in range(steps):
-        seconds, nanoseconds = decode_step(engine, seqs, clock, wire)
+        seconds, nanoseconds = decode_step(engine, seqs, clock, wire, continuation)
         total += seconds
         model_ns += nanoseconds
     clock.seconds["model"] = model_ns / 1e9
@@ -242,9 +264,12 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, float]]:
         try:
             for batch in batches:
                 seqs = open_sequences(engine, batch, config.vocab_size)
-                measure(engine, seqs, clock, 3, args.wire)  # first calls of a shape allocate
+                # The first calls of a shape allocate (and the first decode of a sequence
+                # carries its token: nothing selected one yet when its prompt's answer came).
+                measure(engine, seqs, clock, 3, args.wire)
                 rounds = [
-                    measure(engine, seqs, clock, args.steps, args.wire) for _ in range(args.rounds)
+                    measure(engine, seqs, clock, args.steps, args.wire, args.continuation)
+                    for _ in range(args.rounds)
                 ]
                 medians[batch] = {
                     key: statistics.median(r[key] for r in rounds) for key in rounds[0]
@@ -287,6 +312,12 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     )
     parser.add_argument(
         "--wire", action="store_true", help="include the servicer's request and answer conversion"
+    )
+    parser.add_argument(
+        "--continuation",
+        action="store_true",
+        help="decodes continue from the token their cache selected (the reference scheduler's "
+        "default) instead of carrying it",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     args = parser.parse_args(argv)

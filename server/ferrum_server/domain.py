@@ -100,6 +100,24 @@ class StepItem:
     def is_final(self) -> bool:
         return self.kind != ItemKind.PREFILL_CHUNK or self.end == self.total_prompt_tokens
 
+    def with_tokens(self, token_ids: list[int]) -> StepItem:
+        """This item carrying `token_ids` instead (a continuation decode once validation knows
+        its token). Built field by field: ``dataclasses.replace`` took 2.6 us against 1.2, once
+        for every continuation decode of every step."""
+        return StepItem(
+            self.kind,
+            self.request_id,
+            self.cache_id,
+            token_ids,
+            self.position,
+            self.total_prompt_tokens,
+            self.max_sequence_tokens,
+            self.sampling,
+            self.allow_narrowing,
+            self.prompt,
+            self.continuation,
+        )
+
     @property
     def num_outputs(self) -> int:
         # Read several times per item per step: the common decode answers first, and the

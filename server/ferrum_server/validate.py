@@ -12,7 +12,6 @@ that would tell it the token exists (docs/protocol.md#decode-continuation).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -142,45 +141,50 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> Validated:
 
 def _check_continuation(index: int, item: StepItem) -> None:
     """The stateless shape of a continuation decode (INVALID_ARGUMENT for the whole step)."""
-    where = f"item {index}"
-    if max(len(item.request_id.encode()), len(item.cache_id.encode())) > MAX_ID_BYTES:
-        raise InvalidArgument(f"{where}: ids are limited to {MAX_ID_BYTES} bytes")
+    # Runs for every continuation decode of every step: the messages are built only when an
+    # item fails, and the ids encoded only when they could be too long (as _check_item does).
+    request_id, cache_id = item.request_id, item.cache_id
+    if max(len(request_id), len(cache_id)) * 4 > MAX_ID_BYTES and (
+        max(len(request_id.encode()), len(cache_id.encode())) > MAX_ID_BYTES
+    ):
+        raise InvalidArgument(f"item {index}: ids are limited to {MAX_ID_BYTES} bytes")
     if item.kind != ItemKind.DECODE:
-        raise InvalidArgument(f"{where}: only a decode item may continue from a selected token")
+        raise InvalidArgument(
+            f"item {index}: only a decode item may continue from a selected token"
+        )
     if item.token_ids:
         raise InvalidArgument(
-            f"{where}: a continuation decode carries no token (num_tokens 0), got "
+            f"item {index}: a continuation decode carries no token (num_tokens 0), got "
             f"{len(item.token_ids)}"
         )
-    if not item.cache_id:
-        raise InvalidArgument(f"{where}: a continuation decode needs the cache it continues")
+    if not cache_id:
+        raise InvalidArgument(f"item {index}: a continuation decode needs the cache it continues")
 
 
 def _continue(index: int, item: StepItem, kv: KvManager) -> StepItem | ExecutorError:
     """The continuation decode with the token its cache selected, or why it cannot run now:
     its cache is gone (NOT_FOUND), is not at the item's position, or holds no selected token
     (ABORTED: the caller's view of the sequence is out of step). Reads only."""
-    where = f"item {index}"
     try:
         cache = kv.lookup(item.cache_id)
     except NotFound as error:  # it says how the cache ended
-        return NotFound(f"{where}: {error.message}")
+        return NotFound(f"item {index}: {error.message}")
     if item.position != cache.num_tokens:
         return PositionMismatch(
-            f"{where}: position {item.position} does not match the cache's committed length "
-            f"{cache.num_tokens}"
+            f"item {index}: position {item.position} does not match the cache's committed "
+            f"length {cache.num_tokens}"
         )
     if cache.selected_token < 0:
         if cache.selected_on_device is not None:
             # Selected by a step launched but not finished: the forward reads the token on the
             # device (Engine.launch); 0 holds its place on the host.
-            return dataclasses.replace(item, token_ids=[0])
+            return item.with_tokens([0])
         return PositionMismatch(
-            f"{where}: cache {item.cache_id!r} holds no selected token to continue from (the "
-            "last item that ran on it was a non-final prefill chunk, a full-logits item or a "
-            "verify, or the cache was truncated since); send the token in a plain decode"
+            f"item {index}: cache {item.cache_id!r} holds no selected token to continue from "
+            "(the last item that ran on it was a non-final prefill chunk, a full-logits item or "
+            "a verify, or the cache was truncated since); send the token in a plain decode"
         )
-    return dataclasses.replace(item, token_ids=[cache.selected_token])
+    return item.with_tokens([cache.selected_token])
 
 
 def check_opener(index: int, request_id: str, openers: set[str]) -> None:
@@ -202,38 +206,37 @@ def check_authority(
     """Whether the item may open or extend its cache: one live cache per request, and while a
     cache's prompt is incomplete only chunks of that prompt (same length, same tokens where
     known) run on it. Reads only; the refusal, or None."""
-    where = f"item {index}"
     if cache is None:
         holder = kv.live_cache_of(item.request_id)
         if holder is None:
             return None
         return AlreadyExists(
-            f"{where}: request {item.request_id!r} already holds cache {holder.cache_id!r}; "
+            f"item {index}: request {item.request_id!r} already holds cache {holder.cache_id!r}; "
             "continue that cache, or release or preempt it before opening another"
         )
     if item.kind != ItemKind.PREFILL_CHUNK:
         if cache.prompt_in_progress:
             return InvalidArgument(
-                f"{where}: the cache's prompt is prefilled to {cache.num_tokens} of "
+                f"item {index}: the cache's prompt is prefilled to {cache.num_tokens} of "
                 f"{cache.prompt_total} tokens; only its chunks run until it is complete"
             )
         return None
     if cache.prompt_in_progress:
         if item.total_prompt_tokens != cache.prompt_total:
             return InvalidArgument(
-                f"{where}: total_prompt_tokens {item.total_prompt_tokens} differs from the "
+                f"item {index}: total_prompt_tokens {item.total_prompt_tokens} differs from the "
                 f"{cache.prompt_total}-token prompt of cache {cache.cache_id!r}"
             )
         context = cache.context
         if context is not None and context[item.position : item.end] != array("I", item.token_ids):
             return InvalidArgument(
-                f"{where}: the chunk's tokens differ from the execution context admitted for "
+                f"item {index}: the chunk's tokens differ from the execution context admitted for "
                 f"cache {cache.cache_id!r} at [{item.position}, {item.end})"
             )
         prompt = item.prompt
         if prompt is not None and cache.prompt_digest and prompt.digest != cache.prompt_digest:
             return InvalidArgument(
-                f"{where}: the prompt differs from the one cache {cache.cache_id!r} was "
+                f"item {index}: the prompt differs from the one cache {cache.cache_id!r} was "
                 "admitted or opened with"
             )
     if item.prompt is not None:
@@ -246,7 +249,7 @@ def check_authority(
             or item.prompt.prefix_tail != cache.token_ids[start : item.position]
         ):
             return InvalidArgument(
-                f"{where}: the prompt's first {item.position} tokens differ from those cache "
+                f"item {index}: the prompt's first {item.position} tokens differ from those cache "
                 f"{cache.cache_id!r} committed"
             )
     return None

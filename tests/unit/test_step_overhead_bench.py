@@ -12,11 +12,30 @@ from helpers_scripts import load_script
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "step_overhead_bench.py"
 
 
-@pytest.mark.parametrize("wire", [False, True])
-def test_smoke_run_times_every_phase(wire: bool, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("wire", "continuation"), [(False, False), (True, False), (True, True)])
+def test_smoke_run_times_every_phase(
+    wire: bool,
+    continuation: bool,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     bench: Any = load_script("ferrum_step_overhead_bench", _BENCH)
+    import ferrum_server.validate as validate_module
+
+    continued: list[int] = []
+    resolve = validate_module._continue
+
+    def counting(index: int, item: Any, kv: Any) -> Any:
+        continued.append(index)
+        return resolve(index, item, kv)
+
+    monkeypatch.setattr(validate_module, "_continue", counting)
     args = ["--batches", "3,8", "--steps", "3", "--rounds", "2", "--layers", "2"]
-    medians = bench.main(args + (["--wire"] if wire else []))
+    args += ["--wire"] if wire else []
+    medians = bench.main(args + (["--continuation"] if continuation else []))
+    # The measured rounds' decodes continue from their caches' tokens (3 and 8 a step, 2
+    # rounds of 3 steps each), or none do.
+    assert len(continued) == (3 + 8) * 2 * 3 * continuation
     assert sorted(medians) == [3, 8]
     for row in medians.values():
         # Every wrapped phase ran, and the parts add up to the step.
