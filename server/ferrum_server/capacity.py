@@ -9,7 +9,6 @@ deferred (with the exact sources to wait on), or rejected (can never fit).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import time
 from collections import OrderedDict
@@ -241,7 +240,7 @@ class CapacityManager:
                         index, item.request_id, stage, needed, free_blocks, item, cache
                     )
                     continue
-                item = narrowed[index] = dataclasses.replace(item, token_ids=item.token_ids[:fits])
+                item = narrowed[index] = item.with_tokens(item.token_ids[:fits])
                 needed = kv.blocks_needed(cache, item.end)
             runnable.append(index)
             free_blocks -= needed

@@ -112,15 +112,17 @@ class FaultInjector:
                 break
             stamp = after
         self._stamp = stamp
+        self.rules = []  # no file, or (logged) one that cannot be read or parsed
+        if error is not None:
+            _LOG.warning("fault_plan_unreadable", error=type(error).__name__)
+            return
+        if text is None:
+            return
         try:
-            if error is not None:
-                raise error
-            raw = json.loads(text) if text is not None else {}  # no file: no rules
-            self.rules = [_rule(r) for r in raw.get("rules", [])]
-        except (OSError, ValueError, AttributeError) as exc:
+            self.rules = [_rule(r) for r in json.loads(text).get("rules", [])]
+        except (ValueError, AttributeError) as exc:
             # A broken plan must not take the server down: it just injects nothing.
             _LOG.warning("fault_plan_unreadable", error=type(exc).__name__)
-            self.rules = []
 
     def before_forward(self, request_ids: Sequence[str]) -> None:
         """Engine thread, right before a forward of these items: apply matching rules."""

@@ -142,11 +142,8 @@ def validate_step(step: Step, kv: KvManager, limits: Limits) -> Validated:
 def _check_continuation(index: int, item: StepItem) -> None:
     """The stateless shape of a continuation decode (INVALID_ARGUMENT for the whole step)."""
     # Runs for every continuation decode of every step: the messages are built only when an
-    # item fails, and the ids encoded only when they could be too long (as _check_item does).
-    request_id, cache_id = item.request_id, item.cache_id
-    if max(len(request_id), len(cache_id)) * 4 > MAX_ID_BYTES and (
-        max(len(request_id.encode()), len(cache_id.encode())) > MAX_ID_BYTES
-    ):
+    # item fails.
+    if _ids_too_long(item.request_id, item.cache_id):
         raise InvalidArgument(f"item {index}: ids are limited to {MAX_ID_BYTES} bytes")
     if item.kind != ItemKind.DECODE:
         raise InvalidArgument(
@@ -157,7 +154,7 @@ def _check_continuation(index: int, item: StepItem) -> None:
             f"item {index}: a continuation decode carries no token (num_tokens 0), got "
             f"{len(item.token_ids)}"
         )
-    if not cache_id:
+    if not item.cache_id:
         raise InvalidArgument(f"item {index}: a continuation decode needs the cache it continues")
 
 
@@ -271,12 +268,8 @@ def _check_item(index: int, item: StepItem, limits: Limits) -> None:
     every item of every step, so the common case costs a few comparisons."""
     tokens = item.token_ids
     count = len(tokens)
-    request_id, cache_id = item.request_id, item.cache_id
-    # A str of at most MAX_ID_BYTES / 4 characters fits whatever its characters; encode only
-    # a longer one.
-    if max(len(request_id), len(cache_id)) * 4 > MAX_ID_BYTES and (
-        max(len(request_id.encode()), len(cache_id.encode())) > MAX_ID_BYTES
-    ):
+    cache_id = item.cache_id
+    if _ids_too_long(item.request_id, cache_id):
         raise InvalidArgument(f"item {index}: ids are limited to {MAX_ID_BYTES} bytes")
     if count == 0:
         raise InvalidArgument(f"item {index}: empty token list")
@@ -315,6 +308,15 @@ def _check_item(index: int, item: StepItem, limits: Limits) -> None:
         )
     if not cache_id and (kind != ItemKind.PREFILL_CHUNK or item.position != 0):
         raise InvalidArgument(f"item {index}: only a prefill chunk at position 0 may open a cache")
+
+
+def _ids_too_long(request_id: str, cache_id: str) -> bool:
+    """Whether either id is over MAX_ID_BYTES of UTF-8. A str of at most MAX_ID_BYTES / 4
+    characters fits whatever its characters, so only a longer one is encoded (this runs for
+    every item of every step)."""
+    return max(len(request_id), len(cache_id)) * 4 > MAX_ID_BYTES and (
+        max(len(request_id.encode()), len(cache_id.encode())) > MAX_ID_BYTES
+    )
 
 
 def _check_sampling(where: str, sampling: Sampling, limits: Limits) -> None:
