@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
@@ -73,3 +74,35 @@ def test_a_broken_or_unreadable_plan_injects_nothing(tmp_path: pathlib.Path) -> 
     plan.mkdir()  # exists, but cannot be read as a file
     injector.before_forward(["r0"])
     assert injector.rules == []
+
+
+def test_a_plan_written_while_it_is_read_is_read_again(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of the same race: the stat and the read both catch the truncated file,
+    and the write lands before the stat that follows the read. Keeping that later stamp with
+    the empty text read would lose the plan for good; the plan is read again instead."""
+    plan = tmp_path / "plan.json"
+    _write(plan, [{"kind": "unavailable", "times": 1}], 4_000_000_000)
+    real_stat, real_open = os.stat, open
+    truncated = os.stat_result((0o100644, 0, 0, 1, 0, 0, 0, 0, 2, 2))
+    stats = opens = 0
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        nonlocal stats
+        stats += 1
+        return truncated if stats == 1 else real_stat(path, *args, **kwargs)
+
+    def opened(path: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal opens
+        opens += 1
+        return io.StringIO("") if opens == 1 else real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(faults.os, "stat", stat)
+    monkeypatch.setattr(faults, "open", opened, raising=False)
+    injector = faults.FaultInjector(str(plan))
+    with pytest.raises(Unavailable):
+        injector.before_forward(["r0"])
+    assert opens == 2
+    injector.before_forward(["r0"])  # spent, and not read again
+    assert opens == 2
