@@ -59,7 +59,6 @@ __all__ = [
     "gemm_kernel",
     "greedy_linear",
     "mkldnn_linear_available",
-    "move_packs",
     "pack_dtype",
     "packed_bytes",
     "packed_linear",
@@ -251,24 +250,6 @@ class PackedWeight:
     def packed_tensors(self) -> list[torch.Tensor]:
         """Every packed copy made so far (for counting their bytes)."""
         return [] if self._packed is None else [self._packed]
-
-    def relocate(self, dest: torch.Tensor) -> None:
-        """Move the packed copy into ``dest``: uint8, contiguous, exactly its bytes, at an
-        address aligned for its dtype (``move_packs`` hands out such slices of one buffer).
-        The bytes are the same, so every result is too."""
-        packed = self._packed
-        if packed is None or not packed.is_contiguous():
-            raise ValueError("only a packed, contiguous copy can be relocated")
-        if dest.dtype != torch.uint8 or dest.dim() != 1 or not dest.is_contiguous():
-            raise ValueError("dest must be a contiguous 1-D uint8 tensor")
-        if dest.numel() != packed.numel() * packed.element_size():
-            raise ValueError(
-                f"dest holds {dest.numel()} bytes, the packed copy needs "
-                f"{packed.numel() * packed.element_size()}"
-            )
-        moved = dest.view(packed.dtype).view(packed.shape)
-        moved.copy_(packed)
-        self._packed = moved
 
     def release_plain(self) -> int:
         """Pack (if not yet), then free the plain weight's storage; returns the bytes freed.
@@ -521,64 +502,20 @@ def prepack_linears(module: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> 
     return count
 
 
-def _packs_below(module: nn.Module, experts: bool) -> list[PackedWeight]:
-    """The PackedWeights below ``module``: linears' and tied heads', and experts' if asked."""
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes of the packed copies below ``module`` made so far: linears, tied heads and
+    experts. Parameter counts miss them; a served model holds them instead of (or, for a tied
+    head, beside) its plain weights, at the packed dtype (float32 for widened bfloat16)."""
     packs: list[PackedWeight] = []
     for child in module.modules():
         if isinstance(child, PackedLinear) and child._pack is not None:
             packs.append(child._pack)
         elif isinstance(child, TiedLinear) and isinstance(child.packed, PackedWeight):
             packs.append(child.packed)
-        elif experts and isinstance(child, ExpertWeights):
+        elif isinstance(child, ExpertWeights):
             packs += [w for pair in child.packed or () for w in pair if isinstance(w, PackedWeight)]
-    return packs
-
-
-def packed_bytes(module: nn.Module) -> int:
-    """Bytes of the packed copies below ``module`` made so far: linears, tied heads and
-    experts. Parameter counts miss them; a served model holds them instead of (or, for a tied
-    head, beside) its plain weights, at the packed dtype (float32 for widened bfloat16)."""
-    made = (t for pack in _packs_below(module, experts=True) for t in pack.packed_tensors())
+    made = (t for pack in packs for t in pack.packed_tensors())
     return sum(p.numel() * p.element_size() for p in made)
-
-
-# Where move_packs starts each copy in its buffer: a page, so no copy shares one with another.
-PACK_ALIGNMENT = 4096
-
-
-def move_packs(
-    module: nn.Module,
-    allocate: Callable[[int], torch.Tensor],
-    after_each: Callable[[], object] | None = None,
-) -> int:
-    """Move the native GEMM's packed copies below ``module`` (linears and tied heads; experts
-    keep theirs) into one buffer, ``allocate(nbytes)`` (a uint8 tensor of nbytes), each copy at
-    a ``PACK_ALIGNMENT`` offset; returns the bytes moved. Start-up hands it a buffer in huge
-    pages (``host_memory.huge_page_buffer``): a decode step streams every weight once, and in
-    4 KiB pages each page of it is a TLB miss. ``after_each()`` runs after each copy has moved
-    (its old copy freed), as in ``release_plain_weights``."""
-    packs = [
-        pack
-        for pack in _packs_below(module, experts=False)
-        if pack.kernel == "native"
-        and len(made := pack.packed_tensors()) == 1
-        and made[0].is_contiguous()
-    ]
-    sizes = [t.numel() * t.element_size() for p in packs for t in p.packed_tensors()]
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += -(-size // PACK_ALIGNMENT) * PACK_ALIGNMENT
-    if not packs:
-        return 0
-    buffer = allocate(total)
-    if buffer.dtype != torch.uint8 or buffer.numel() < total:
-        raise ValueError(f"allocate({total}) must return at least that many uint8 elements")
-    for pack, offset, size in zip(packs, offsets, sizes, strict=True):
-        pack.relocate(buffer[offset : offset + size])
-        if after_each is not None:
-            after_each()
-    return sum(sizes)
 
 
 def release_plain_weights(module: nn.Module, after_each: Callable[[], object] | None = None) -> int:

@@ -83,15 +83,6 @@ class EngineConfig:
             "scattered blocks, slower start-up)"
         ),
     )
-    # On CPU the packed weights are moved into one buffer in transparent huge pages once
-    # start-up has packed them (cpu_linear.move_packs): a decode step streams every weight, and
-    # in 4 KiB pages each page of it misses the TLB (docs/operations.md).
-    weight_huge_pages: bool = field(
-        default=True,
-        metadata=flag(
-            "CPU: hold the packed weights in transparent huge pages (faster decode GEMMs)"
-        ),
-    )
     # Host memory for swapped-out KV of preempted sequences.
     swap_space_bytes: int = field(
         default=1024**3,

@@ -43,15 +43,6 @@ empty. The price is start-up: the pool's zeroing, in huge pages, took 0.5-1.1 s 
 on the development machine (no compaction stalls: the huge page faults themselves), so
 `--kv-huge-pages false` (EngineConfig.kv_huge_pages) skips the advice.
 
-`huge_page_buffer` gives a buffer of its own, advised before anything touches it: start-up
-moves the packed weights into one (`cpu_linear.move_packs`, `--weight-huge-pages`). A decode
-step streams every weight once (200 MB in bfloat16 on W1, 400 in float32), in 4 KiB pages one
-TLB miss per 4 KiB. In 2 MiB pages twelve layers' 64-row GEMMs ran 2.2-2.7% faster
-(`python benchmarks/gemm_bench.py`'s shapes, a temporary script, three pairs; page-aligned
-copies in 4 KiB pages 0-2.1%), and W1's decode steps in process 0.5-0.9% (docs/benchmarks.md,
-fiftieth session). Its mapping is private: an anonymous shared one is shared memory, whose huge
-pages follow another switch (`shmem_enabled`, off by default).
-
 The allocator settings, the page return and the huge page advice are no-ops off glibc (the
 advice goes through glibc's `madvise`).
 """
@@ -60,7 +51,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import mmap
 import os
 from pathlib import Path
 
@@ -147,28 +137,6 @@ def huge_page_range(address: int, length: int) -> tuple[int, int]:
     start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (address + length) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     return start, max(0, end - start)
-
-
-def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor of `nbytes` that starts on a 2 MiB boundary, in an anonymous mapping
-    of its own advised huge pages before anything touches it (`advise_huge_pages`), so the
-    pages its first writes fault in are huge where the kernel allows. The mapping lives as long
-    as any view of the tensor does. Where the advice is refused or unavailable (off glibc), it
-    is an ordinary buffer."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    whole = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    # One huge page more than the data, so a 2 MiB boundary falls within its first page; the
-    # part before it is never touched and holds no memory.
-    # Private: a shared one's huge pages follow shmem_enabled instead (module docstring).
-    mapping = mmap.mmap(-1, whole + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
-    start = -raw.data_ptr() % HUGE_PAGE_BYTES
-    buffer = raw[start : start + whole]
-    advise_huge_pages(buffer)
-    return buffer[:nbytes]
 
 
 def advise_huge_pages(buffer: torch.Tensor) -> int:

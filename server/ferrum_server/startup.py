@@ -8,13 +8,12 @@ included, must come from the one thread that later runs the forwards.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from ferrum_kernels.backend import KernelBackend, select_backend
-from ferrum_kernels.cpu_linear import move_packs, packed_bytes, release_plain_weights
+from ferrum_kernels.cpu_linear import packed_bytes, release_plain_weights
 
 from ferrum_server import host_memory, logs
 from ferrum_server.config import EngineConfig
@@ -140,19 +139,6 @@ def build_parts(
         freed = release_plain_weights(model, after_each=host_memory.return_free_pages)
         _LOG.info("plain_weights_released", mib=round(freed / 1024**2, 1))
         host_memory.return_free_pages()  # and whatever else start-up freed
-        if config.weight_huge_pages:
-            # After the plain copies are gone, so the buffer's pages do not stack on theirs;
-            # each old packed copy's pages go back as it moves, as above.
-            started = time.perf_counter()
-            moved = move_packs(
-                model, host_memory.huge_page_buffer, after_each=host_memory.return_free_pages
-            )
-            _LOG.info(
-                "packed_weights_huge_pages",
-                mib=round(moved / 2**20, 1),
-                seconds=round(time.perf_counter() - started, 3),
-                transparent_huge_pages=host_memory.transparent_huge_pages(),
-            )
         # What the weights hold now: the parameters' count misses the packed copies (float32
         # for bfloat16 widened on an AVX2 CPU, twice the plain bytes) and a tied head's.
         plan = plan.with_weights_bytes(model_bytes(model) + packed_bytes(model))

@@ -4,7 +4,6 @@ blocking, batch-invariant per row, and the kernel choice (``FERRUM_CPU_GEMM``)."
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -622,61 +621,3 @@ def test_any_thread_count_computes_every_panel_once_to_the_same_bits(
         assert torch.equal(other_swiglu, swiglu)
         assert torch.equal(other_ids, ids) and torch.equal(other_logprobs, logprobs)
         assert torch.equal(other_finite, finite)
-
-
-@needs_native_gemm
-@pytest.mark.usefixtures("choose_kernel")
-@torch.no_grad()
-def test_move_packs_puts_every_native_pack_in_one_buffer_with_the_same_results(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Each packed linear's copy lands at its own page of the one buffer (none overlapping) and
-    every output is bit for bit the one before; a module with no native pack allocates nothing."""
-    monkeypatch.delenv("FERRUM_CPU_GEMM", raising=False)
-    from torch import nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(96, 200), nn.ReLU(), nn.Linear(200, 40), nn.Linear(40, 72))
-    assert cpu_linear.prepack_linears(model) == 3
-    cpu_linear.release_plain_weights(model)
-    x = torch.randn(11, 96)
-    before = model(x)
-    packs = [m._pack for m in model if isinstance(m, cpu_linear.PackedLinear)]
-    sizes = [p.packed().numel() * p.packed().element_size() for p in packs]  # type: ignore[union-attr]
-    buffers: list[torch.Tensor] = []
-    calls: list[int] = []
-
-    def allocate(nbytes: int) -> torch.Tensor:
-        buffers.append(torch.full((nbytes,), 0xAB, dtype=torch.uint8))
-        return buffers[-1]
-
-    moved = cpu_linear.move_packs(model, allocate, after_each=lambda: calls.append(1))
-    assert moved == sum(sizes) and len(buffers) == 1 and len(calls) == 3
-    base, end = buffers[0].data_ptr(), buffers[0].data_ptr() + buffers[0].numel()
-    starts = [p.packed().data_ptr() for p in packs]  # type: ignore[union-attr]
-    assert all(base <= s and s + n <= end for s, n in zip(starts, sizes, strict=True))
-    assert all((s - base) % cpu_linear.PACK_ALIGNMENT == 0 for s in starts)
-    spans = sorted(zip(starts, sizes, strict=True))
-    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))
-    assert torch.equal(model(x), before)
-
-    def refuse(nbytes: int) -> torch.Tensor:
-        raise AssertionError("nothing to move: no buffer")
-
-    assert cpu_linear.move_packs(nn.Sequential(nn.ReLU()), refuse) == 0
-
-
-@needs_native_gemm
-@pytest.mark.usefixtures("choose_kernel")
-def test_a_pack_refuses_a_destination_of_the_wrong_size_or_type(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("FERRUM_CPU_GEMM", raising=False)
-    pack = PackedWeight(torch.randn(32, 16), None)
-    packed = pack.packed()
-    nbytes = packed.numel() * packed.element_size()
-    with pytest.raises(ValueError, match="needs"):
-        pack.relocate(torch.empty(nbytes - 4, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="uint8"):
-        pack.relocate(torch.empty(nbytes // 4, dtype=torch.float32))
-    assert pack.packed() is packed  # unchanged by the refusals

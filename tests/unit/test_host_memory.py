@@ -42,17 +42,12 @@ def test_start_up_keeps_freed_memory_before_the_weights_load_and_returns_their_p
     monkeypatch.setattr(
         startup, "release_plain_weights", recorded("release", startup.release_plain_weights)
     )
-    monkeypatch.setattr(startup, "move_packs", recorded("move", startup.move_packs))
     parts = startup.build_parts(EngineConfig(model="tiny", kv_cache_bytes=4 * 1024**2), 1)
     assert parts.device.type == "cpu"
-    # The pages go back after each packed linear's plain weight is freed, and once at the end;
-    # then after each native pack moves into huge pages (move_packs), its old copy freed.
-    packs = [m._pack for m in parts.model.modules() if isinstance(m, PackedLinear) and m._pack]
-    moved = sum(p.kernel == "native" for p in packs)
-    assert packs
-    assert calls == (
-        ["keep", "load", "release"] + ["return"] * (len(packs) + 1) + ["move"] + ["return"] * moved
-    )
+    # The pages go back after each packed linear's plain weight is freed, and once at the end.
+    packed = sum(isinstance(m, PackedLinear) and m._pack is not None for m in parts.model.modules())
+    assert packed > 0
+    assert calls == ["keep", "load", "release"] + ["return"] * (packed + 1)
 
 
 def test_a_cpu_engine_shares_the_main_arena_before_its_thread_starts(
@@ -194,58 +189,10 @@ def test_kv_huge_pages_false_does_not_advise_the_pool(monkeypatch: pytest.Monkey
         return 0
 
     monkeypatch.setattr(host_memory, "advise_huge_pages", spy)
-    # The packed weights' buffer is advised too (weight_huge_pages): not here.
-    config = EngineConfig(
-        model="tiny", kv_cache_bytes=64 * 1024**2, kv_huge_pages=False, weight_huge_pages=False
-    )
+    config = EngineConfig(model="tiny", kv_cache_bytes=64 * 1024**2, kv_huge_pages=False)
     pool = startup.build_parts(config, 1).kv_cache
     assert advised == []
     assert not pool.any()
     # The same build with huge pages on advises the pool (the spy sees the call).
-    config = EngineConfig(model="tiny", kv_cache_bytes=64 * 1024**2, weight_huge_pages=False)
-    startup.build_parts(config, 1)
+    startup.build_parts(EngineConfig(model="tiny", kv_cache_bytes=64 * 1024**2), 1)
     assert len(advised) == 1
-
-
-@pytest.mark.skipif(not (_GLIBC and _LINUX), reason="madvise and /proc/self/smaps are Linux's")
-def test_a_huge_page_buffer_starts_on_a_huge_page_advised_and_outlives_its_mapping() -> None:
-    import gc
-
-    import torch
-
-    nbytes = 5 * host_memory.HUGE_PAGE_BYTES + 123
-    buffer = host_memory.huge_page_buffer(nbytes)
-    assert buffer.dtype == torch.uint8 and buffer.numel() == nbytes
-    assert buffer.data_ptr() % host_memory.HUGE_PAGE_BYTES == 0
-    flags = _vm_flags(buffer.data_ptr())
-    assert "hg" in flags and "sh" not in flags  # advised, and private (not shared memory)
-    tail = buffer[-1000:]
-    del buffer
-    gc.collect()
-    tail.fill_(7)  # the mapping lives while a view does
-    assert int(tail.sum()) == 7000
-    assert host_memory.huge_page_buffer(0).numel() == 0
-    with pytest.raises(ValueError, match="nbytes"):
-        host_memory.huge_page_buffer(-1)
-
-
-@pytest.mark.skipif(not (_GLIBC and _LINUX), reason="madvise and /proc/self/smaps are Linux's")
-def test_a_cpu_engines_packed_weights_are_moved_into_huge_pages_unless_turned_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from ferrum_kernels.cpu_linear import PackedLinear as Packed
-
-    parts = startup.build_parts(EngineConfig(model="tiny", kv_cache_bytes=8 * 1024**2), 1)
-    packs = [m._pack for m in parts.model.modules() if isinstance(m, Packed) and m._pack]
-    native = [p for p in packs if p.kernel == "native"]
-    if not native:
-        pytest.skip("no native GEMM packs on this CPU")
-    for pack in native:
-        assert "hg" in _vm_flags(pack.packed().data_ptr())
-    moved: list[object] = []
-    monkeypatch.setattr(startup, "move_packs", lambda *args, **kwargs: moved.append(args) or 0)
-    config = EngineConfig(model="tiny", kv_cache_bytes=8 * 1024**2, weight_huge_pages=False)
-    startup.build_parts(config, 1)
-    assert moved == []
-    startup.build_parts(EngineConfig(model="tiny", kv_cache_bytes=8 * 1024**2), 1)
-    assert len(moved) == 1
