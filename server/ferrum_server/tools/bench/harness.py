@@ -557,14 +557,14 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(
                 f"  matmul ceiling: {ceiling['ceiling_output_tok_s']} tok/s at "
                 f"{ceiling['best_gemm_gflops']} GFLOP/s; reached "
-                f"{100 * ceiling['fraction_of_ceiling']:.0f}%"
+                f"{100 * ceiling['fraction_of_ceiling']:.1f}%"
             )
         grpc_steps = (section["results"].get("ferrum-grpc") or {}).get("steps") or {}
         if grpc_steps.get("by_kind"):
             shares = (ceiling or {}).get("by_step_kind", {})
             parts = []
             for kind, group in grpc_steps["by_kind"].items():
-                share = f", {100 * shares[kind]:.0f}% of the ceiling" if kind in shares else ""
+                share = f", {100 * shares[kind]:.1f}% of the ceiling" if kind in shares else ""
                 count = group["count"]
                 parts.append(
                     f"{kind} {count} step{'' if count == 1 else 's'} {group['engine_s']:.2f} s "
