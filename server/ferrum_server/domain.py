@@ -75,7 +75,11 @@ class PromptIdentity:
     prefix_tail: list[int]  # the prompt's tokens after those blocks, up to the chunk
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per item per step when a request is converted, and again for each
+# continuation decode once validation knows its token; a frozen dataclass's __init__ (one
+# object.__setattr__ a field) took 0.91 us for these eleven fields against 0.19. Nothing
+# mutates an item: validation and narrowing build new ones (`with_tokens`).
+@dataclass(slots=True)
 class StepItem:
     kind: ItemKind
     request_id: str
@@ -103,8 +107,8 @@ class StepItem:
     def with_tokens(self, token_ids: list[int]) -> StepItem:
         """This item carrying `token_ids` instead: a continuation decode once validation knows
         its token, or a chunk narrowed to the prefix that fits. Built field by field:
-        ``dataclasses.replace`` took 2.6 us against 1.2, once for every continuation decode of
-        every step."""
+        ``dataclasses.replace`` took 2.6 us against 1.2 (frozen; 0.19 since StepItem is not),
+        once for every continuation decode of every step."""
         return StepItem(
             self.kind,
             self.request_id,
