@@ -6,7 +6,7 @@ from memory as a real step does; the LM head (32000 x 768) is timed on its own. 
 count (64: a decode step; 512: a prefill step) the two kernels run in interleaved rounds over
 all twelve layers, and each line prints the median and best round in GFLOP/s. Run it alone on a
 quiet machine: a second busy process halves every figure. ``--dtype bfloat16`` compares the
-native bfloat16 GEMM (a CPU with AVX512_BF16) with oneDNN's instead of the float32 ones; on a
+native bfloat16 GEMM (a CPU with AVX-512F) with oneDNN's instead of the float32 ones; on a
 CPU with AMX the native GEMM runs on its tiles, and a third line (``avx512``) times the same
 native packs on the register tiles.
 
@@ -45,6 +45,7 @@ SHAPES = {  # name -> (N, K) of W1's linears
 
 
 _GEMM_FUNCTIONS = [
+    "gemm_bf16_available",
     "pack_gemm_weight",
     "packed_gemm",
     "pack_gemm_weight_halves",
@@ -66,6 +67,9 @@ def _against_revision(
     args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generator
 ) -> dict[str, dict[str, float]]:
     builds = {"old": _revision_module(args.old), "new": native.load()}
+    if dtype == torch.bfloat16 and not builds["old"].gemm_bf16_available():
+        # (before the emulated bfloat16 GEMM, a CPU without AVX512_BF16 had none)
+        sys.exit(f"{args.old}'s native GEMM has no bfloat16 kernel for this CPU")
     packs: dict[str, list[dict[str, torch.Tensor]]] = {tag: [] for tag in builds}
     for _ in range(args.layers):
         weights = {
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     module = native.load()
     if dtype == torch.bfloat16:
         if module is None or not module.gemm_bf16_available():
-            sys.exit("needs the native bfloat16 GEMM (a CPU with AVX512_BF16)")
+            sys.exit("needs the native bfloat16 GEMM (a CPU with AVX-512F)")
         if not mkldnn_linear_available(dtype):
             sys.exit("needs oneDNN's bfloat16 linears")
     elif module is None or not module.gemm_isa()[0] or not mkldnn_linear_available():

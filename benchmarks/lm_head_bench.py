@@ -12,7 +12,7 @@ path a buffer of
 ``--flush-mb`` is written, so the weight and logits start outside the caches as in a decode
 step, where the layers' weights have passed through them since. Each line prints the median
 over ``--rounds`` rounds of every part in milliseconds. Needs the native bfloat16 GEMM (a CPU
-with AVX512_BF16). Run it alone on a quiet machine.
+with AVX-512F). Run it alone on a quiet machine.
 
     python benchmarks/lm_head_bench.py [--rows 64] [--vocab 32000] [--hidden 768] [--rounds 25]
         [--flush-mb 64]
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         parser.error("--rows, --vocab, --hidden and --rounds must be >= 1, --flush-mb >= 0")
     module = native.load()
     if module is None or not module.gemm_bf16_available():
-        sys.exit("needs the native bfloat16 GEMM (a CPU with AVX512_BF16)")
+        sys.exit("needs the native bfloat16 GEMM (a CPU with AVX-512F)")
     host_memory.keep_freed_memory()
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(args.vocab, args.hidden, generator=gen) * 0.02).bfloat16()

@@ -22,7 +22,7 @@ needs_avx512_float32_gemm = pytest.mark.skipif(
 )
 needs_bf16_gemm = pytest.mark.skipif(
     _module is None or not _module.gemm_bf16_available(),
-    reason="native bfloat16 GEMM not built (needs AVX512_BF16)",
+    reason="native bfloat16 GEMM not built (needs AVX-512F)",
 )
 needs_amx_gemm = pytest.mark.skipif(
     _module is None or not _module.amx_available(),

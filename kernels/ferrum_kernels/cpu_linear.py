@@ -8,20 +8,20 @@ The arithmetic is the same oneDNN GEMM, so results agree with ``F.linear`` to fl
 Where oneDNN packs float32 but not bfloat16 (an AVX2 CPU), bfloat16 weights are packed widened
 to float32 (``pack_dtype``).
 
-The native GEMM (``csrc/gemm.cpp``, ``gemm_kernel``) runs instead wherever it is built. On a
-CPU with AVX2 but not AVX-512, float32 (and widened bfloat16) weights: on the development
-machine it runs a decode step's M = 64 at 99-109 GFLOP/s where oneDNN's AVX2 kernels run 83-95,
-and is level with them at M = 512. On a CPU with AVX512_BF16, bfloat16 weights: on a Zen 4 it
-runs M = 64 at 410-415 GFLOP/s against oneDNN's 342-346 and M = 16 at 353 against 229, and is
-level from M = 256 on. On a CPU with AVX-512, float32 weights, in the same panels and tiles
-with FMAs: 211 against oneDNN's 200 GFLOP/s at M = 64, 1.4% behind at M = 1024. On those two
-(the AVX-512 GEMM) a SwiGLU's gate/up weight (``GATE_UP_NAME``) is packed paired, so its GEMM
-applies the activation as it stores (``fused_gate_up_silu``): W1 bfloat16 ran 1-4% faster end to
-end than with oneDNN from 256 rows on and a separate SwiGLU, on one packed copy instead of two;
-W1 float32 about 1% and the decode-heavy ``w1-long`` about 4% (docs/cpu-kernels.md).
-``FERRUM_CPU_GEMM`` picks the kernel: ``auto`` (the default, as above), ``native`` (the same
-where it is built) or ``onednn``. It is read once, when the first weight is packed, and the
-choice is logged once (event ``cpu_gemm``).
+The native GEMM (``csrc/gemm.cpp``, ``gemm_kernel``) runs instead wherever it is built. On a CPU
+with AVX2 but not AVX-512, float32 (and widened bfloat16) weights: on the development machine it
+runs a decode step's M = 64 at 99-109 GFLOP/s where oneDNN's AVX2 kernels run 83-95, and is level
+with them at M = 512. On a CPU with AVX-512, bfloat16 weights: with AVX512_BF16 (a Zen 4) it runs
+M = 64 at 410-415 GFLOP/s against oneDNN's 342-346 and M = 16 at 353 against 229, and is level from
+M = 256 on; without it (an Ice Lake), its FMAs emulating vdpbf16ps, 269-273 against oneDNN's 58-64
+from M = 64 to 1024. On a CPU with AVX-512, float32 weights, in the same panels and tiles with FMAs:
+211 against oneDNN's 200 GFLOP/s at M = 64, 1.4% behind at M = 1024. On those two (the AVX-512 GEMM)
+a SwiGLU's gate/up weight (``GATE_UP_NAME``) is packed paired, so its GEMM applies the activation as
+it stores (``fused_gate_up_silu``): W1 bfloat16 ran 1-4% faster end to end than with oneDNN from 256
+rows on and a separate SwiGLU, on one packed copy instead of two; W1 float32 about 1% and the
+decode-heavy ``w1-long`` about 4% (docs/cpu-kernels.md). ``FERRUM_CPU_GEMM`` picks the kernel:
+``auto`` (the default, as above), ``native`` (the same where it is built) or ``onednn``. It is read
+once, when the first weight is packed, and the choice is logged once (event ``cpu_gemm``).
 
 ``prepack_linears(module)`` swaps every ``nn.Linear`` under ``module`` for a ``PackedLinear`` that
 shares the same ``weight``/``bias`` Parameters (so ``state_dict``/``named_parameters`` and
@@ -129,12 +129,19 @@ def _gemm_kernels() -> dict[torch.dtype, str]:
                 kernels[torch.bfloat16] = "native"
         _native_gemm = kernels
         # One line for operators: which GEMM float32 (and widened bfloat16) and bfloat16
-        # linears run.
+        # linears run, and whether the native bfloat16 one emulates vdpbf16ps (an AVX-512 CPU
+        # without AVX512_BF16).
+        emulated = (
+            module is not None
+            and kernels[torch.bfloat16] == "native"
+            and bool(module.gemm_bf16_emulated())
+        )
         _LOG.info(
             "cpu_gemm",
             extra={
                 "float32_kernel": kernels[torch.float32],
                 "bfloat16_kernel": kernels[torch.bfloat16],
+                "bfloat16_emulated": emulated,
                 "setting": choice,
             },
         )
@@ -153,7 +160,7 @@ def _native_gemm_built(compute_dtype: torch.dtype) -> bool:
 def _native_gemm_pairs(compute_dtype: torch.dtype) -> bool:
     """Whether the native GEMM of `compute_dtype` is the AVX-512 one, which packs a gate/up
     weight paired and fuses its SwiGLU (and folds an LM head's greedy choice: ``greedy``):
-    bfloat16 always (it needs AVX512_BF16), float32 on an AVX-512 CPU (the AVX2 kernel does
+    bfloat16 always (it needs AVX-512), float32 on an AVX-512 CPU (the AVX2 kernel does
     not)."""
     module = native.load()
     if module is None:
@@ -165,7 +172,7 @@ def _native_gemm_pairs(compute_dtype: torch.dtype) -> bool:
 
 def gemm_kernel(compute_dtype: torch.dtype) -> str:
     """Which GEMM a weight packed to multiply in `compute_dtype` runs: "native" (float32 on a
-    CPU with AVX2 and FMA, bfloat16 on one with AVX512_BF16) or "onednn", unless
+    CPU with AVX2 and FMA, bfloat16 on one with AVX-512F) or "onednn", unless
     FERRUM_CPU_GEMM says otherwise."""
     return _gemm_kernels().get(compute_dtype, "onednn")
 
@@ -370,7 +377,7 @@ class PackedWeight:
 
     def fuses_swiglu(self, x: torch.Tensor) -> bool:
         """Whether ``swiglu(x)`` runs fused: a paired gate/up weight (on the AVX-512 native GEMM:
-        bfloat16 with AVX512_BF16, float32 with AVX-512F) and x in its dtype."""
+        bfloat16 or float32, with AVX-512F) and x in its dtype."""
         return self.paired and x.dtype == self.compute_dtype
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:

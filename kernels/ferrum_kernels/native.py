@@ -69,6 +69,7 @@ _FUNCTIONS = [
     "prefill_attention_vectorized",
     "gemm_isa",
     "gemm_bf16_available",
+    "gemm_bf16_emulated",
     "amx_available",
     "set_amx",
     "pack_gemm_weight",

@@ -1,6 +1,7 @@
 """The native GEMMs (``csrc/gemm.cpp``) that packed linears run: float32 (AVX-512, or AVX2 and
-FMA) and bfloat16 (AVX512_BF16). Each against float64 F.linear over the edges of its
-blocking, batch-invariant per row, and the kernel choice (``FERRUM_CPU_GEMM``)."""
+FMA) and bfloat16 (AVX-512: vdpbf16ps with AVX512_BF16, else emulated with FMAs). Each against
+float64 F.linear over the edges of its blocking, batch-invariant per row, and the kernel choice
+(``FERRUM_CPU_GEMM``)."""
 
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def test_native_gemm_refuses_mismatched_inputs() -> None:
         (64, 1280, 768),  # a decode step's qkv
         (9, 100, 64),  # a tile of one row after a whole one; a panel of four columns
         (17, 33, 3),  # a panel of one column past the first
-        (300, 64, 2048),  # several blocks of rows (64 rows each at this K), K unrolled long
+        (300, 64, 2048),  # several blocks of rows (64 each at this K, 32 emulated), K long
         (3, 16, 1),
     ],
 )
@@ -173,9 +174,42 @@ def test_native_bf16_gemm_rows_do_not_depend_on_the_batch() -> None:
     x = torch.randn(200, 2048, generator=gen).bfloat16()
     packed = _module.pack_gemm_weight(w)
     whole = _module.packed_gemm(x, packed, None, 70)
-    # Batches ending in a tile of every fill from 1 to 8 rows, and across a block of rows (64).
+    # Batches ending in a tile of every fill from 1 to 8 rows, and across a block of rows (64;
+    # 32 where the GEMM is emulated, its x widened to float32).
     for rows in (slice(0, 1), slice(60, 130), *(slice(9, 9 + n) for n in range(2, 9))):
         assert torch.equal(_module.packed_gemm(x[rows].contiguous(), packed, None, 70), whole[rows])
+
+
+@pytest.mark.skipif(
+    _module is None or not _module.gemm_bf16_emulated(),
+    reason="the bfloat16 GEMM is vdpbf16ps here (the emulated one needs AVX-512F without it)",
+)
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 40, 9), (11, 33, 64), (70, 64, 301)])
+def test_the_emulated_bf16_gemm_sums_as_vdpbf16ps_defines_it(m: int, n: int, k: int) -> None:
+    """Without AVX512_BF16 each step of K adds its pair's odd product, then its even one, into
+    the float32 sum (as Intel defines vdpbf16ps; the products of bfloat16 values are exact in
+    float32, so each add is one rounding), and the sum is rounded to bfloat16 once. Odd Ks
+    end on an even element alone; 40 and 33 columns leave panels partly empty."""
+    assert _module is not None
+    gen = torch.Generator().manual_seed(m + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    got = _module.packed_gemm(x, _module.pack_gemm_weight(w), b, n)
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(m, n)
+    for i in range(0, k, 2):
+        if i + 1 < k:
+            acc = acc + xf[:, i + 1 : i + 2] * wf[:, i + 1]
+        acc = acc + xf[:, i : i + 1] * wf[:, i]
+    assert torch.equal(got, (acc + b).bfloat16())
+    # The order is visible where a sum cancels: 1, then 1 - 1 + 2^-30 is 2^-30 odd product
+    # first, and 0 even first (1 + 2^-30 rounds to 1). The random sums above rarely round to a
+    # different bfloat16 either way.
+    w = torch.tensor([[1.0, 0.0, 2**-15, -1.0]]).repeat(n, 1).bfloat16()
+    x = torch.tensor([[1.0, 0.0, 2**-15, 1.0]]).repeat(m, 1).bfloat16()
+    cancelled = _module.packed_gemm(x, _module.pack_gemm_weight(w), None, n)
+    assert torch.equal(cancelled, torch.full((m, n), 2**-30).bfloat16())
 
 
 @needs_amx_gemm

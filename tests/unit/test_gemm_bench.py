@@ -28,9 +28,7 @@ def test_smoke_run_times_both_kernels_and_they_agree() -> None:
         assert row["diff"] < 1e-5  # weights N(0, 0.02), inputs N(0, 1), K = 768
 
 
-@pytest.mark.skipif(
-    _module is None or not _module.gemm_bf16_available(), reason="needs AVX512_BF16"
-)
+@pytest.mark.skipif(_module is None or not _module.gemm_bf16_available(), reason="needs AVX-512F")
 def test_bfloat16_smoke_run_compares_the_native_bf16_gemm() -> None:
     bench: Any = load_script("ferrum_gemm_bench", _BENCH)
     results = bench.main(["--rows", "9", "--rounds", "1", "--layers", "1", "--dtype", "bfloat16"])
@@ -41,9 +39,7 @@ def test_bfloat16_smoke_run_compares_the_native_bf16_gemm() -> None:
     assert results["M=9 native"]["layers_gflops"] > 0 and results["M=9 native"]["diff"] < 0.02
 
 
-@pytest.mark.skipif(
-    _module is None or not _module.gemm_bf16_available(), reason="needs AVX512_BF16"
-)
+@pytest.mark.skipif(_module is None or not _module.gemm_bf16_available(), reason="needs AVX-512F")
 def test_old_revision_smoke_run_times_both_builds() -> None:
     """--old HEAD: the working tree's GEMM against the last commit's (the package's own build
     for both where they are the same, as in CI), every row of both timed, outputs compared."""

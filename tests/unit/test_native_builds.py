@@ -15,7 +15,7 @@ import pytest
 from ferrum_kernels import native
 
 # What each target exercises: no AVX2 (the portable loops); AVX2 + FMA; AVX-512F without
-# bfloat16; AVX512_BF16 without AMX (as Zen 4); AMX.
+# bfloat16 (the emulated bfloat16 GEMM, as Ice Lake); AVX512_BF16 without AMX (as Zen 4); AMX.
 _TARGETS = ("x86-64-v2", "haswell", "skylake-avx512", "cooperlake", "sapphirerapids")
 
 

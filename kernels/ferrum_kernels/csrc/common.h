@@ -122,6 +122,16 @@ inline __m512 load16(const uint16_t* p, __mmask16 lanes) {
   return from_bf16(_mm256_maskz_loadu_epi16(lanes, p));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// n bfloat16 values widened to float32 (exact), into dst.
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+  if (i < n) {
+    const __mmask16 lanes = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, lanes, load16(src + i, lanes));
+  }
+}
 inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 }

@@ -17,8 +17,8 @@
 // Rounding: each output is summed in K order within a block and the blocks in order, the same
 // for every row whatever M is, so a row's result does not depend on the rows batched with it.
 //
-// The AVX-512 GEMM (ferrum_gemm512, below), bfloat16 on a CPU with AVX512_BF16 and float32 on
-// one with AVX-512F: the weight in panels of 32 columns ([ceil(N/32), K, 32] float32, or pairs of
+// The AVX-512 GEMM (ferrum_gemm512, below), bfloat16 and float32 on a CPU with AVX-512F
+// (bfloat16 with vdpbf16ps where it has AVX512_BF16, else emulated: kBf16Emulated): the weight in panels of 32 columns ([ceil(N/32), K, 32] float32, or pairs of
 // K, [ceil(N/32), ceil(K/2), 32, 2], vdpbf16ps's operand layout, in bfloat16), x read in place
 // (each element, or pair, of a row broadcast), an 8 x 32 register tile (16 accumulators) in
 // float32, each bfloat16 output rounded once. Each output is summed in K order, whatever M is.
@@ -258,11 +258,30 @@ constexpr bool kF32Available = true;
 #else
 constexpr bool kF32Available = false;
 #endif
+// bfloat16 runs wherever AVX-512F does. With AVX512_BF16 each step of K is one vdpbf16ps. Without
+// it (Skylake-X, Cascade Lake, Ice Lake) the step is emulated (kBf16Emulated): a packed pair
+// splits into two float32 vectors (a bfloat16 is the high half of a float32: the odd element by
+// a mask, the even one by a shift), each multiplied in by an FMA, the odd element first as
+// vdpbf16ps adds them (Intel's definition). The products of bfloat16 values are exact in
+// float32, so each output is the same float32 sum over K of exact products, to the rounding of
+// each add. x is widened to float32 a block of rows at a time, so a row's pair costs two
+// broadcasts and no arithmetic. oneDNN's bfloat16 GEMM there ran at 52-64 GFLOP/s against its
+// float32 one's 201-241 (W1's shapes, 64 and 1,024 rows, 2-vCPU Ice Lake).
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Available = true;
+constexpr bool kBf16Emulated = false;
+#elif defined(__AVX512F__)
+constexpr bool kBf16Available = true;
+constexpr bool kBf16Emulated = true;
 #else
 constexpr bool kBf16Available = false;
+constexpr bool kBf16Emulated = false;
 #endif
+
+// The type of x a register tile reads for a weight of T: T itself, but float32 for an emulated
+// bfloat16 weight (x widened a block of rows at a time, see gemm()).
+template <typename T>
+using XOf = std::conditional_t<!std::is_same<T, float>::value && kBf16Emulated, float, T>;
 
 // Where kGreedy folds an LM head's rows: each row's ferrum::GreedyRow per segment of
 // ferrum::kGreedySegmentColumns columns (32 panels), [segments][m]. Threads take runs of whole
@@ -457,7 +476,7 @@ inline void store_row(__m512 v0, __m512 v1, void* __restrict c0, void* __restric
 constexpr int64_t kTileUnroll = 4;  // steps of K per group of a register tile's loop
 
 template <typename T, int R, Store S>
-void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
+void tile(const XOf<T>* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
           void* __restrict c0, void* __restrict c1, int64_t ldc, __mmask16 lanes0,
           __mmask16 lanes1, const float* __restrict bias0, const float* __restrict bias1,
           const char* fetch, int64_t fetch_lines, int64_t col0) {
@@ -488,6 +507,23 @@ void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
         const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+      }
+#else
+      // Emulated (kBf16Emulated): each half's pairs as their odd and even elements in float32,
+      // split once for all R rows; x is float32 already, so each row takes two broadcasts.
+      const __m512i p0 = _mm512_loadu_si512(b + i * 2 * kCols);
+      const __m512i p1 = _mm512_loadu_si512(b + i * 2 * kCols + 32);
+      const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+      const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
+      const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
+      const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+      const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 xo = _mm512_set1_ps(a[r * lda + 2 * i + 1]);
+        const __m512 xe = _mm512_set1_ps(a[r * lda + 2 * i]);
+        acc[r][0] = _mm512_fmadd_ps(xe, even0, _mm512_fmadd_ps(xo, odd0, acc[r][0]));
+        acc[r][1] = _mm512_fmadd_ps(xe, even1, _mm512_fmadd_ps(xo, odd1, acc[r][1]));
       }
 #endif
     }
@@ -524,6 +560,20 @@ void tile(const T* __restrict a, int64_t lda, int64_t k, const T* __restrict b,
       }
     }
   }
+#else
+  if constexpr (!kFloat) {
+    if (k & 1) {  // emulated: the even element alone (the odd one's product is zero)
+      const __m512i p0 = _mm512_loadu_si512(b + steps * 2 * kCols);
+      const __m512i p1 = _mm512_loadu_si512(b + steps * 2 * kCols + 32);
+      const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+      const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+      for (int r = 0; r < R; ++r) {
+        const __m512 xe = _mm512_set1_ps(a[r * lda + k - 1]);
+        acc[r][0] = _mm512_fmadd_ps(xe, even0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xe, even1, acc[r][1]);
+      }
+    }
+  }
 #endif
   __m512 add0 = _mm512_setzero_ps(), add1 = add0;
   if (bias0 != nullptr) add0 = _mm512_maskz_loadu_ps(lanes0, bias0);
@@ -555,7 +605,7 @@ inline PanelColumns panel_columns(int64_t p, int64_t n, int64_t half) {
 }
 
 template <typename T>
-using Tile = void (*)(const T*, int64_t, int64_t, const T*, void*, void*, int64_t, __mmask16,
+using Tile = void (*)(const XOf<T>*, int64_t, int64_t, const T*, void*, void*, int64_t, __mmask16,
                       __mmask16, const float*, const float*, const char*, int64_t, int64_t);
 // By row count (a tile of M's last rows has only those rows' accumulators), for each Store.
 template <typename T, Store S>
@@ -579,10 +629,18 @@ const Tile<T>* tiles_for(Store store) {
 // 32p + 31). half = N / 2: the paired layout (panel p holds columns 16p .. 16p + 15 of each
 // half, pack_gemm_weight_halves). out: [M, N] in T (kPlain), [M, half] in T = silu(first half)
 // * second (kSwiglu, paired only), or [M, N] float32 (kWidened, bfloat16 only).
+//
+// An emulated bfloat16 weight's tiles read x in float32 (XOf): each thread widens a block of rows
+// into a buffer of its own when it first takes a panel of that block, and its tiles read the
+// block there (in L2, as x itself would be). The block is sized in float32, so it takes the
+// same kBlockBytes of L2 as any other; a thread's buffer holds one block (kBlockBytes, or one
+// tile's kRows rows where K is wider than that).
 template <typename T>
 void gemm(const T* __restrict x, const T* __restrict packed, const float* __restrict bias,
           void* __restrict out, int64_t m, int64_t n, int64_t k, int64_t half, Store store,
           const GreedySegments* greedy = nullptr) {
+  using X = XOf<T>;
+  constexpr bool kWiden = !std::is_same<X, T>::value;
   const bool swiglu = store == kSwiglu;
   const int64_t out_bytes = store == kWidened ? sizeof(float) : sizeof(T);
   const int64_t panels = panel_count(n, half);
@@ -590,7 +648,7 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
   const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(T)) / 64;
   const int64_t tiles = (m + kRows - 1) / kRows;
   const int64_t block_tiles =
-      std::max<int64_t>(1, kBlockBytes / (static_cast<int64_t>(sizeof(T)) * k) / kRows);
+      std::max<int64_t>(1, kBlockBytes / (static_cast<int64_t>(sizeof(X)) * k) / kRows);
   const int64_t ldc = swiglu ? half : n;
   const Tile<T>* by_rows = tiles_for<T>(store);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
@@ -598,8 +656,23 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
   PanelRuns runs(groups, panels, PanelRuns::run_length(panels, threads, greedy != nullptr),
                  threads);
   on_threads(threads, [&] {
+    // kWiden: this thread's float32 copy of one block's rows, and which block it holds.
+    thread_local std::vector<float> widened;
+    int64_t widened_group = -1;
     claimed_panels(runs, groups, [&](int64_t group, int64_t p, int64_t next_panel) {
       const int64_t t0 = group * block_tiles, t1 = std::min(tiles, t0 + block_tiles);
+      const X* rows_of_block;  // the block's first row, as the tiles read it
+      if constexpr (kWiden) {
+        const int64_t first = t0 * kRows, count = std::min(m, t1 * kRows) - first;
+        if (group != widened_group) {
+          if (widened.size() < static_cast<size_t>(count * k)) widened.resize(count * k);
+          ferrum::widen_bf16(x + first * k, widened.data(), count * k);
+          widened_group = group;
+        }
+        rows_of_block = widened.data() - first * k;  // indexed by the row's place in x
+      } else {
+        rows_of_block = x;
+      }
       const T* b = packed + p * panel_elems;
       const auto [col0, col1, lanes0, lanes1] = panel_columns(p, n, half);
       const float* bias0 = bias != nullptr ? bias + col0 : nullptr;
@@ -613,12 +686,13 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
         const int64_t done = std::min((t - t0) * per_tile, panel_lines);
         const int64_t fetch_lines = std::min(per_tile, panel_lines - done);
         if (greedy != nullptr) {  // kGreedy: the rows' GreedyRows, one apart
-          by_rows[rows](x + r0 * k, k, k, b, greedy->of_panel(p) + r0, nullptr, 1, lanes0,
+          by_rows[rows](rows_of_block + r0 * k, k, k, b, greedy->of_panel(p) + r0, nullptr, 1,
+                        lanes0,
                         lanes1, bias0, bias1, next + 64 * done, fetch_lines, col0);
           continue;
         }
         char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
-        by_rows[rows](x + r0 * k, k, k, b, c + col0 * out_bytes,
+        by_rows[rows](rows_of_block + r0 * k, k, k, b, c + col0 * out_bytes,
                       swiglu ? nullptr : c + col1 * out_bytes, ldc, lanes0, lanes1, bias0,
                       bias1, next + 64 * done, fetch_lines, col0);
       }
@@ -811,8 +885,13 @@ void gemm_amx(const uint16_t* __restrict x, const uint16_t* __restrict packed,
 
 }  // namespace ferrum_gemm512
 
-// True where this build has the bfloat16 GEMM (a CPU with AVX512_BF16).
+// True where this build has the bfloat16 GEMM (a CPU with AVX-512F: vdpbf16ps where it has
+// AVX512_BF16, emulated with FMAs elsewhere; kBf16Emulated).
 bool gemm_bf16_available() { return ferrum_gemm512::kBf16Available; }
+
+// True where that GEMM emulates vdpbf16ps (AVX-512F without AVX512_BF16): for the startup log
+// and the tests that check its sums bit for bit.
+bool gemm_bf16_emulated() { return ferrum_gemm512::kBf16Emulated; }
 
 // True where bfloat16 GEMMs and prefill attention can run on AMX tiles: built for a CPU with
 // AMX-BF16, and granted the tiles by the kernel (Linux 5.16 and later).
@@ -900,7 +979,7 @@ torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
   const bool is_float = x.scalar_type() == torch::kFloat;
   TORCH_CHECK(wide_gemm(x.scalar_type()),
               is_float ? "the AVX-512 float32 GEMM needs a CPU with AVX-512F"
-                       : "the bfloat16 GEMM needs a CPU with AVX512_BF16");
+                       : "the bfloat16 GEMM needs a CPU with AVX-512F");
   TORCH_CHECK(!(is_float && widened), "a widened output is for bfloat16 x");
   const int64_t per = is_float ? 1 : 2;
   TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() &&
@@ -980,7 +1059,7 @@ torch::Tensor gemm_wide(torch::Tensor x, const torch::Tensor& packed,
     return out;
   }
 #endif
-#if defined(__AVX512BF16__)  // (instantiated only where vdpbf16ps exists; refused above else)
+#if defined(__AVX512F__)  // (bfloat16 with vdpbf16ps or emulated, see kBf16Emulated)
   if (!is_float) {
     ferrum_gemm512::gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()),
                          reinterpret_cast<const uint16_t*>(packed.data_ptr()), bias_ptr, out_ptr,
@@ -1002,7 +1081,7 @@ torch::Tensor pack_gemm_weight_halves(torch::Tensor w) {
   TORCH_CHECK(wide_gemm(w.scalar_type()),
               w.scalar_type() == torch::kFloat
                   ? "a paired float32 weight needs the AVX-512 GEMM (a CPU with AVX-512F)"
-                  : "the bfloat16 GEMM needs a CPU with AVX512_BF16");
+                  : "the bfloat16 GEMM needs a CPU with AVX-512F");
   TORCH_CHECK(w.size(0) > 0 && w.size(0) % 2 == 0, "N must be even (two halves), got ",
               w.size(0));
   return pack_wide(w, w.size(0) / 2);
@@ -1015,7 +1094,7 @@ torch::Tensor pack_gemm_weight_halves(torch::Tensor w) {
 torch::Tensor pack_gemm_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "weight must be [N, K]");
   if (w.scalar_type() == torch::kBFloat16) {
-    TORCH_CHECK(wide_gemm(torch::kBFloat16), "the bfloat16 GEMM needs a CPU with AVX512_BF16");
+    TORCH_CHECK(wide_gemm(torch::kBFloat16), "the bfloat16 GEMM needs a CPU with AVX-512F");
     return pack_wide(w, 0);
   }
   TORCH_CHECK(w.scalar_type() == torch::kFloat, "weight must be [N, K] float32 or bfloat16");
