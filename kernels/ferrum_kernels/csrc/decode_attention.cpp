@@ -319,21 +319,74 @@ inline void k_slice_dots(const c10::BFloat16* q, const c10::BFloat16* k, int64_t
   }
 }
 
+#else
+// Without vdpbf16ps (an AVX-512 CPU without AVX512_BF16) the same, emulated: the query rows are
+// split once per item into their even and odd elements in float32 (split_query: D / 16 vectors
+// a head), and the slice likewise once for the G heads (a 16-bit shift and a mask, 32 elements
+// an instruction each), so each head's 32 elements take two FMAs, summed exactly as
+// partial_dot's emulated loop sums them. partial_dot per head split the slice and the query
+// row again for every head.
+template <int D, int G>
+inline void k_slice_dots(const __m512* q, const c10::BFloat16* k, int64_t group, __m512* out) {
+  static_assert(D % 32 == 0, "whole 32-element pairs of a bfloat16 slice");
+  constexpr int C = D / 32;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 even[C], odd[C];
+  for (int c = 0; c < C; ++c) {
+    const __m512i kv = _mm512_loadu_si512(k + 32 * c);
+    even[c] = _mm512_castsi512_ps(_mm512_slli_epi32(kv, 16));
+    odd[c] = _mm512_castsi512_ps(_mm512_and_si512(kv, high));
+  }
+  const int64_t heads = G > 0 ? G : group;  // G = 0: the group known only at run time
+#pragma GCC unroll 16
+  for (int64_t g = 0; g < heads; ++g) {
+    __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c)
+      acc = _mm512_fmadd_ps(q[(g * C + c) * 2 + 1], odd[c],
+                            _mm512_fmadd_ps(q[(g * C + c) * 2], even[c], acc));
+    out[g * 16] = acc;
+  }
+}
+
+// A query row [heads, D] split into each 32 elements' even and odd ones in float32: [heads][D /
+// 32][2] vectors, for the emulated k_slice_dots.
+template <int D>
+inline void split_query(const c10::BFloat16* q, int64_t heads, __m512* split) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t i = 0; i < heads * D / 32; ++i) {
+    const __m512i v = _mm512_loadu_si512(q + 32 * i);
+    split[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    split[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+  }
+}
+#endif
+
+// How k_slice_dots takes a head's query: D bfloat16 values, or (emulated) D / 16 vectors.
+#if defined(__AVX512BF16__)
+using QueryOf = c10::BFloat16;
+template <int D>
+constexpr int64_t kQueryStride = D;
+#else
+using QueryOf = __m512;
+template <int D>
+constexpr int64_t kQueryStride = D / 16;
+#endif
+
 // A K tile's dot products into out[hq * 16 + j] (hq = kv * group + g), slice by slice, a fetch
 // step before each slice; G = group, or 0 for a group known only at run time.
 template <int D, int G>
-inline void k_tile_dots(const c10::BFloat16* q, const c10::BFloat16* const* tile, int64_t n,
+inline void k_tile_dots(const QueryOf* q, const c10::BFloat16* const* tile, int64_t n,
                         int64_t n_kv_heads, int64_t group, RowFetches& ahead, __m512* out) {
   for (int64_t j = 0; j < n; ++j) {
     const c10::BFloat16* kr = tile[j];
     for (int64_t kv = 0; kv < n_kv_heads; ++kv, kr += D) {
       ahead.step();
       const int64_t heads = G > 0 ? G : group;
-      k_slice_dots<D, G>(q + kv * heads * D, kr, group, out + kv * heads * 16 + j);
+      k_slice_dots<D, G>(q + kv * heads * kQueryStride<D>, kr, group, out + kv * heads * 16 + j);
     }
   }
 }
-#endif
 
 // Sixteen float32 values of a row starting at p (a bfloat16 row is widened): common.h's, and
 // the same for c10's bfloat16 type.
@@ -354,11 +407,10 @@ template <typename T, int D>
 constexpr bool kPairedV = false;
 #endif
 
-// Whether a tile's dot products take k_tile_dots: where V is paired too (bfloat16 in whole
-// 32-element pairs, with vdpbf16ps). float32 keeps partial_dot's loop, which read memory 4%
-// faster there.
+// Whether a tile's dot products take k_tile_dots: bfloat16 in whole 32-element pairs (with
+// vdpbf16ps, or emulated). float32 keeps partial_dot's loop, which read memory 4% faster there.
 template <typename T, int D>
-constexpr bool kSliceDots = kPairedV<T, D>;
+constexpr bool kSliceDots = std::is_same<T, c10::BFloat16>::value && D % 32 == 0;
 
 // Where dim d lives in a paired accumulator: per 32 dims, the "low" vector holds dims
 // 8q..8q+3 of each quarter q in lanes 4q..4q+3, the "high" vector dims 8q+4..8q+7.
@@ -541,6 +593,8 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
     std::vector<uint16_t> probs;  // bfloat16 V pass: the probabilities as bfloat16 bits
     const T* tile[16];
     std::vector<__m512> parts(heads * 16);  // [H][16]: each query head's partial sums of a tile
+    // The emulated k_slice_dots' query rows, split (kSliceDots without vdpbf16ps): [H][D / 16].
+    std::vector<__m512> query_split(kSliceDots<T, D> ? heads * D / 16 : 0);
     const int64_t row_bytes = kv_row * static_cast<int64_t>(sizeof(T));
     RowFetches ahead(row_bytes), next_rows(row_bytes);
     const int64_t per_step = dots_per_step_512();  // the head-by-head K pass's fetch pacing
@@ -557,21 +611,27 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
       const int64_t first = starts != nullptr ? starts[item] : 0, keys = ctx - first;
       scores.resize(heads * keys);                    // [H, keys]
       if constexpr (kPairedV<T, D>) probs.resize(heads * (keys + 1));  // [H, keys + 1]
+#if !defined(__AVX512BF16__)
+      if constexpr (kSliceDots<T, D>) split_query<D>(qrow, heads, query_split.data());
+#endif
       for (int64_t t0 = first; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
         k_tile(tile, ahead, k_pool, v_pool, table, t0, n, ctx, shared, block_size, kv_row);
         if constexpr (kSliceDots<T, D>) {
-#if defined(__AVX512BF16__)
           ahead.pace(n * n_kv_heads);
           __m512* out = parts.data();
-          switch (group) {  // the common groups unrolled
-            case 1: k_tile_dots<D, 1>(qrow, tile, n, n_kv_heads, group, ahead, out); break;
-            case 2: k_tile_dots<D, 2>(qrow, tile, n, n_kv_heads, group, ahead, out); break;
-            case 3: k_tile_dots<D, 3>(qrow, tile, n, n_kv_heads, group, ahead, out); break;
-            case 4: k_tile_dots<D, 4>(qrow, tile, n, n_kv_heads, group, ahead, out); break;
-            default: k_tile_dots<D, 0>(qrow, tile, n, n_kv_heads, group, ahead, out); break;
-          }
+#if defined(__AVX512BF16__)
+          const QueryOf* qs = qrow;
+#else
+          const QueryOf* qs = query_split.data();
 #endif
+          switch (group) {  // the common groups unrolled
+            case 1: k_tile_dots<D, 1>(qs, tile, n, n_kv_heads, group, ahead, out); break;
+            case 2: k_tile_dots<D, 2>(qs, tile, n, n_kv_heads, group, ahead, out); break;
+            case 3: k_tile_dots<D, 3>(qs, tile, n, n_kv_heads, group, ahead, out); break;
+            case 4: k_tile_dots<D, 4>(qs, tile, n, n_kv_heads, group, ahead, out); break;
+            default: k_tile_dots<D, 0>(qs, tile, n, n_kv_heads, group, ahead, out); break;
+          }
         } else {
           ahead.pace((n * heads + per_step - 1) / per_step);
           int64_t until_step = 1;  // a step before the first dot product, then every per_step
