@@ -362,15 +362,18 @@ inline void split_query(const c10::BFloat16* q, int64_t heads, __m512* split) {
 }
 #endif
 
-// How k_slice_dots takes a head's query: D bfloat16 values, or (emulated) D / 16 vectors.
+// How k_slice_dots takes a head's query: D bfloat16 values, or (emulated, kSplitQuery) D / 16
+// vectors.
 #if defined(__AVX512BF16__)
 using QueryOf = c10::BFloat16;
 template <int D>
 constexpr int64_t kQueryStride = D;
+constexpr bool kSplitQuery = false;
 #else
 using QueryOf = __m512;
 template <int D>
 constexpr int64_t kQueryStride = D / 16;
+constexpr bool kSplitQuery = true;
 #endif
 
 // A K tile's dot products into out[hq * 16 + j] (hq = kv * group + g), slice by slice, a fetch
@@ -594,7 +597,7 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
     const T* tile[16];
     std::vector<__m512> parts(heads * 16);  // [H][16]: each query head's partial sums of a tile
     // The emulated k_slice_dots' query rows, split (kSliceDots without vdpbf16ps): [H][D / 16].
-    std::vector<__m512> query_split(kSliceDots<T, D> ? heads * D / 16 : 0);
+    std::vector<__m512> query_split(kSliceDots<T, D> && kSplitQuery ? heads * D / 16 : 0);
     const int64_t row_bytes = kv_row * static_cast<int64_t>(sizeof(T));
     RowFetches ahead(row_bytes), next_rows(row_bytes);
     const int64_t per_step = dots_per_step_512();  // the head-by-head K pass's fetch pacing

@@ -18,8 +18,9 @@
 // for every row whatever M is, so a row's result does not depend on the rows batched with it.
 //
 // The AVX-512 GEMM (ferrum_gemm512, below), bfloat16 and float32 on a CPU with AVX-512F
-// (bfloat16 with vdpbf16ps where it has AVX512_BF16, else emulated: kBf16Emulated): the weight in panels of 32 columns ([ceil(N/32), K, 32] float32, or pairs of
-// K, [ceil(N/32), ceil(K/2), 32, 2], vdpbf16ps's operand layout, in bfloat16), x read in place
+// (bfloat16 with vdpbf16ps where it has AVX512_BF16, else emulated: kBf16Emulated): the weight
+// in panels of 32 columns ([ceil(N/32), K, 32] float32, or pairs of K, [ceil(N/32), ceil(K/2),
+// 32, 2], vdpbf16ps's operand layout, in bfloat16), x read in place
 // (each element, or pair, of a row broadcast), an 8 x 32 register tile (16 accumulators) in
 // float32, each bfloat16 output rounded once. Each output is summed in K order, whatever M is.
 // Measured against oneDNN's pre-packed bfloat16 GEMM on a Zen 4 (2 cores, W1's shapes, twelve
@@ -259,14 +260,14 @@ constexpr bool kF32Available = true;
 constexpr bool kF32Available = false;
 #endif
 // bfloat16 runs wherever AVX-512F does. With AVX512_BF16 each step of K is one vdpbf16ps. Without
-// it (Skylake-X, Cascade Lake, Ice Lake) the step is emulated (kBf16Emulated): a packed pair
-// splits into two float32 vectors (a bfloat16 is the high half of a float32: the odd element by
-// a mask, the even one by a shift), each multiplied in by an FMA, the odd element first as
-// vdpbf16ps adds them (Intel's definition). The products of bfloat16 values are exact in
-// float32, so each output is the same float32 sum over K of exact products, to the rounding of
-// each add. x is widened to float32 a block of rows at a time, so a row's pair costs two
-// broadcasts and no arithmetic. oneDNN's bfloat16 GEMM there ran at 52-64 GFLOP/s against its
-// float32 one's 201-241 (W1's shapes, 64 and 1,024 rows, 2-vCPU Ice Lake).
+// it (Skylake-X, Cascade Lake, Ice Lake) the step is emulated (kBf16Emulated): a packed pair splits
+// into two float32 vectors (a bfloat16 is the high half of a float32: the odd element by a mask,
+// the even one by a shift), each multiplied in by an FMA, the odd element first as vdpbf16ps adds
+// them (Intel's definition). The products of bfloat16 values are exact in float32, so each output
+// is the same float32 sum over K of exact products, to the rounding of each add. x is widened to
+// float32 a block of rows at a time, so a row's pair costs two broadcasts and no arithmetic.
+// oneDNN's bfloat16 GEMM there ran at 52-64 GFLOP/s against its float32 one's 201-241 (W1's shapes,
+// 64 and 1,024 rows, 2-vCPU Ice Lake).
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Available = true;
 constexpr bool kBf16Emulated = false;
@@ -605,8 +606,9 @@ inline PanelColumns panel_columns(int64_t p, int64_t n, int64_t half) {
 }
 
 template <typename T>
-using Tile = void (*)(const XOf<T>*, int64_t, int64_t, const T*, void*, void*, int64_t, __mmask16,
-                      __mmask16, const float*, const float*, const char*, int64_t, int64_t);
+using Tile = void (*)(const XOf<T>*, int64_t, int64_t, const T*, void*, void*, int64_t,
+                      __mmask16, __mmask16, const float*, const float*, const char*, int64_t,
+                      int64_t);
 // By row count (a tile of M's last rows has only those rows' accumulators), for each Store.
 template <typename T, Store S>
 constexpr Tile<T> kTilesOf[kRows + 1] = {
@@ -687,8 +689,7 @@ void gemm(const T* __restrict x, const T* __restrict packed, const float* __rest
         const int64_t fetch_lines = std::min(per_tile, panel_lines - done);
         if (greedy != nullptr) {  // kGreedy: the rows' GreedyRows, one apart
           by_rows[rows](rows_of_block + r0 * k, k, k, b, greedy->of_panel(p) + r0, nullptr, 1,
-                        lanes0,
-                        lanes1, bias0, bias1, next + 64 * done, fetch_lines, col0);
+                        lanes0, lanes1, bias0, bias1, next + 64 * done, fetch_lines, col0);
           continue;
         }
         char* c = static_cast<char*>(out) + r0 * ldc * out_bytes;
