@@ -105,6 +105,17 @@ inline __m256i to_bf16(__m512 v) {
 #endif
 }
 
+// 16 pairs of bfloat16 values (32 bits each, as vdpbf16ps takes them) as float32 (exact): each
+// pair's even (low) element, and its odd (high) one. Where there is no vdpbf16ps, a pair's two
+// products are these, multiplied in by two FMAs.
+inline __m512 bf16_evens(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+}
+inline __m512 bf16_odds(__m512i pairs) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // 16 bfloat16 values widened to float32 (exact).
 inline __m512 from_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));

@@ -280,13 +280,9 @@ inline __m512 partial_dot(const c10::BFloat16* q, const c10::BFloat16* k) {
                            (__m512bh)_mm512_maskz_loadu_epi16(m, k + d));
 #else
     const __m512i qi = _mm512_maskz_loadu_epi16(m, q + d), ki = _mm512_maskz_loadu_epi16(m, k + d);
-    // Even and odd halves widened to float32 (bf16 << 16), then two FMAs.
-    const __m512 qe = _mm512_castsi512_ps(_mm512_slli_epi32(qi, 16));
-    const __m512 ke = _mm512_castsi512_ps(_mm512_slli_epi32(ki, 16));
-    const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    const __m512 qo = _mm512_castsi512_ps(_mm512_and_si512(qi, hi));
-    const __m512 ko = _mm512_castsi512_ps(_mm512_and_si512(ki, hi));
-    acc = _mm512_fmadd_ps(qo, ko, _mm512_fmadd_ps(qe, ke, acc));
+    // Even and odd halves widened to float32, then two FMAs.
+    acc = _mm512_fmadd_ps(ferrum::bf16_odds(qi), ferrum::bf16_odds(ki),
+                          _mm512_fmadd_ps(ferrum::bf16_evens(qi), ferrum::bf16_evens(ki), acc));
 #endif
   }
   return acc;
@@ -330,12 +326,11 @@ template <int D, int G>
 inline void k_slice_dots(const __m512* q, const c10::BFloat16* k, int64_t group, __m512* out) {
   static_assert(D % 32 == 0, "whole 32-element pairs of a bfloat16 slice");
   constexpr int C = D / 32;
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 even[C], odd[C];
   for (int c = 0; c < C; ++c) {
     const __m512i kv = _mm512_loadu_si512(k + 32 * c);
-    even[c] = _mm512_castsi512_ps(_mm512_slli_epi32(kv, 16));
-    odd[c] = _mm512_castsi512_ps(_mm512_and_si512(kv, high));
+    even[c] = ferrum::bf16_evens(kv);
+    odd[c] = ferrum::bf16_odds(kv);
   }
   const int64_t heads = G > 0 ? G : group;  // G = 0: the group known only at run time
 #pragma GCC unroll 16
@@ -353,11 +348,10 @@ inline void k_slice_dots(const __m512* q, const c10::BFloat16* k, int64_t group,
 // 32][2] vectors, for the emulated k_slice_dots.
 template <int D>
 inline void split_query(const c10::BFloat16* q, int64_t heads, __m512* split) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t i = 0; i < heads * D / 32; ++i) {
     const __m512i v = _mm512_loadu_si512(q + 32 * i);
-    split[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    split[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    split[2 * i] = ferrum::bf16_evens(v);
+    split[2 * i + 1] = ferrum::bf16_odds(v);
   }
 }
 #endif

@@ -514,11 +514,8 @@ void tile(const XOf<T>* __restrict a, int64_t lda, int64_t k, const T* __restric
       // split once for all R rows; x is float32 already, so each row takes two broadcasts.
       const __m512i p0 = _mm512_loadu_si512(b + i * 2 * kCols);
       const __m512i p1 = _mm512_loadu_si512(b + i * 2 * kCols + 32);
-      const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-      const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
-      const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
-      const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
-      const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+      const __m512 odd0 = ferrum::bf16_odds(p0), odd1 = ferrum::bf16_odds(p1);
+      const __m512 even0 = ferrum::bf16_evens(p0), even1 = ferrum::bf16_evens(p1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 xo = _mm512_set1_ps(a[r * lda + 2 * i + 1]);
@@ -564,10 +561,8 @@ void tile(const XOf<T>* __restrict a, int64_t lda, int64_t k, const T* __restric
 #else
   if constexpr (!kFloat) {
     if (k & 1) {  // emulated: the even element alone (the odd one's product is zero)
-      const __m512i p0 = _mm512_loadu_si512(b + steps * 2 * kCols);
-      const __m512i p1 = _mm512_loadu_si512(b + steps * 2 * kCols + 32);
-      const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
-      const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+      const __m512 even0 = ferrum::bf16_evens(_mm512_loadu_si512(b + steps * 2 * kCols));
+      const __m512 even1 = ferrum::bf16_evens(_mm512_loadu_si512(b + steps * 2 * kCols + 32));
       for (int r = 0; r < R; ++r) {
         const __m512 xe = _mm512_set1_ps(a[r * lda + k - 1]);
         acc[r][0] = _mm512_fmadd_ps(xe, even0, acc[r][0]);

@@ -145,12 +145,8 @@ struct Ops<uint16_t> {
     return _mm512_set1_epi32(word);
   }
   static inline __m512 madd(__m512 acc, Vec a, Vec b) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-    const __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
-    const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-    const __m512 a1 = _mm512_castsi512_ps(_mm512_and_si512(a, high));
-    const __m512 b1 = _mm512_castsi512_ps(_mm512_and_si512(b, high));
-    return _mm512_fmadd_ps(a1, b1, _mm512_fmadd_ps(a0, b0, acc));
+    return _mm512_fmadd_ps(ferrum::bf16_odds(a), ferrum::bf16_odds(b),
+                           _mm512_fmadd_ps(ferrum::bf16_evens(a), ferrum::bf16_evens(b), acc));
   }
 #define FERRUM_PREFILL_SIMD_BF16 1
 #endif
