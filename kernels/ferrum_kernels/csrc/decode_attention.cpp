@@ -288,76 +288,8 @@ inline __m512 partial_dot(const c10::BFloat16* q, const c10::BFloat16* k) {
   return acc;
 }
 
-#if defined(__AVX512BF16__)
-// One bfloat16 K slice (D elements of one KV head of one token row) against the G query heads
-// that share it (rows D apart): out[g * 16] = the 16-lane partial sums of dot(q_g, k), formed
-// exactly as partial_dot forms them. The slice is loaded once for the G heads, and with G a
-// compile-time constant the query rows' loads fold into the dot instructions. partial_dot per
-// head reloaded the slice G times. At a W1 decode step's shapes the kernel took 15% less time
-// with the pool in cache and up to 9% less over memory, and served W1 decode steps' forwards 8%
-// less (docs/benchmarks.md, thirty-fifth session).
-template <int D, int G>
-inline void k_slice_dots(const c10::BFloat16* q, const c10::BFloat16* k, int64_t group,
-                         __m512* out) {
-  static_assert(D % 32 == 0, "whole 32-element pairs of a bfloat16 slice");
-  constexpr int C = D / 32;
-  __m512i kv[C];
-  for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_si512(k + 32 * c);
-  const int64_t heads = G > 0 ? G : group;  // G = 0: the group known only at run time
-#pragma GCC unroll 16
-  for (int64_t g = 0; g < heads; ++g) {
-    __m512 acc = _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c),
-                             (__m512bh)kv[c]);
-    out[g * 16] = acc;
-  }
-}
-
-#else
-// Without vdpbf16ps (an AVX-512 CPU without AVX512_BF16) the same, emulated: the query rows are
-// split once per item into their even and odd elements in float32 (split_query: D / 16 vectors
-// a head), and the slice likewise once for the G heads (a 16-bit shift and a mask, 32 elements
-// an instruction each), so each head's 32 elements take two FMAs, summed exactly as
-// partial_dot's emulated loop sums them. partial_dot per head split the slice and the query
-// row again for every head.
-template <int D, int G>
-inline void k_slice_dots(const __m512* q, const c10::BFloat16* k, int64_t group, __m512* out) {
-  static_assert(D % 32 == 0, "whole 32-element pairs of a bfloat16 slice");
-  constexpr int C = D / 32;
-  __m512 even[C], odd[C];
-  for (int c = 0; c < C; ++c) {
-    const __m512i kv = _mm512_loadu_si512(k + 32 * c);
-    even[c] = ferrum::bf16_evens(kv);
-    odd[c] = ferrum::bf16_odds(kv);
-  }
-  const int64_t heads = G > 0 ? G : group;  // G = 0: the group known only at run time
-#pragma GCC unroll 16
-  for (int64_t g = 0; g < heads; ++g) {
-    __m512 acc = _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c)
-      acc = _mm512_fmadd_ps(q[(g * C + c) * 2 + 1], odd[c],
-                            _mm512_fmadd_ps(q[(g * C + c) * 2], even[c], acc));
-    out[g * 16] = acc;
-  }
-}
-
-// A query row [heads, D] split into each 32 elements' even and odd ones in float32: [heads][D /
-// 32][2] vectors, for the emulated k_slice_dots.
-template <int D>
-inline void split_query(const c10::BFloat16* q, int64_t heads, __m512* split) {
-  for (int64_t i = 0; i < heads * D / 32; ++i) {
-    const __m512i v = _mm512_loadu_si512(q + 32 * i);
-    split[2 * i] = ferrum::bf16_evens(v);
-    split[2 * i + 1] = ferrum::bf16_odds(v);
-  }
-}
-#endif
-
-// How k_slice_dots takes a head's query: D bfloat16 values, or (emulated, kSplitQuery) D / 16
-// vectors.
+// How k_slice_dots takes a head's query: D bfloat16 values, with vdpbf16ps; without it
+// (kSplitQuery), D / 16 float32 vectors, the row split once per item (split_query).
 #if defined(__AVX512BF16__)
 using QueryOf = c10::BFloat16;
 template <int D>
@@ -368,7 +300,61 @@ using QueryOf = __m512;
 template <int D>
 constexpr int64_t kQueryStride = D / 16;
 constexpr bool kSplitQuery = true;
+
+// A query row [heads, D] split into each 32 elements' even and odd ones in float32: [heads][D /
+// 32][2] vectors, for k_slice_dots without vdpbf16ps.
+template <int D>
+inline void split_query(const c10::BFloat16* q, int64_t heads, __m512* split) {
+  for (int64_t i = 0; i < heads * D / 32; ++i) {
+    const __m512i v = _mm512_loadu_si512(q + 32 * i);
+    split[2 * i] = ferrum::bf16_evens(v);
+    split[2 * i + 1] = ferrum::bf16_odds(v);
+  }
+}
 #endif
+
+// One bfloat16 K slice (D elements of one KV head of one token row) against the G query heads
+// that share it (rows kQueryStride apart): out[g * 16] = the 16-lane partial sums of dot(q_g,
+// k), formed exactly as partial_dot forms them. The slice is loaded once for the G heads, and
+// with G a compile-time constant the query rows' loads fold into the dot instructions.
+// partial_dot per head reloaded the slice G times. At a W1 decode step's shapes the kernel took
+// 15% less time with the pool in cache and up to 9% less over memory, and served W1 decode
+// steps' forwards 8% less (docs/benchmarks.md, thirty-fifth session). Without vdpbf16ps (an
+// AVX-512 CPU without AVX512_BF16) the dot products are emulated: the slice is split once for
+// the G heads into its even and odd elements in float32, as the query rows were (split_query),
+// so each head's 32 elements take two FMAs; partial_dot's emulated loop split both again for
+// every head (fifty-second session).
+template <int D, int G>
+inline void k_slice_dots(const QueryOf* q, const c10::BFloat16* k, int64_t group, __m512* out) {
+  static_assert(D % 32 == 0, "whole 32-element pairs of a bfloat16 slice");
+  constexpr int C = D / 32;
+#if defined(__AVX512BF16__)
+  __m512i kv[C];
+  for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_si512(k + 32 * c);
+#else
+  __m512 even[C], odd[C];
+  for (int c = 0; c < C; ++c) {
+    const __m512i kv = _mm512_loadu_si512(k + 32 * c);
+    even[c] = ferrum::bf16_evens(kv);
+    odd[c] = ferrum::bf16_odds(kv);
+  }
+#endif
+  const int64_t heads = G > 0 ? G : group;  // G = 0: the group known only at run time
+#pragma GCC unroll 16
+  for (int64_t g = 0; g < heads; ++g) {
+    const QueryOf* qg = q + g * kQueryStride<D>;
+    __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+#if defined(__AVX512BF16__)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + 32 * c), (__m512bh)kv[c]);
+#else
+      acc = _mm512_fmadd_ps(qg[2 * c + 1], odd[c], _mm512_fmadd_ps(qg[2 * c], even[c], acc));
+#endif
+    }
+    out[g * 16] = acc;
+  }
+}
 
 // A K tile's dot products into out[hq * 16 + j] (hq = kv * group + g), slice by slice, a fetch
 // step before each slice; G = group, or 0 for a group known only at run time.
