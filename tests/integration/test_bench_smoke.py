@@ -369,6 +369,62 @@ def test_bench_runs_the_model_split_over_two_ranks_beside_it(tmp_path: Path) -> 
     assert bad.returncode == 2 and "--tensor-parallel-size" in bad.stderr
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False
+    )
+
+
+def test_bench_against_a_revision_runs_its_server_beside_this_one(tmp_path: Path) -> None:
+    head = _git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        pytest.skip("not a git checkout: --against needs one")
+    commit = head.stdout.strip()
+    out = tmp_path / "bench.json"
+    done = _cli(
+        "bench",
+        "--workload", "smoke",
+        "--dtype", "float32",
+        "--against", "HEAD",
+        "--no-progress",
+        "--cache-dir", str(tmp_path / "models"),
+        "--output", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["against"] == {"revision": "HEAD", "commit": commit}
+    section = report["by_dtype"]["float32"]
+    label = f"ferrum-grpc@{commit[:10]}"
+    before = section["results"][label]
+    assert before["output_tokens"] == 12 * 8 and before["output_tok_s"] > 0
+    # Its server ran from a worktree of the revision (revision_checkout checked that a process
+    # given this path imports the worktree's server), and the worktree is gone again.
+    parts = before["notes"]["server_path"].split(os.pathsep)
+    assert [Path(part).name for part in parts] == ["server", "kernels", "client"]
+    assert all("ferrum-against-" in part and not Path(part).exists() for part in parts)
+    assert "ferrum-against-" not in _git("worktree", "list", "--porcelain").stdout
+    assert f"ferrum-grpc / {label}" in section["derived"]["ratios_output_tok_s"]
+    assert label in section["derived"]["output_match_vs_ferrum_grpc"]
+    assert f"against revision HEAD ({commit})" in done.stdout
+    assert f"{label} engine time:" in done.stdout
+    bad = _cli("bench", "--workload", "smoke", "--against", "no-such-revision-of-ferrum")
+    assert bad.returncode == 2 and "names no commit" in bad.stderr
+
+
+def test_a_folder_outside_git_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    from ferrum_server.tools.bench.revision import revision_checkout
+
+    with (
+        pytest.raises(ValueError, match="is not a git checkout"),
+        revision_checkout("HEAD", repository=tmp_path),
+    ):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_memory_read_probe_reports_a_rate() -> None:
     from ferrum_server.tools.bench import harness
 

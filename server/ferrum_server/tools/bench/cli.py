@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -135,6 +136,13 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         help="also run ferrum-grpc with the model split over N ranks on this machine (they "
         "share its cores); the row reports the collectives' time per step",
     )
+    bench.add_argument(
+        "--against",
+        metavar="REV",
+        default=None,
+        help="also run ferrum-grpc with its server from git revision REV (checked out in a "
+        "temporary worktree) in the same rounds: the row ferrum-grpc@<commit>",
+    )
     bench.add_argument("--hf-batch-size", type=int, default=16)
     bench.add_argument("--torch-threads", type=int, default=0)
     bench.add_argument("--vllm-venv", default=None, help="vLLM CPU venv (see scripts/)")
@@ -149,6 +157,7 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ferrum_server.tools.bench.harness import COMPARE_CHOICES, format_table, run_bench
+    from ferrum_server.tools.bench.revision import RevisionCheckout, revision_checkout
 
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     compare = [c.strip() for c in args.compare.split(",") if c.strip()]
@@ -173,33 +182,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if bad or not dtypes:
         sys.stderr.write(f"ferrum-executor bench: unknown choice(s): {', '.join(bad)}\n")
         return 2
-    report = run_bench(
-        args.workload,
-        dtypes,
-        compare,
-        mode=args.mode,
-        rate=args.rate,
-        max_step_tokens=args.max_step_tokens,
-        max_prefill_step_tokens=args.max_prefill_step_tokens,
-        target_step_ms=args.target_step_ms,
-        min_prefill_share=args.min_prefill_share,
-        budgets=args.budgets,
-        prefill_shares=args.prefill_shares,
-        pipeline_depth=args.pipeline_depth,
-        extra_depths=args.extra_depths,
-        unaligned=args.unaligned,
-        without_continuation=args.without_continuation,
-        continuation_lead_ms=args.continuation_lead_ms,
-        planned_at_once=args.planned_at_once,
-        repeat=args.repeat,
-        hf_batch_size=args.hf_batch_size,
-        torch_threads=args.torch_threads,
-        vllm_venv=args.vllm_venv,
-        cache_dir=args.cache_dir,
-        progress=not args.no_progress,
-        executors=args.executors,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    with contextlib.ExitStack() as stack:
+        against: RevisionCheckout | None = None
+        if args.against is not None:
+            try:
+                against = stack.enter_context(revision_checkout(args.against))
+            except ValueError as exc:
+                sys.stderr.write(f"ferrum-executor bench: --against: {exc}\n")
+                return 2
+        report = run_bench(
+            args.workload,
+            dtypes,
+            compare,
+            mode=args.mode,
+            rate=args.rate,
+            max_step_tokens=args.max_step_tokens,
+            max_prefill_step_tokens=args.max_prefill_step_tokens,
+            target_step_ms=args.target_step_ms,
+            min_prefill_share=args.min_prefill_share,
+            budgets=args.budgets,
+            prefill_shares=args.prefill_shares,
+            pipeline_depth=args.pipeline_depth,
+            extra_depths=args.extra_depths,
+            unaligned=args.unaligned,
+            without_continuation=args.without_continuation,
+            continuation_lead_ms=args.continuation_lead_ms,
+            planned_at_once=args.planned_at_once,
+            repeat=args.repeat,
+            hf_batch_size=args.hf_batch_size,
+            torch_threads=args.torch_threads,
+            vllm_venv=args.vllm_venv,
+            cache_dir=args.cache_dir,
+            progress=not args.no_progress,
+            executors=args.executors,
+            tensor_parallel_size=args.tensor_parallel_size,
+            against=against,
+        )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     sys.stdout.write(format_table(report) + "\n")

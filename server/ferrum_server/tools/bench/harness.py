@@ -23,6 +23,7 @@ from ferrum_client.scheduler import (
     DEFAULT_TARGET_STEP_MS,
 )
 
+from ferrum_server.tools.bench.revision import RevisionCheckout
 from ferrum_server.tools.bench.runners import RequestTrace, RunOutput, RunSpec
 from ferrum_server.tools.bench.workloads import WORKLOADS, Workload, ensure_model, matmul_flops
 
@@ -284,7 +285,11 @@ def run_bench(
     log: Any = sys.stderr,
     executors: int = 1,
     tensor_parallel_size: int = 1,
+    against: RevisionCheckout | None = None,
 ) -> dict[str, Any]:
+    """Runs the workload on every system of the plan in `repeat` rotated rounds per dtype and
+    returns the report. `against`: another revision's checkout, whose server runs as one more
+    row (its label) beside this checkout's ferrum-grpc."""
     if repeat < 1:
         raise ValueError("repeat must be >= 1")
     workload = WORKLOADS[workload_name]
@@ -311,6 +316,8 @@ def run_bench(
         },
         "by_dtype": {},
     }
+    if against is not None:
+        report["against"] = {"revision": against.revision, "commit": against.commit}
     for dtype in dtypes:
         base = RunSpec(
             system="ferrum-grpc",
@@ -369,6 +376,10 @@ def run_bench(
             # (the default keeps two, every running request in each: docs/scheduler.md).
             label = "ferrum-grpc no continuation"
             plan.append((label, replace(base, decode_continuation=False)))
+        if against is not None:
+            # Another revision's server under this checkout's scheduler, in the same rounds: a
+            # change served end to end against the code before it.
+            plan.append((against.label, replace(base, server_path=against.python_path)))
         if planned_at_once and continuation_lead_ms is not None:
             # Continuation with each step planned as soon as the one before starts: a prompt
             # arriving meanwhile waits out one more step (online only: offline never holds).
@@ -482,6 +493,22 @@ def _derived(
     return derived
 
 
+def _engine_time_line(name: str, steps: dict[str, Any], shares: dict[str, float]) -> str:
+    """A row's engine time by step kind, for the table ("" without step records)."""
+    if not steps.get("by_kind"):
+        return ""
+    parts = []
+    for kind, group in steps["by_kind"].items():
+        share = f", {100 * shares[kind]:.1f}% of the ceiling" if kind in shares else ""
+        count = group["count"]
+        parts.append(
+            f"{kind} {count} step{'' if count == 1 else 's'} {group['engine_s']:.2f} s "
+            f"(p50 {group['step_ms_p50']:.1f} ms{share})"
+        )
+    idle = steps["rpc_and_scheduling_s"]
+    return f"  {name} engine time: {'; '.join(parts)}; idle {idle:.2f} s"
+
+
 def _ceiling_by_kind(
     steps: dict[str, Any], flops: dict[str, float], best_gflops: float
 ) -> dict[str, float]:
@@ -507,6 +534,9 @@ def format_table(report: dict[str, Any]) -> str:
         + (f" at {report['rate_per_s']}/s" if report["mode"] == "online" else "")
     )
     lines.append(head)
+    if "against" in report:
+        against = report["against"]
+        lines.append(f"against revision {against['revision']} ({against['commit']})")
     for dtype, section in report["by_dtype"].items():
         lines.append("")
         lines.append(
@@ -559,19 +589,14 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{ceiling['best_gemm_gflops']} GFLOP/s; reached "
                 f"{100 * ceiling['fraction_of_ceiling']:.1f}%"
             )
-        grpc_steps = (section["results"].get("ferrum-grpc") or {}).get("steps") or {}
-        if grpc_steps.get("by_kind"):
-            shares = (ceiling or {}).get("by_step_kind", {})
-            parts = []
-            for kind, group in grpc_steps["by_kind"].items():
-                share = f", {100 * shares[kind]:.1f}% of the ceiling" if kind in shares else ""
-                count = group["count"]
-                parts.append(
-                    f"{kind} {count} step{'' if count == 1 else 's'} {group['engine_s']:.2f} s "
-                    f"(p50 {group['step_ms_p50']:.1f} ms{share})"
-                )
-            idle = grpc_steps["rpc_and_scheduling_s"]
-            lines.append(f"  ferrum-grpc engine time: {'; '.join(parts)}; idle {idle:.2f} s")
+        for name, r in section["results"].items():
+            # The gRPC row's engine time by step kind (with each kind's share of the ceiling),
+            # and another revision's beside it (bench --against), where the change shows.
+            if name == "ferrum-grpc" or name.startswith("ferrum-grpc@"):
+                shares = (ceiling or {}).get("by_step_kind", {}) if name == "ferrum-grpc" else {}
+                line = _engine_time_line(name, r.get("steps") or {}, shares)
+                if line:
+                    lines.append(line)
         if derived.get("output_match_vs_ferrum_grpc"):
             lines.append(
                 f"  identical outputs vs ferrum-grpc: {derived['output_match_vs_ferrum_grpc']}"

@@ -77,6 +77,9 @@ class RunSpec:
     executors: int = 1
     # ferrum-grpc: ranks each executor's model is split over (docs/parallelism.md).
     tensor_parallel_size: int = 1
+    # ferrum-grpc: PYTHONPATH for the server processes, a worktree of another revision's
+    # packages (bench --against: revision.py); empty: this checkout's.
+    server_path: str = ""
 
 
 def peak_rss(pid: int | None = None) -> int:
@@ -243,9 +246,12 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
 
     processes: list[subprocess.Popen[bytes]] = []
     targets: list[str] = []
+    popen: dict[str, Any] = {}
+    if spec.server_path:  # another revision's server (bench --against)
+        popen["env"] = {**os.environ, "PYTHONPATH": spec.server_path}
     try:
         for _ in range(spec.executors):
-            process, port = start_server_process(_engine_args(spec), timeout_s=600)
+            process, port = start_server_process(_engine_args(spec), timeout_s=600, **popen)
             processes.append(process)
             targets.append(f"127.0.0.1:{port}")
     except BaseException:
@@ -269,6 +275,10 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
         if spec.tensor_parallel_size > 1:  # each follower rank's own peak beside rank 0's
             for rank, pid in enumerate(_followers(processes[0].pid), start=1):
                 peaks[f"rank{rank}"] = peak_rss(pid)
+        if spec.server_path:
+            # What the server was started with, read back from it while it runs (Linux).
+            environ = _environ(processes[0].pid)
+            notes["server_path"] = environ.get("PYTHONPATH", "") if environ else spec.server_path
     finally:
         stop_server_processes(processes)
     notes["executors"] = spec.executors
@@ -281,6 +291,16 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
         steps,
         notes,
     )
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """A process's environment as it started (Linux's /proc), or {} where it cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (entry.split(b"=", 1) for entry in raw.split(b"\0") if b"=" in entry)
+    return {key.decode(errors="replace"): value.decode(errors="replace") for key, value in pairs}
 
 
 def _followers(pid: int) -> list[int]:
