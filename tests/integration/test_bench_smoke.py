@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ferrum_client.scheduler import SchedulerConfig
@@ -30,6 +31,22 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         check=False,
         env=env,
     )
+
+
+def _smoke_bench(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """`bench --workload smoke --dtype float32` with `flags`, as CI runs it; its JSON report."""
+    out = tmp_path / "bench.json"
+    done = _cli(
+        "bench",
+        "--workload", "smoke",
+        "--dtype", "float32",
+        *flags,
+        "--no-progress",
+        "--cache-dir", str(tmp_path / "models"),
+        "--output", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, json.loads(out.read_text())
 
 
 def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
@@ -317,19 +334,8 @@ def test_planned_at_once_runs_as_an_extra_row_and_a_bad_lead_is_refused(
 
 
 def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    done = _cli(
-        "bench",
-        "--workload", "smoke",
-        "--dtype", "float32",
-        "--compare", "inproc",
-        "--executors", "2",
-        "--no-progress",
-        "--cache-dir", str(tmp_path / "models"),
-        "--output", str(out),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    section = json.loads(out.read_text())["by_dtype"]["float32"]
+    _, report = _smoke_bench(tmp_path, "--compare", "inproc", "--executors", "2")
+    section = report["by_dtype"]["float32"]
     fleet = section["results"]["ferrum-grpc"]
     assert fleet["notes"]["executors"] == 2
     assert fleet["output_tokens"] == 12 * 8
@@ -345,18 +351,8 @@ def test_bench_drives_several_local_executors_as_one_fleet(tmp_path: Path) -> No
 
 
 def test_bench_runs_the_model_split_over_two_ranks_beside_it(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    done = _cli(
-        "bench",
-        "--workload", "smoke",
-        "--dtype", "float32",
-        "--tensor-parallel-size", "2",
-        "--no-progress",
-        "--cache-dir", str(tmp_path / "models"),
-        "--output", str(out),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    section = json.loads(out.read_text())["by_dtype"]["float32"]
+    _, report = _smoke_bench(tmp_path, "--tensor-parallel-size", "2")
+    section = report["by_dtype"]["float32"]
     split = section["results"]["ferrum-grpc tp2"]
     assert split["notes"]["tensor_parallel_size"] == 2
     assert split["output_tokens"] == 12 * 8
@@ -383,18 +379,7 @@ def test_bench_against_a_revision_runs_its_server_beside_this_one(tmp_path: Path
     if head.returncode != 0:
         pytest.skip("not a git checkout: --against needs one")
     commit = head.stdout.strip()
-    out = tmp_path / "bench.json"
-    done = _cli(
-        "bench",
-        "--workload", "smoke",
-        "--dtype", "float32",
-        "--against", "HEAD",
-        "--no-progress",
-        "--cache-dir", str(tmp_path / "models"),
-        "--output", str(out),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    done, report = _smoke_bench(tmp_path, "--against", "HEAD")
     assert report["against"] == {"revision": "HEAD", "commit": commit}
     section = report["by_dtype"]["float32"]
     label = f"ferrum-grpc@{commit[:10]}"
