@@ -717,6 +717,9 @@ class StepRecord:
     num_prefill_items: int
     chunk_sizes: tuple[int, ...]
     timing: StepTiming
+    # Keys the step's decodes attend to, summed (each decode's position + 1): the K/V its
+    # attention reads, which bounds a decode step where memory is slow (the bench's floor).
+    decode_keys: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -1376,6 +1379,7 @@ class Scheduler:
             num_prefill_items=len(chunks),
             chunk_sizes=tuple(chunks),
             timing=StepTiming(),
+            decode_keys=sum(i.position + 1 for i in items if i.kind == ItemKind.DECODE),
         )
         sizes = [len(item.tokens) for item in items]
         # A task, so the loop can wait for whichever lane answers first.

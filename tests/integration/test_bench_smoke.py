@@ -91,6 +91,16 @@ def test_bench_smoke_writes_a_report(tmp_path: Path) -> None:
     assert section["derived"]["output_match_vs_ferrum_grpc"]["ferrum-grpc no continuation"] == 1.0
     assert "ferrum-grpc / ferrum-inproc" in section["derived"]["ratios_output_tok_s"]
     assert "ferrum-grpc" in done.stdout  # the readable table
+    # Each request's 7 fed decodes attend to its prompt and 1 .. 7 tokens more: the keys the
+    # steps' records count, whichever kind of step carried them.
+    prompts = WORKLOADS["smoke"].prompts()
+    keys = sum(7 * len(p) + 28 for p in prompts)
+    by_kind = section["results"]["ferrum-grpc"]["steps"]["by_kind"]
+    assert sum(group["decode_keys"] for group in by_kind.values()) == keys
+    floor = section["derived"]["memory_floor"]
+    assert floor["read_gbs"] > 0 and floor["weight_bytes"] > 0
+    assert floor["by_step_kind"]["decode"] > 0
+    assert "of the memory floor" in done.stdout
 
 
 def test_generate_local_prints_json() -> None:

@@ -11,10 +11,11 @@ from ferrum_server.tools.bench.runners import RequestTrace, RunOutput
 from ferrum_server.tools.bench.workloads import WORKLOADS, matmul_flops
 
 
-def _record(decodes: int, prefill: int, engine_ms: float) -> dict[str, Any]:
+def _record(decodes: int, prefill: int, engine_ms: float, keys: int = 0) -> dict[str, Any]:
     return {
         "decodes": decodes,
         "prefill_tokens": prefill,
+        "decode_keys": keys,
         "engine_ms": engine_ms,
         "forward_ms": engine_ms - 1.0,
         "sample_ms": 0.5,
@@ -23,11 +24,11 @@ def _record(decodes: int, prefill: int, engine_ms: float) -> dict[str, Any]:
 
 RECORDS = [
     _record(0, 100, 10.0),
-    _record(4, 0, 2.0),  # kinds need not come in order
+    _record(4, 0, 2.0, keys=40),  # kinds need not come in order
     _record(0, 50, 6.0),
-    _record(2, 10, 4.0),
-    _record(4, 0, 3.0),
-    _record(4, 0, 4.0),
+    _record(2, 10, 4.0, keys=7),
+    _record(4, 0, 3.0, keys=44),
+    _record(4, 0, 4.0, keys=48),
     _record(0, 0, 1.0),  # every item deferred: nothing ran
 ]
 
@@ -52,10 +53,15 @@ def test_steps_split_by_kind() -> None:
         "step_ms_p50": 8.0,
         "prefill_tokens": 150,
         "decodes": 0,
+        "decode_keys": 0,
     }
     assert by_kind["mixed"]["count"] == 1 and by_kind["mixed"]["decodes"] == 2
     assert by_kind["decode"]["engine_s"] == 0.009
     assert by_kind["decode"]["step_ms_p50"] == 3.0
+    assert by_kind["decode"]["decode_keys"] == 132 and by_kind["mixed"]["decode_keys"] == 7
+    # A report written before decode_keys existed still splits.
+    old = [{k: v for k, v in r.items() if k != "decode_keys"} for r in RECORDS]
+    assert harness.steps_by_kind(old)["decode"]["decode_keys"] == 0
     assert harness.steps_by_kind([]) == {}
 
 
@@ -107,3 +113,58 @@ def test_the_per_row_work_adds_up_to_the_workload_totals() -> None:
     rows = sum(len(p) for p in prompts) + len(prompts) * (w1.max_new_tokens - 1)
     assert flops["linear"] == flops["linear_per_row"] * rows
     assert flops["lm_head"] == flops["lm_head_per_row"] * len(prompts) * w1.max_new_tokens
+
+
+def test_decode_steps_are_set_against_their_memory_floor() -> None:
+    """Each decode step reads every weight once and its decodes' K/V: the floor at the probe's
+    read rate, against the decode steps' engine time; only where that count holds."""
+    w1 = WORKLOADS["w1"]
+    flops = matmul_flops(w1, w1.prompts())
+    floor = harness.memory_floor_inputs(w1, "bfloat16", flops, 20.0)
+    assert floor is not None
+    c = w1.model
+    params = (
+        sum(
+            c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # qkv
+            + c.num_heads * c.head_dim * c.hidden_size  # o
+            + 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+            for _ in range(c.num_layers)
+        )
+        + c.vocab_size * c.hidden_size
+    )  # the LM head
+    assert floor["weight_bytes"] == 2 * params  # bfloat16
+    assert floor["kv_bytes_per_key"] == c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    float32 = harness.memory_floor_inputs(w1, "float32", flops, 20.0)
+    assert float32 is not None and float32["weight_bytes"] == 4 * params
+    # A shared prompt's keys are read once a step, a mixture's experts as its tokens pick
+    # them, and without a probe there is no rate: no floor.
+    for name in ("w2-prefix", "w1-moe"):
+        other = WORKLOADS[name]
+        assert (
+            harness.memory_floor_inputs(
+                other, "bfloat16", matmul_flops(other, other.prompts()), 20.0
+            )
+            is None
+        )
+    assert harness.memory_floor_inputs(w1, "bfloat16", flops, 0.0) is None
+    made_up = {"read_gbs": 10.0, "weight_bytes": 1e6, "kv_bytes_per_key": 1e3}
+    derived = harness._derived(
+        {"ferrum-grpc": RunOutput("ferrum-grpc", 0.05, [])},
+        {"ferrum-grpc": _summary()},
+        {"matmul": 1e9, "linear_per_row": 1e9, "lm_head_per_row": 5e8},
+        {"packed": 10_000.0},
+        made_up,
+    )
+    # decode: 3 steps' weights (3 MB) and 132 keys (0.132 MB) at 10 GB/s over 0.009 s.
+    share = derived["memory_floor"]["by_step_kind"]["decode"]
+    assert share == pytest.approx(3.132e6 / 10e9 / 0.009, abs=1e-3)
+    assert set(derived["memory_floor"]["by_step_kind"]) == {"decode"}
+    report = {
+        "workload": "w1", "requests": 1, "prompt_tokens": 3, "max_new_tokens": 2,
+        "mode": "offline",
+        "by_dtype": {"bfloat16": {"gemm_gflops": {"packed": 10_000.0},
+                                  "results": {"ferrum-grpc": _summary()}, "skipped": {},
+                                  "derived": derived}},
+    }  # fmt: skip
+    text = harness.format_table(report)
+    assert "(p50 3.0 ms, 20.0% of the ceiling, 3.5% of the memory floor)" in text

@@ -122,6 +122,8 @@ def steps_by_kind(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "step_ms_p50": round(percentile([r["engine_ms"] for r in group], 50), 1),
             "prefill_tokens": sum(r["prefill_tokens"] for r in group),
             "decodes": sum(r["decodes"] for r in group),
+            # Keys the decodes attended to (StepRecord.decode_keys; 0 in older reports).
+            "decode_keys": sum(r.get("decode_keys", 0) for r in group),
         }
         for kind, group in sorted(kinds.items(), key=lambda item: _KIND_ORDER[item[0]])
     }
@@ -435,7 +437,8 @@ def run_bench(
                 results[label]["rounds_output_tok_s"] = rates
         section["results"] = results
         section["skipped"] = skipped
-        section["derived"] = _derived(runs, results, flops, section["gemm_gflops"])
+        floor = memory_floor_inputs(workload, dtype, flops, max(memory, default=0.0))
+        section["derived"] = _derived(runs, results, flops, section["gemm_gflops"], floor)
         report["by_dtype"][dtype] = section
     report["machine"]["load_avg_at_end"] = os.getloadavg()
     return report
@@ -464,6 +467,7 @@ def _derived(
     results: dict[str, Any],
     flops: dict[str, float],
     gemm: dict[str, float],
+    floor: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     derived: dict[str, Any] = {}
     ours = results.get("ferrum-grpc")
@@ -484,6 +488,11 @@ def _derived(
             "fraction_of_ceiling": round(ceiling_s / ours["wall_s"], 3) if ours["wall_s"] else 0,
             "by_step_kind": _ceiling_by_kind(ours.get("steps", {}), flops, best),
         }
+    if floor is not None:
+        derived["memory_floor"] = {
+            **floor,
+            "by_step_kind": _memory_floor_by_kind(ours.get("steps", {}), floor),
+        }
     reference = runs["ferrum-grpc"].requests
     derived["output_match_vs_ferrum_grpc"] = {
         name: _match_rate(reference, run.requests)
@@ -493,13 +502,17 @@ def _derived(
     return derived
 
 
-def _engine_time_line(name: str, steps: dict[str, Any], shares: dict[str, float]) -> str:
+def _engine_time_line(
+    name: str, steps: dict[str, Any], shares: dict[str, float], floors: dict[str, float]
+) -> str:
     """A row's engine time by step kind, for the table ("" without step records)."""
     if not steps.get("by_kind"):
         return ""
     parts = []
     for kind, group in steps["by_kind"].items():
         share = f", {100 * shares[kind]:.1f}% of the ceiling" if kind in shares else ""
+        if kind in floors:
+            share += f", {100 * floors[kind]:.1f}% of the memory floor"
         count = group["count"]
         parts.append(
             f"{kind} {count} step{'' if count == 1 else 's'} {group['engine_s']:.2f} s "
@@ -507,6 +520,42 @@ def _engine_time_line(name: str, steps: dict[str, Any], shares: dict[str, float]
         )
     idle = steps["rpc_and_scheduling_s"]
     return f"  {name} engine time: {'; '.join(parts)}; idle {idle:.2f} s"
+
+
+# Bytes an element of the weights and the KV cache takes, by bench dtype.
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def memory_floor_inputs(
+    workload: Workload, dtype: str, flops: dict[str, float], read_gbs: float
+) -> dict[str, float] | None:
+    """What a decode step must read from memory and how fast this machine reads: every
+    linear's weight and the LM head's once a step (`weight_bytes`), and each key a decode
+    attends to, K and V of every layer (`kv_bytes_per_key`), at the best of the run's memory
+    probes (`read_gbs`). None where that count does not hold: a mixture of experts (a step
+    reads the experts its tokens pick), a shared prompt (its keys are read once a step for all
+    the items sharing them), or no probe."""
+    c = workload.model
+    size = _ELEMENT_BYTES.get(dtype)
+    if c.moe is not None or workload.shared_prefix or size is None or read_gbs <= 0:
+        return None
+    params = (flops["linear_per_row"] + flops["lm_head_per_row"]) / 2  # a MAC per weight
+    return {
+        "read_gbs": read_gbs,
+        "weight_bytes": params * size,
+        "kv_bytes_per_key": float(c.num_layers * 2 * c.num_kv_heads * c.head_dim * size),
+    }
+
+
+def _memory_floor_by_kind(steps: dict[str, Any], floor: dict[str, float]) -> dict[str, float]:
+    """Decode steps' share of their memory floor over their own engine time: the weights
+    once a step and their decodes' K/V, read at the probe's rate. (Prompt and mixed steps are
+    bound by their GEMMs: the matmul ceiling.)"""
+    group = steps.get("by_kind", {}).get("decode")
+    if not group or not group["engine_s"] or not group.get("decode_keys"):
+        return {}
+    read = group["count"] * floor["weight_bytes"] + group["decode_keys"] * floor["kv_bytes_per_key"]
+    return {"decode": round(read / (floor["read_gbs"] * 1e9) / group["engine_s"], 3)}
 
 
 def _ceiling_by_kind(
@@ -593,8 +642,10 @@ def format_table(report: dict[str, Any]) -> str:
             # The gRPC row's engine time by step kind (with each kind's share of the ceiling),
             # and another revision's beside it (bench --against), where the change shows.
             if name == "ferrum-grpc" or name.startswith("ferrum-grpc@"):
-                shares = (ceiling or {}).get("by_step_kind", {}) if name == "ferrum-grpc" else {}
-                line = _engine_time_line(name, r.get("steps") or {}, shares)
+                ours = name == "ferrum-grpc"
+                shares = (ceiling or {}).get("by_step_kind", {}) if ours else {}
+                floors = derived.get("memory_floor", {}).get("by_step_kind", {}) if ours else {}
+                line = _engine_time_line(name, r.get("steps") or {}, shares, floors)
                 if line:
                     lines.append(line)
         if derived.get("output_match_vs_ferrum_grpc"):

@@ -191,6 +191,7 @@ def _scheduler_run(
             "end_s": s.finished_s - started,
             "decodes": s.num_decodes,
             "prefill_tokens": s.num_prefill_tokens,
+            "decode_keys": s.decode_keys,
             "queue_ms": s.timing.queue_ns / 1e6,
             "forward_ms": s.timing.forward_ns / 1e6,
             "sample_ms": s.timing.sample_ns / 1e6,
