@@ -1363,10 +1363,13 @@ class Scheduler:
     ) -> _InFlight:
         now = time.monotonic()
         selects = [_selects(item) for item in items]
+        decode_keys = 0
         for request, item, selecting in zip(members, items, selects, strict=True):
             request.flights += 1
             request.touched_s = now
             request.ahead = item.position + (len(item.tokens) or 1)
+            if item.kind == ItemKind.DECODE:
+                decode_keys += request.ahead  # its position + 1: the keys it attends to
             request.ahead_outputs += selecting
             request.ahead_selects = selecting
         self.stats.steps += 1
@@ -1379,7 +1382,7 @@ class Scheduler:
             num_prefill_items=len(chunks),
             chunk_sizes=tuple(chunks),
             timing=StepTiming(),
-            decode_keys=sum(i.position + 1 for i in items if i.kind == ItemKind.DECODE),
+            decode_keys=decode_keys,
         )
         sizes = [len(item.tokens) for item in items]
         # A task, so the loop can wait for whichever lane answers first.
