@@ -55,10 +55,17 @@ constexpr int64_t kPrefetchBlocks = 3;
 // in order, 0.895 -> 0.873 shuffled, 1.397 -> 1.318 at 448 tokens; float32 1.649 -> 1.552 and
 // 1.707 -> 1.664; served w1-long bfloat16's decode forwards 48.4 -> 47.1 ms (four pairs). A Zen 5
 // measured 96 and 160 level with 48 (docs/benchmarks.md). The AVX2 path, unmeasured, keeps 48.
+// On an Intel Xeon with AMX the AVX-512 path fetches 48 as well (next_item_tokens_512): there
+// the V pass reads its rows from L2, and the next item's fetches from memory held the core's
+// line-fill buffers that those reads need. Its V pass took 29% of the kernel's time with 160
+// against 22% with 48, and the kernel 1.551 against 1.448 ms a layer (twelve pools, 400 tokens,
+// blocks shuffled); 0.932 -> 0.858 at 256 tokens, float32 1.728 -> 1.621 (fifty-fourth
+// session, docs/benchmarks.md). Bit-identical: only the prefetches move.
+constexpr int64_t kNextItemTokensShort = 48;
 #if defined(__AVX512F__)
-constexpr int64_t kNextItemTokens = 160;
+constexpr int64_t kNextItemTokens = 160;  // the most: RowFetches holds this many rows
 #else
-constexpr int64_t kNextItemTokens = 48;
+constexpr int64_t kNextItemTokens = kNextItemTokensShort;
 #endif
 
 // One item's token rows t0 .. t0 + n - 1 of pool (every KV head: a row is contiguous in the
@@ -95,17 +102,26 @@ constexpr int64_t kDotsPerStep = 4;
 // against 1.562 shuffled). Bit-identical either way: only the prefetches move.
 // AMD family 0x19 with AVX-512 is Zen 4; anything else gets the full-width figure.
 #if defined(__AVX512F__)
-int64_t dots_per_step_512() {
-  static const int64_t value = [] {
+// The CPU's AMD family (0x19: Zen 3 and 4, 0x1A: Zen 5), or 0 where it is not AMD's.
+unsigned amd_family() {
+  static const unsigned value = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return int64_t{2};
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return 0u;
     const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // AuthenticAMD
-    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return int64_t{2};
+    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 0u;
     const unsigned base = (eax >> 8) & 0xF;
-    const unsigned family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
-    return family == 0x19 ? int64_t{4} : int64_t{2};
+    return base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
   }();
   return value;
+}
+
+int64_t dots_per_step_512() { return amd_family() == 0x19 ? 4 : 2; }
+
+// The next item's tokens the AVX-512 path fetches during a V pass (kNextItemTokens above): the
+// full 160 on AMD's cores, where it was measured faster (Zen 4) or level (Zen 5), and 48
+// elsewhere (measured on an Intel Xeon with AMX).
+int64_t next_item_tokens_512() {
+  return amd_family() != 0 ? kNextItemTokens : kNextItemTokensShort;
 }
 #endif
 
@@ -194,20 +210,20 @@ inline void k_tile(const T** tile, RowFetches& fetches, const T* k_pool, const T
 }
 
 // Claims the calling thread's next item (n_items or more when none is left) and queues its
-// first K rows (from starts[item], or 0 without starts) in next_rows, to be fetched during the
-// current item's V pass (none of them when they are shared with the item before it:
-// shared_tokens).
+// first K rows (`tokens` of them, at most kNextItemTokens, from starts[item], or 0 without
+// starts) in next_rows, to be fetched during the current item's V pass (none of them when they
+// are shared with the item before it: shared_tokens).
 template <typename T>
 inline int64_t claim_next(std::atomic<int64_t>& claimed, RowFetches& next_rows, const T* k_pool,
                           const int64_t* tables, const int64_t* lens, const int64_t* starts,
                           int64_t n_items, int64_t table_width, int64_t block_size,
-                          int64_t kv_row) {
+                          int64_t kv_row, int64_t tokens) {
   const int64_t next = claimed.fetch_add(1, std::memory_order_relaxed);
   next_rows.clear();
   if (next >= n_items) return next;
   const int64_t* table = tables + next * table_width;
   const int64_t first = starts != nullptr ? starts[next] : 0;
-  const int64_t n = std::min(lens[next], first + kNextItemTokens);
+  const int64_t n = std::min(lens[next], first + std::min(tokens, kNextItemTokens));
   for (int64_t t = std::max(first, shared_tokens(tables, lens, next, table_width, block_size));
        t < n; ++t)
     next_rows.add(k_pool + (table[t / block_size] * block_size + t % block_size) * kv_row);
@@ -581,11 +597,12 @@ void decode_items_avx512(const T* __restrict q, const T* __restrict k_pool,
     const int64_t row_bytes = kv_row * static_cast<int64_t>(sizeof(T));
     RowFetches ahead(row_bytes), next_rows(row_bytes);
     const int64_t per_step = dots_per_step_512();  // the head-by-head K pass's fetch pacing
+    const int64_t next_tokens = next_item_tokens_512();
     int64_t next = 0;
     for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
          item = next) {
       next = claim_next(claimed, next_rows, k_pool, tables, lens, starts, n_items, table_width,
-                        block_size, kv_row);
+                        block_size, kv_row, next_tokens);
       const int64_t ctx = lens[item];
       const int64_t* table = tables + item * table_width;
       const int64_t shared = shared_tokens(tables, lens, item, table_width, block_size);
@@ -799,7 +816,7 @@ void decode_items_avx2(const T* __restrict q, const T* __restrict k_pool,
     for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < n_items;
          item = next) {
       next = claim_next(claimed, next_rows, k_pool, tables, lens, nullptr, n_items, table_width,
-                        block_size, kv_row);
+                        block_size, kv_row, kNextItemTokens);
       const int64_t ctx = lens[item];
       const int64_t* table = tables + item * table_width;
       const int64_t shared = shared_tokens(tables, lens, item, table_width, block_size);
