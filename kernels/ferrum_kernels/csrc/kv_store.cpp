@@ -48,6 +48,24 @@ struct KvSlots {
     v_pool = k_pool + capacity * row_bytes;
   }
 
+  // Row i's two slots fetched for writing (a prefetch with write intent), so the copy after
+  // the rotation finds its lines in cache instead of waiting for them to be read for
+  // ownership. A step's slots are cold pool lines. rotary_store_kv_ fetches a row's slots as
+  // it rotates the row where the row continues the slots of the row before it (a prompt
+  // chunk's rows, block by block): 1,024 rows into shuffled blocks of 16 took 202 against
+  // 239 us a call, 64 rows into consecutive slots 13.0 against 16.5. Rows in slots of their
+  // own (a decode step's, one per cache) ran 24.5 against 23.3 us with every row fetched so,
+  // so they are left as they were (23.0 against 23.7: level). bfloat16 at W1's shapes on an
+  // Intel Xeon with AMX, fifty-fourth session (docs/benchmarks.md).
+  inline void fetch_for_write(int64_t i) const {
+    const char* k = k_pool + slot[i] * row_bytes;
+    const char* v = v_pool + slot[i] * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(k + b, 1, 3);
+      __builtin_prefetch(v + b, 1, 3);
+    }
+  }
+
   inline void write(int64_t i, const char* k, const char* v) const {
     std::memcpy(k_pool + slot[i] * row_bytes, k, row_bytes);
     std::memcpy(v_pool + slot[i] * row_bytes, v, row_bytes);
@@ -113,6 +131,7 @@ void rotary_store_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, i
       for (int64_t r0 = begin; r0 < end; r0 += kRowTile) {
         const int64_t r1 = std::min(end, r0 + kRowTile);
         for (int64_t r = r0; r < r1; ++r) {
+          if (r > 0 && to.slot[r] == to.slot[r - 1] + 1) to.fetch_for_write(r);
           rotary_one(x + r * stride, c + r * half, s + r * half, heads + kv_heads, head_dim);
         }
         for (int64_t r = r0; r < r1; ++r) {
