@@ -57,7 +57,7 @@ constexpr int64_t kPrefetchBlocks = 3;
 // measured 96 and 160 level with 48 (docs/benchmarks.md). The AVX2 path, unmeasured, keeps 48.
 // On an Intel Xeon with AMX the AVX-512 path fetches 48 as well (next_item_tokens_512): there
 // the V pass reads its rows from L2, and the next item's fetches from memory held the core's
-// line-fill buffers that those reads need. Its V pass took 29% of the kernel's time with 160
+// line-fill buffers that those reads need. Its V pass took 30% of the kernel's time with 160
 // against 22% with 48, and the kernel 1.551 against 1.448 ms a layer (twelve pools, 400 tokens,
 // blocks shuffled); 0.932 -> 0.858 at 256 tokens, float32 1.728 -> 1.621 (fifty-fourth
 // session, docs/benchmarks.md). Bit-identical: only the prefetches move.
