@@ -43,11 +43,15 @@ class RevisionCheckout:
         return os.pathsep.join(str(self.root / part) for part in _PACKAGE_DIRS)
 
 
-def _git(repository: Path, *args: str) -> str:
+def _git(repository: Path, *args: str, strict: bool = True) -> str:
+    """git's output; a failure raises ValueError with its message, or with `strict` False
+    (clean-up that must not raise) gives ""."""
     done = subprocess.run(
         ["git", "-C", str(repository), *args], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
+        if not strict:
+            return ""
         raise ValueError(done.stderr.strip() or f"git {' '.join(args)} failed")
     return done.stdout.strip()
 
@@ -97,13 +101,7 @@ def revision_checkout(revision: str, repository: Path = CHECKOUT) -> Iterator[Re
             )
         yield checkout
     finally:
-        subprocess.run(
-            ["git", "-C", str(repository), "worktree", "remove", "--force", str(root)],
-            capture_output=True,
-            check=False,
-        )
+        _git(repository, "worktree", "remove", "--force", str(root), strict=False)
         shutil.rmtree(parent, ignore_errors=True)
         # A worktree whose folder went some other way leaves its record behind: drop it.
-        subprocess.run(
-            ["git", "-C", str(repository), "worktree", "prune"], capture_output=True, check=False
-        )
+        _git(repository, "worktree", "prune", strict=False)

@@ -277,9 +277,9 @@ def run_ferrum_grpc(spec: RunSpec) -> RunOutput:
             for rank, pid in enumerate(_followers(processes[0].pid), start=1):
                 peaks[f"rank{rank}"] = peak_rss(pid)
         if spec.server_path:
-            # What the server was started with, read back from it while it runs (Linux).
-            environ = _environ(processes[0].pid)
-            notes["server_path"] = environ.get("PYTHONPATH", "") if environ else spec.server_path
+            # What the server was started with, read back from it while it runs (Linux; ""
+            # where it cannot be read, rather than the path it was meant to get).
+            notes["server_path"] = _environ(processes[0].pid).get("PYTHONPATH", "")
     finally:
         stop_server_processes(processes)
     notes["executors"] = spec.executors
